@@ -1,0 +1,25 @@
+# The two commands a user needs: `make demo` and `make test`. Both install what is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STEPS ?= 3
+PYTEST_ARGS ?=
+
+.PHONY: install demo test protos clean
+
+install:
+	bash deploy/install.sh
+
+demo: install
+	$(VENV)/bin/meridian demo --steps $(STEPS)
+
+# pytest exits 5 when it collected nothing; that is a failure for us too, loudly.
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Regenerate the committed Python stubs from protos/ (a test fails when they drift).
+protos: install
+	$(PY) -m meridian.protogen
+
+clean:
+	rm -rf $(VENV) .meridian build *.egg-info

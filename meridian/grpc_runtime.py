@@ -1,0 +1,218 @@
+"""gRPC bootstrap shared by every service: server lifecycle, the error boundary and
+client channels.
+
+Lifecycle (same for every service): bind, register health (NOT_SERVING) and
+reflection, start accepting, run the service's warm-up, and only then report
+SERVING. On SIGTERM/SIGINT: report NOT_SERVING, stop accepting and drain in-flight
+calls for ``grace_s``, then close the service's own resources, bounded in time.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from meridian import errors, telemetry
+from meridian.config import opt
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Settings every gRPC server shares."""
+
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(0, "port to listen on (0 picks a free one and prints it)")
+    grace_s: float = opt(10.0, "seconds to drain in-flight calls on shutdown")
+    max_message_mb: int = opt(64, "largest request or response message, MiB")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.grace_s < 0 or self.max_message_mb <= 0:
+            raise ValueError("grace_s must be >= 0 and max_message_mb > 0")
+
+
+class Service(Protocol):
+    """What a service hands to :func:`serve`."""
+
+    #: fully qualified gRPC service names, for health and reflection
+    service_names: Sequence[str]
+
+    def register(self, server: grpc.aio.Server) -> None: ...
+
+    async def start(self) -> None:
+        """Warm-up; the service reports SERVING only after it returns."""
+
+    async def stop(self) -> None:
+        """Releases the service's resources after the server stopped accepting calls."""
+
+
+def channel_options(max_message_mb: int = 64) -> list[tuple[str, Any]]:
+    size = max_message_mb * MiB
+    return [
+        ("grpc.max_send_message_length", size),
+        ("grpc.max_receive_message_length", size),
+    ]
+
+
+# ---------------------------------------------------------------- error boundary
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, errors.MeridianError):
+        return grpc.StatusCode[exc.status], str(exc)
+    ref = uuid.uuid4().hex[:12]
+    log.exception("unhandled error (ref=%s)", ref, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error (ref={ref}); see the service log"
+
+
+def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(request_or_iterator, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the boundary
+            code, message = _status_of(exc)
+            await context.abort(code, message)
+
+    return handler
+
+
+def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(request_or_iterator, context):
+                yield item
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the boundary
+            code, message = _status_of(exc)
+            await context.abort(code, message)
+
+    return handler
+
+
+class ErrorBoundary(grpc.aio.ServerInterceptor):
+    """Maps exceptions escaping any handler to a gRPC status, in one place."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        if handler.unary_unary:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
+        if handler.stream_stream:
+            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
+        return handler
+
+
+# ---------------------------------------------------------------- server
+
+
+async def run_server(name: str, service: Service, config: ServerConfig) -> None:
+    """Runs ``service`` until SIGTERM/SIGINT, with the lifecycle in the module docstring."""
+    server = grpc.aio.server(
+        interceptors=[*telemetry.server_interceptors(), ErrorBoundary()],
+        options=channel_options(config.max_message_mb),
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service.register(server)
+    names = [*service.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+    for svc in ("", *service.service_names):
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"{name}: cannot listen on {config.host}:{config.port}")
+    await server.start()
+    # The stack launcher reads this line to learn the port; keep its shape stable.
+    print(f"meridian {name} listening on {config.host}:{port}", flush=True)
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+
+    warmup = asyncio.create_task(service.start())
+    done, _ = await asyncio.wait({warmup, asyncio.create_task(stopping.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if warmup in done and warmup.exception() is None:
+        for svc in ("", *service.service_names):
+            await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s: SERVING on %s:%d", name, config.host, port)
+        print(f"meridian {name} serving", flush=True)
+        await stopping.wait()
+    elif warmup in done:
+        log.error("%s: warm-up failed: %r", name, warmup.exception())
+        print(f"meridian {name} warm-up failed: {warmup.exception()!r}", flush=True)
+    else:
+        warmup.cancel()
+
+    log.info("%s: shutting down (grace %.1fs)", name, config.grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(config.grace_s)
+    try:
+        await asyncio.wait_for(service.stop(), timeout=max(config.grace_s, 5.0))
+    except TimeoutError:
+        log.warning("%s: service stop timed out", name)
+    telemetry.shutdown()
+    if warmup.done() and not warmup.cancelled() and warmup.exception() is not None:
+        raise SystemExit(1)
+
+
+def serve_forever(name: str, make_service: Callable[[], Service], config: ServerConfig) -> None:
+    """Entry point for ``meridian serve``: uvloop, logging, tracing, then :func:`run_server`."""
+    import uvloop
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    telemetry.setup_tracing(f"meridian-{name}")
+
+    async def main() -> None:
+        await run_server(name, make_service(), config)
+
+    uvloop.run(main())
+
+
+# ---------------------------------------------------------------- clients
+
+
+def open_channel(address: str, max_message_mb: int = 64) -> grpc.aio.Channel:
+    """An instrumented asyncio channel to another Meridian service."""
+    return grpc.aio.insecure_channel(
+        address,
+        options=channel_options(max_message_mb),
+        interceptors=telemetry.client_interceptors(),
+    )
+
+
+async def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> str:
+    """The standard health status of ``service`` at ``address`` (or UNREACHABLE)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return "UNREACHABLE" if exc.code() == grpc.StatusCode.UNAVAILABLE else exc.code().name
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -1,0 +1,1 @@
+"""Generated stubs of the ``meridian.v1`` gRPC API (``make protos``); do not edit by hand."""

@@ -1,0 +1,1 @@
+"""Meridian's services, one package each: rollout, trainer, weightsync, envsandbox."""

@@ -1,0 +1,304 @@
+"""Versions of the policy weights, encoded and kept for subscribers.
+
+Each published version is stored as a delta against the version before it; a
+keyframe (decodable alone) is written every ``keyframe_every`` versions so a restarted
+origin can rebuild its latest weights, and built on demand for late joiners. Every
+stored version lives on disk as ``<data_dir>/<version>/<kind>/`` with a manifest,
+its chunks and a ``COMPLETE`` marker written last, so a crash never leaves a version
+that looks whole but is not.
+
+This is the service's pure core: no gRPC, no asyncio.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from meridian.v1 import weightsync_pb2 as pb
+from services.weightsync import codec
+from services.weightsync.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, Weights, weights_hash
+
+log = logging.getLogger(__name__)
+
+CODEC_NAME = "meridian-ctx-rice-v1"
+COMPLETE = "COMPLETE"
+
+
+@dataclasses.dataclass
+class Encoded:
+    """One version as sent: a manifest and its chunk payloads (index-aligned)."""
+
+    manifest: pb.Manifest
+    chunks: list[bytes]
+
+    @property
+    def size(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+    @property
+    def is_keyframe(self) -> bool:
+        return self.manifest.base_version < 0
+
+
+def encode_version(
+    version: int,
+    weights: Weights,
+    base: Weights | None,
+    base_version: int,
+    chunk_bytes: int,
+    trace_context: Mapping[str, str] | None = None,
+) -> Encoded:
+    """Encodes ``weights`` as a delta against ``base`` (or a keyframe when base is None)."""
+    if base is not None and set(base) != set(weights):
+        missing, extra = sorted(set(base) - set(weights)), sorted(set(weights) - set(base))
+        raise InvalidArgument(f"version {version} changes the tensor set (missing {missing[:3]}, new {extra[:3]})")
+    manifest = pb.Manifest(
+        version=version,
+        base_version=base_version if base is not None else -1,
+        weights_hash=weights_hash(weights),
+        codec=CODEC_NAME,
+        trace_context=dict(trace_context or {}),
+    )
+    chunks: list[bytes] = []
+    for name in sorted(weights):
+        t = weights[name]
+        old = base[name] if base is not None else None
+        if old is not None and (old.dtype, old.shape) != (t.dtype, t.shape):
+            raise InvalidArgument(f"tensor {name}: {old.dtype}{list(old.shape)} became {t.dtype}{list(t.shape)}")
+        manifest.tensors.append(t.meta(name))
+        manifest.raw_bytes += t.nbytes
+        per_chunk = max(1, chunk_bytes // t.bits.itemsize)
+        for piece in codec.encode_tensor(name, t.bits, old.bits if old is not None else None, t.dtype, chunk_elems=per_chunk):
+            manifest.chunks.append(
+                pb.ChunkRef(index=len(chunks), tensor=name, size=len(piece.payload), sha256=hashlib.sha256(piece.payload).hexdigest())
+            )
+            chunks.append(piece.payload)
+    manifest.encoded_bytes = sum(len(c) for c in chunks)
+    return Encoded(manifest, chunks)
+
+
+class Decoder:
+    """Applies versions chunk by chunk on top of the weights a receiver holds."""
+
+    def __init__(self, weights: Weights | None, version: int) -> None:
+        self.weights: dict[str, RawTensor] = dict(weights or {})
+        self.version = version
+        self._pending: dict[str, RawTensor] = {}
+        self._manifest: pb.Manifest | None = None
+        self._seen: set[int] = set()
+
+    def begin(self, manifest: pb.Manifest) -> None:
+        """Starts a version; a delta must be based on the version held now."""
+        if manifest.base_version >= 0 and manifest.base_version != self.version:
+            raise FailedPrecondition(f"version {manifest.version} is a delta on {manifest.base_version}, but {self.version} is held")
+        self._manifest = manifest
+        self._seen = set()
+        self._pending = {}
+        for meta in manifest.tensors:
+            dtype = PB_DTYPE_NAMES.get(meta.dtype)
+            if dtype is None:
+                raise InvalidArgument(f"tensor {meta.name}: unknown dtype {meta.dtype}")
+            numel = int(np.prod(meta.shape, dtype=np.int64)) if meta.shape else 1
+            self._pending[meta.name] = RawTensor(dtype, tuple(meta.shape), np.empty(numel, dtype=RAW_DTYPES[dtype]))
+
+    def add_chunk(self, index: int, payload: bytes) -> None:
+        """Checks one chunk against the manifest and decodes it."""
+        manifest = self._require_manifest()
+        if not 0 <= index < len(manifest.chunks):
+            raise InvalidArgument(f"chunk {index} is outside version {manifest.version}'s {len(manifest.chunks)} chunks")
+        ref = manifest.chunks[index]
+        if len(payload) != ref.size or hashlib.sha256(payload).hexdigest() != ref.sha256:
+            raise DataLoss(f"chunk {index} of version {manifest.version} fails its checksum")
+        base = self.weights.get(ref.tensor) if manifest.base_version >= 0 else None
+        try:
+            codec.decode_chunk_into(payload, self._pending[ref.tensor].bits, base.bits if base is not None else None)
+        except codec.CodecError as exc:
+            raise DataLoss(f"chunk {index} of version {manifest.version} ({ref.tensor}): {exc}") from exc
+        self._seen.add(index)
+
+    def finish(self) -> int:
+        """Checks completeness and the full-weights hash, then makes the version current."""
+        manifest = self._require_manifest()
+        missing = len(manifest.chunks) - len(self._seen)
+        if missing:
+            raise DataLoss(f"version {manifest.version} ended with {missing} chunks missing")
+        got = weights_hash(self._pending)
+        if got != manifest.weights_hash:
+            raise DataLoss(f"version {manifest.version}: decoded weights hash {got[:12]} != manifest {manifest.weights_hash[:12]}")
+        self.weights, self.version = self._pending, manifest.version
+        self._pending, self._manifest = {}, None
+        return self.version
+
+    def _require_manifest(self) -> pb.Manifest:
+        if self._manifest is None:
+            raise FailedPrecondition("chunk before its version's manifest")
+        return self._manifest
+
+
+def decode_all(encoded: list[Encoded], weights: Weights | None = None, version: int = -1) -> Decoder:
+    """Applies whole encoded versions in order (used at recovery and in tests)."""
+    decoder = Decoder(weights, version)
+    for enc in encoded:
+        decoder.begin(enc.manifest)
+        for i, payload in enumerate(enc.chunks):
+            decoder.add_chunk(i, payload)
+        decoder.finish()
+    return decoder
+
+
+class VersionStore:
+    """The versions an origin or relay holds, in memory and on disk."""
+
+    def __init__(self, data_dir: Path, keep: int = 16, chunk_bytes: int = 4 << 20, keyframe_every: int = 8) -> None:
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self.chunk_bytes = chunk_bytes
+        self.keyframe_every = keyframe_every
+        self.deltas: dict[int, Encoded] = {}
+        self.keyframes: dict[int, Encoded] = {}
+        self.latest = -1
+        self.weights: dict[str, RawTensor] = {}
+        self._recover()
+
+    # ------------------------------------------------------------ publishing
+
+    def publish(self, version: int, weights: Weights, expected_hash: str = "", trace_context: Mapping[str, str] | None = None) -> Encoded:
+        """Stores ``version`` (a delta on the latest, or a keyframe for the first)."""
+        if version <= self.latest:
+            raise FailedPrecondition(f"version {version} is not newer than the latest, {self.latest}")
+        if not weights:
+            raise InvalidArgument(f"version {version} has no tensors")
+        base = self.weights if self.latest >= 0 else None
+        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context)
+        if expected_hash and expected_hash != enc.manifest.weights_hash:
+            raise DataLoss(f"version {version}: received weights hash {enc.manifest.weights_hash[:12]} != publisher's {expected_hash[:12]}")
+        return self.add_encoded(enc, weights)
+
+    def add_encoded(self, enc: Encoded, weights: Weights) -> Encoded:
+        """Records an encoded version whose decoded ``weights`` the caller already holds."""
+        version = enc.manifest.version
+        self._persist(enc)
+        if enc.is_keyframe:
+            self.keyframes[version] = enc
+        else:
+            self.deltas[version] = enc
+        if version % self.keyframe_every == 0 and not enc.is_keyframe:
+            self.keyframes[version] = self._persist(encode_version(version, weights, None, -1, self.chunk_bytes, enc.manifest.trace_context))
+        self.weights, self.latest = dict(weights), version
+        self._retain()
+        return enc
+
+    # ------------------------------------------------------------ serving
+
+    def manifest(self, version: int) -> pb.Manifest:
+        version = self.latest if version < 0 else version
+        enc = self.deltas.get(version) or self.keyframes.get(version)
+        if enc is None:
+            raise NotFound(f"version {version} is not held (latest {self.latest})")
+        return enc.manifest
+
+    def plan(self, from_version: int) -> list[Encoded]:
+        """What to send a subscriber holding ``from_version`` to bring it to the latest:
+        the chain of deltas, or a keyframe of the latest when that is smaller or the
+        chain is not held."""
+        if self.latest < 0 or from_version >= self.latest:
+            return []
+        chain: list[Encoded] = []
+        v = self.latest
+        while v != from_version and v in self.deltas:
+            chain.append(self.deltas[v])
+            v = self.deltas[v].manifest.base_version
+        if v == from_version and from_version >= 0:
+            chain.reverse()
+            if self.latest not in self.keyframes or sum(e.size for e in chain) <= self.keyframes[self.latest].size:
+                return chain
+        return [self.keyframe_of_latest()]
+
+    def keyframe_of_latest(self) -> Encoded:
+        if self.latest not in self.keyframes:
+            self.keyframes[self.latest] = encode_version(self.latest, self.weights, None, -1, self.chunk_bytes, self.manifest(self.latest).trace_context)
+        return self.keyframes[self.latest]
+
+    def versions(self) -> list[int]:
+        return sorted(set(self.deltas) | set(self.keyframes))
+
+    def stored_bytes(self) -> int:
+        return sum(e.size for e in (*self.deltas.values(), *self.keyframes.values()))
+
+    # ------------------------------------------------------------ disk
+
+    def _dir(self, version: int, keyframe: bool) -> Path:
+        return self.data_dir / f"{version:010d}" / ("keyframe" if keyframe else "delta")
+
+    def _persist(self, enc: Encoded) -> Encoded:
+        final = self._dir(enc.manifest.version, enc.is_keyframe)
+        if (final / COMPLETE).exists():
+            return enc
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / "manifest.pb").write_bytes(enc.manifest.SerializeToString())
+        with open(tmp / "chunks.bin", "wb") as fh:
+            for payload in enc.chunks:
+                fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        (tmp / COMPLETE).write_text("ok\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return enc
+
+    @staticmethod
+    def _load(folder: Path) -> Encoded | None:
+        if not (folder / COMPLETE).exists():
+            return None
+        manifest = pb.Manifest.FromString((folder / "manifest.pb").read_bytes())
+        blob = (folder / "chunks.bin").read_bytes()
+        chunks, pos = [], 0
+        for ref in manifest.chunks:
+            chunks.append(blob[pos : pos + ref.size])
+            pos += ref.size
+        return Encoded(manifest, chunks)
+
+    def _recover(self) -> None:
+        """Rebuilds the latest weights from the newest keyframe and the deltas after it."""
+        for folder in sorted(self.data_dir.glob("*/*")):
+            enc = self._load(folder)
+            if enc is None:
+                continue
+            (self.keyframes if enc.is_keyframe else self.deltas)[enc.manifest.version] = enc
+        if not self.keyframes:
+            self.deltas.clear()
+            return
+        start = max(self.keyframes)
+        decoder = decode_all([self.keyframes[start]])
+        v = start
+        while (nxt := next((d for d in sorted(self.deltas) if d > v and self.deltas[d].manifest.base_version == v), None)) is not None:
+            decoder = decode_all([self.deltas[nxt]], decoder.weights, v)
+            v = nxt
+        self.weights, self.latest = decoder.weights, v
+        log.info("recovered versions up to %d from %s", v, self.data_dir)
+
+    def _retain(self) -> None:
+        """Keeps the newest ``keep`` versions, plus the newest keyframe recovery needs."""
+        floor = self.latest - self.keep
+        persisted = [k for k in self.keyframes if (self._dir(k, True) / COMPLETE).exists()]
+        anchor = max(persisted, default=-1)
+        for version in [v for v in self.deltas if v <= min(floor, anchor)]:
+            del self.deltas[version]
+            shutil.rmtree(self._dir(version, False), ignore_errors=True)
+        for version in [k for k in self.keyframes if k not in (anchor, self.latest) and k <= floor]:
+            del self.keyframes[version]
+            shutil.rmtree(self._dir(version, True), ignore_errors=True)
+        for folder in self.data_dir.iterdir():
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()

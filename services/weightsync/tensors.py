@@ -1,0 +1,77 @@
+"""Raw tensors as weightsync moves them: 1-D numpy arrays of bit patterns plus a dtype
+name and a shape, and the hash every party checks the full weights against."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+
+import numpy as np
+
+from meridian.v1 import weightsync_pb2 as pb
+
+RAW_DTYPES: dict[str, type] = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.uint32}
+PB_DTYPES = {"bf16": pb.DTYPE_BF16, "fp16": pb.DTYPE_FP16, "fp32": pb.DTYPE_FP32}
+PB_DTYPE_NAMES = {v: k for k, v in PB_DTYPES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class RawTensor:
+    """One tensor's bits: ``bits`` is 1-D (uint16 for bf16/fp16, uint32 for fp32)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    bits: np.ndarray
+
+    def __post_init__(self) -> None:
+        want = RAW_DTYPES.get(self.dtype)
+        if want is None:
+            raise ValueError(f"unsupported dtype {self.dtype!r} (bf16, fp16, fp32)")
+        numel = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        if self.bits.dtype != want or self.bits.ndim != 1 or self.bits.shape[0] != numel:
+            raise ValueError(
+                f"bits must be 1-D {np.dtype(want).name} with {numel} elements for shape {self.shape}, "
+                f"got {self.bits.dtype} {self.bits.shape}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.bits.nbytes)
+
+    def meta(self, name: str) -> pb.TensorMeta:
+        return pb.TensorMeta(name=name, dtype=PB_DTYPES[self.dtype], shape=list(self.shape))
+
+
+Weights = Mapping[str, RawTensor]
+
+
+def weights_hash(weights: Weights) -> str:
+    """sha256 over (name, dtype, shape, raw bits) of every tensor, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name]
+        h.update(f"{name}\0{t.dtype}\0{','.join(map(str, t.shape))}\0".encode())
+        h.update(memoryview(np.ascontiguousarray(t.bits)).cast("B"))
+    return h.hexdigest()
+
+
+def from_torch(tensor) -> RawTensor:  # type: ignore[no-untyped-def]
+    """A torch tensor (bf16, fp16 or fp32, on any device) as raw bits; imports torch lazily."""
+    import torch
+
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    views = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    if tensor.dtype not in names:
+        raise ValueError(f"unsupported torch dtype {tensor.dtype}")
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    bits = flat.view(views[tensor.dtype]).numpy().view(RAW_DTYPES[names[tensor.dtype]])
+    return RawTensor(names[tensor.dtype], tuple(tensor.shape), bits)
+
+
+def to_torch(raw: RawTensor):  # type: ignore[no-untyped-def]
+    """The inverse of :func:`from_torch` (shares memory with ``raw.bits``)."""
+    import torch
+
+    kinds = {"bf16": (np.int16, torch.bfloat16), "fp16": (np.int16, torch.float16), "fp32": (np.int32, torch.float32)}
+    signed, dtype = kinds[raw.dtype]
+    return torch.from_numpy(raw.bits.view(signed)).view(dtype).reshape(raw.shape)
