@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text, add_help=False)
         if name == "serve":
             p.add_argument("service", choices=sorted(SERVICES))
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    # Each command parses its own flags (and --help) from what is left.
+    args, args.rest = parser.parse_known_args(argv)
     handler = COMMANDS[args.command][0]
     return handler(args, parser)
 

@@ -1,0 +1,285 @@
+"""The local stack without Docker: ``meridian up`` starts its own redis-server (AOF on,
+data in the run folder) and the four services as child processes, waits until each
+reports SERVING, and records PIDs, addresses and logs in ``<run_dir>/stack.json``;
+``meridian down`` stops them in reverse order (SIGTERM, then SIGKILL after a grace
+period, always by PID and process group); ``meridian status`` reports health, policy
+versions and the trajectory stream."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from meridian.config import add_config_args, config_from_args, opt
+
+STATE_FILE = "stack.json"
+SERVICE_ORDER = ("envsandbox", "weightsync", "trainer", "rollout")
+_LISTEN = re.compile(r"meridian (\w+) listening on ([\d.]+):(\d+)")
+
+
+@dataclasses.dataclass
+class StackConfig:
+    run_dir: str = opt(".meridian/run", "folder for the stack's state file, logs and Redis data")
+    model: str = opt("builtin", "model folder for rollout and trainer ('builtin': SmolLM2-135M-Instruct)")
+    host: str = opt("127.0.0.1", "address every service listens on")
+    ports: str = opt("fixed", "'fixed' (redis 6390, rollout 50051, envsandbox 50052, trainer 50053, weightsync 50054) or 'auto' (free ports)")
+    ready_timeout_s: float = opt(900.0, "seconds to wait for every service to report SERVING")
+    stop_timeout_s: float = opt(30.0, "seconds to wait after SIGTERM before SIGKILL")
+
+    def __post_init__(self) -> None:
+        if self.ports not in ("fixed", "auto"):
+            raise ValueError(f"ports must be fixed or auto, got {self.ports!r}")
+
+
+FIXED_PORTS = {"redis": 6390, "rollout": 50051, "envsandbox": 50052, "trainer": 50053, "weightsync": 50054}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclasses.dataclass
+class Stack:
+    """A running local stack, as recorded in its state file."""
+
+    run_dir: Path
+    pids: dict[str, int]
+    addresses: dict[str, str]
+    logs: dict[str, str]
+    redis_url: str
+
+    def save(self) -> None:
+        (self.run_dir / STATE_FILE).write_text(json.dumps(dataclasses.asdict(self), default=str, indent=2))
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "Stack | None":
+        path = run_dir / STATE_FILE
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        data["run_dir"] = Path(data["run_dir"])
+        return cls(**data)
+
+    def stop(self, timeout_s: float = 30.0) -> list[str]:
+        """Stops every process, services first, Redis last; returns what needed SIGKILL."""
+        killed = []
+        for name in [*reversed(SERVICE_ORDER), "redis"]:
+            pid = self.pids.get(name)
+            if pid and not _terminate(pid, timeout_s):
+                killed.append(name)
+        (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+        return killed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of ours counts as gone once reaped
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def _terminate(pid: int, timeout_s: float) -> bool:
+    """SIGTERM the process group led by ``pid``; SIGKILL it after ``timeout_s``. True if it exited in time."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            _kill_group(pid)  # stragglers the leader left (engine workers)
+            return True
+        time.sleep(0.1)
+    _kill_group(pid)
+    return False
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _spawn(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    log = open(log_path, "ab")
+    # Own session: the whole process tree (vLLM spawns workers) stops as one group.
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+
+def _wait_for_listen(name: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} before listening; see {log_path}")
+        m = _LISTEN.search(log_path.read_text(errors="replace"))
+        if m and m.group(1) == name:
+            return f"{m.group(2)}:{m.group(3)}"
+        time.sleep(0.1)
+    raise TimeoutError(f"{name} did not start listening in {timeout_s:.0f}s; see {log_path}")
+
+
+def _wait_serving(names: list[str], stack: Stack, procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
+    from meridian.grpc_runtime import check_health
+
+    deadline = time.monotonic() + timeout_s
+    pending = set(names)
+    while pending:
+        for name in list(pending):
+            if procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited with {procs[name].returncode} during warm-up; see {stack.logs[name]}")
+            if asyncio.run(check_health(stack.addresses[name])) == "SERVING":
+                pending.discard(name)
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"not SERVING after {timeout_s:.0f}s: {sorted(pending)}; see {stack.run_dir}")
+        time.sleep(0.5)
+
+
+def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    server = shutil.which("redis-server")
+    if server is None:
+        raise FileNotFoundError("redis-server not found (make install installs it)")
+    data = run_dir / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "redis.log"
+    argv = [server, "--bind", host, "--port", str(port), "--dir", str(data), "--appendonly", "yes", "--save", "", "--daemonize", "no", "--protected-mode", "yes"]
+    proc = _spawn(argv, log, env)
+    url = f"redis://{host}:{port}/0"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode}; see {log}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"redis-server did not answer on {host}:{port}; see {log}")
+
+
+def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, env: dict[str, str] | None = None) -> Stack:
+    """Starts the stack and returns once every service is SERVING (stops it all on failure)."""
+    run_dir = Path(config.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    existing = Stack.load(run_dir)
+    if existing and any(_alive(p) for p in existing.pids.values()):
+        raise RuntimeError(f"a stack is already running from {run_dir}; run `meridian down` first")
+    child_env = {**os.environ, **(env or {})}
+    extra_args = extra_args or {}
+    port = (lambda name: free_port(config.host)) if config.ports == "auto" else FIXED_PORTS.__getitem__
+    stack = Stack(run_dir, {}, {}, {}, "")
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        procs["redis"], stack.redis_url = _start_redis(run_dir, config.host, port("redis"), child_env)
+        stack.pids["redis"] = procs["redis"].pid
+        stack.addresses["redis"] = stack.redis_url
+        stack.logs["redis"] = str(run_dir / "redis.log")
+        stack.save()
+
+        def launch(name: str, args: list[str]) -> None:
+            log = run_dir / f"{name}.log"
+            log.write_bytes(b"")
+            svc_port = 0 if config.ports == "auto" else port(name)
+            argv = [sys.executable, "-m", "meridian.cli", "serve", name, "--host", config.host, "--port", str(svc_port), *args, *extra_args.get(name, [])]
+            procs[name] = _spawn(argv, log, child_env)
+            stack.pids[name] = procs[name].pid
+            stack.logs[name] = str(log)
+            stack.save()
+            stack.addresses[name] = _wait_for_listen(name, procs[name], log, 120)
+            stack.save()
+
+        launch("envsandbox", ["--root", str(run_dir / "sandboxes")])
+        launch("weightsync", ["--data-dir", str(run_dir / "weightsync")])
+        _wait_serving(["envsandbox", "weightsync"], stack, procs, config.ready_timeout_s)
+        common = ["--model", config.model, "--redis-url", stack.redis_url]
+        launch("trainer", [*common, "--weightsync", stack.addresses["weightsync"]])
+        launch("rollout", [*common, "--weightsync", stack.addresses["weightsync"], "--envsandbox", stack.addresses["envsandbox"]])
+        _wait_serving(["trainer", "rollout"], stack, procs, config.ready_timeout_s)
+    except BaseException:
+        stack.stop(config.stop_timeout_s)
+        raise
+    return stack
+
+
+async def gather_status(stack: Stack) -> dict[str, object]:
+    """Health of each service, rollout and trainer versions, and the stream's counters."""
+    from meridian.grpc_runtime import check_health, open_channel
+    from meridian.trajectory_stream import TrajectoryStream
+    from meridian.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2, weightsync_pb2_grpc
+
+    out: dict[str, object] = {"services": {}}
+    for name in SERVICE_ORDER:
+        addr = stack.addresses.get(name, "")
+        out["services"][name] = {"address": addr, "health": await check_health(addr) if addr else "NOT STARTED", "pid": stack.pids.get(name)}  # type: ignore[index]
+    calls = {
+        "rollout": lambda ch: rollout_pb2_grpc.RolloutStub(ch).Status(rollout_pb2.RolloutStatusRequest(), timeout=5),
+        "trainer": lambda ch: trainer_pb2_grpc.TrainerStub(ch).Status(trainer_pb2.TrainerStatusRequest(), timeout=5),
+        "weightsync": lambda ch: weightsync_pb2_grpc.WeightSyncStub(ch).Status(weightsync_pb2.WeightSyncStatusRequest(), timeout=5),
+    }
+    for name, call in calls.items():
+        if out["services"][name]["health"] != "SERVING":  # type: ignore[index]
+            continue
+        async with open_channel(stack.addresses[name]) as ch:
+            reply = await call(ch)
+        out["services"][name]["policy_version"] = reply.latest_version if name == "weightsync" else reply.policy_version  # type: ignore[index]
+    stream = TrajectoryStream.from_url(stack.redis_url)
+    try:
+        out["stream"] = {"name": stream.name, "length": await stream.length(), "pending": await stream.pending("trainer")}
+    except Exception as exc:  # noqa: BLE001 - status reports what it can
+        out["stream"] = {"error": str(exc)}
+    finally:
+        await stream.close()
+    return out
+
+
+def main(command: str, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=f"meridian {command}")
+    add_config_args(parser, StackConfig, "stack")
+    if command == "status":
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+    ns = parser.parse_args(argv)
+    config = config_from_args(StackConfig, ns, "stack")
+    run_dir = Path(config.run_dir).resolve()
+    if command == "up":
+        stack = start(config)
+        print(f"meridian stack up (run folder {run_dir})")
+        for name in ("redis", *SERVICE_ORDER):
+            print(f"  {name:<11} {stack.addresses[name]:<28} pid {stack.pids[name]:<8} log {stack.logs[name]}")
+        return 0
+    stack = Stack.load(run_dir)
+    if stack is None:
+        print(f"no stack recorded in {run_dir}", file=sys.stderr)
+        return 1 if command == "status" else 0
+    if command == "down":
+        killed = stack.stop(config.stop_timeout_s)
+        print("meridian stack down" + (f" (killed after timeout: {', '.join(killed)})" if killed else ""))
+        return 0
+    status = asyncio.run(gather_status(stack))
+    if ns.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    for name, info in status["services"].items():  # type: ignore[union-attr]
+        version = f"  policy version {info['policy_version']}" if "policy_version" in info else ""
+        print(f"{name:<11} {info['health']:<12} {info['address']}{version}")
+    print(f"stream      {status['stream']}")
+    return 0

@@ -1,0 +1,185 @@
+"""gRPC adapter of the rollout service: Generate (production and RL on one engine),
+RunEpisodes, Status; and the subscription that applies new policy versions in place."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import AsyncIterator
+
+import grpc
+
+from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument
+from meridian.grpc_runtime import open_channel
+from meridian.model_store import resolve_model
+from meridian.trajectory_stream import TrajectoryStream
+from meridian.v1 import envsandbox_pb2 as sbx
+from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
+from meridian.v1 import rollout_pb2 as pb
+from meridian.v1 import rollout_pb2_grpc as pb_grpc
+from services.rollout.config import RolloutConfig
+from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, Engine, Sampling
+from services.rollout.episodes import fetch_task, run_group
+from services.weightsync.client import WeightSubscriber
+from services.weightsync.tensors import RawTensor, from_torch, weights_hash
+
+log = logging.getLogger(__name__)
+
+MAX_GROUP = 64
+MAX_TASKS = 64
+MAX_STOPS = 16
+
+
+def load_checkpoint_weights(model_dir) -> dict[str, RawTensor]:  # type: ignore[no-untyped-def]
+    """The model folder's tensors as raw bits: version 0, the base the first delta decodes on."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, RawTensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        weights.update({name: from_torch(t) for name, t in load_file(str(path)).items()})
+    return weights
+
+
+class RolloutService(pb_grpc.RolloutServicer):
+    """Production inference and RL rollouts on one engine."""
+
+    service_names = (pb.DESCRIPTOR.services_by_name["Rollout"].full_name,)
+
+    def __init__(self, config: RolloutConfig) -> None:
+        self.config = config
+        self.engine: Engine | None = None
+        self.stream = TrajectoryStream.from_url(config.redis_url, config.stream)
+        self._sandbox_channel = open_channel(config.envsandbox)
+        self.sandboxes = sbx_grpc.EnvSandboxStub(self._sandbox_channel)
+        self.weights_hash = ""
+        self.episodes_completed = 0
+        self.updates_applied = 0
+        self._follow: asyncio.Task[None] | None = None
+        self._base: dict[str, RawTensor] = {}
+
+    def register(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_RolloutServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        model_dir = await asyncio.to_thread(resolve_model, self.config.model)
+        self.engine = Engine(model_dir, self.config.max_model_len, self.config.kv_cache_gib, self.config.seed)
+        await self.engine.start()
+        self._base = await asyncio.to_thread(load_checkpoint_weights, model_dir)
+        self.weights_hash = weights_hash(self._base)
+        # Warm-up: one real generation before reporting SERVING.
+        async for _ in self.engine.generate([self.engine.tokenizer.bos_token_id or 0], Sampling(max_tokens=2), PRIORITY_PRODUCTION):
+            pass
+        if self.config.weightsync:
+            self._follow = asyncio.create_task(self._follow_weights())
+
+    async def stop(self) -> None:
+        if self._follow:
+            self._follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follow
+        await self._sandbox_channel.close()
+        await self.stream.close()
+        if self.engine:
+            self.engine.shutdown()
+
+    async def _follow_weights(self) -> None:
+        """Applies every new version from weightsync; a failed one is retried from a keyframe."""
+        assert self.engine is not None
+        weights, version = self._base, 0
+        while True:
+            subscriber = WeightSubscriber(self.config.weightsync, weights, version)
+            try:
+                async for update in subscriber.updates(follow=True):
+                    await self.engine.apply_weights(update.weights, update.version)
+                    weights, version = update.weights, update.version
+                    self.weights_hash = update.manifest.weights_hash
+                    self.updates_applied += 1
+                    log.info("serving policy version %d (%s)", version, self.weights_hash[:12])
+            except asyncio.CancelledError:
+                raise
+            except (DataLoss, FailedPrecondition) as exc:
+                log.warning("weight update failed (%s); asking for a keyframe", exc)
+                weights, version = {}, -1
+            except grpc.aio.AioRpcError as exc:
+                log.warning("weightsync %s: %s; reconnecting", self.config.weightsync, exc.code().name)
+            finally:
+                await subscriber.close()
+            await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------ RPCs
+
+    def _sampling(self, params: pb.SamplingParams, default_temperature: float) -> Sampling:
+        if params.temperature < 0 or not 0 <= params.top_p <= 1:
+            raise InvalidArgument(f"temperature must be >= 0 and top_p in [0, 1], got {params.temperature}, {params.top_p}")
+        if params.max_tokens < 0 or params.max_tokens > self.config.max_model_len:
+            raise InvalidArgument(f"max_tokens must be in 0..{self.config.max_model_len}, got {params.max_tokens}")
+        if len(params.stop) > MAX_STOPS:
+            raise InvalidArgument(f"at most {MAX_STOPS} stop sequences")
+        return Sampling(
+            temperature=params.temperature if params.HasField("temperature") else default_temperature,
+            top_p=params.top_p or 1.0,
+            max_tokens=params.max_tokens or self.config.max_tokens,
+            stop=tuple(params.stop),
+            seed=params.seed if params.HasField("seed") else None,
+        )
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        engine = self._engine()
+        if bool(request.prompt) == bool(request.prompt_token_ids):
+            raise InvalidArgument("give exactly one of prompt or prompt_token_ids")
+        ids = list(request.prompt_token_ids) or engine.tokenizer(request.prompt)["input_ids"]
+        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise InvalidArgument(f"prompt_token_ids outside the vocabulary (size {engine.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.config.max_model_len:
+            raise InvalidArgument(f"prompt is {len(ids)} tokens; the model takes at most {self.config.max_model_len - 1}")
+        sampling = self._sampling(request.sampling, default_temperature=0.0)
+        priority = PRIORITY_RL if request.priority == pb.PRIORITY_RL else PRIORITY_PRODUCTION
+        async for delta in engine.generate(ids, sampling, priority, request.request_id):
+            yield pb.GenerateChunk(
+                token_ids=delta.token_ids,
+                logprobs=delta.logprobs,
+                policy_versions=[delta.version] * len(delta.token_ids),
+                text=delta.text,
+                finished=delta.finished,
+                finish_reason=delta.finish_reason,
+            )
+
+    async def RunEpisodes(self, request: pb.RunEpisodesRequest, context: grpc.aio.ServicerContext) -> pb.RunEpisodesResponse:
+        engine = self._engine()
+        group_size = request.group_size or self.config.group_size
+        if not 2 <= group_size <= MAX_GROUP:
+            raise InvalidArgument(f"group_size must be in 2..{MAX_GROUP}, got {group_size}")
+        if len(request.task_ids) > MAX_TASKS or request.num_tasks > MAX_TASKS or request.num_tasks < 0:
+            raise InvalidArgument(f"at most {MAX_TASKS} tasks per call")
+        if request.task_ids:
+            tasks = [await fetch_task(self.sandboxes, tid) for tid in request.task_ids]
+        else:
+            listed = (await self.sandboxes.ListTasks(sbx.ListTasksRequest(split="train"))).tasks
+            if not listed:
+                raise FailedPrecondition("envsandbox has no training tasks")
+            tasks = random.sample(list(listed), k=min(len(listed), request.num_tasks or 1))
+        sampling = self._sampling(request.sampling, default_temperature=self.config.temperature)
+        groups = await asyncio.gather(*(run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model) for t in tasks))
+        trajectories = [t for g in groups for t in g]
+        if request.publish:
+            for traj in trajectories:
+                await self.stream.publish(traj)
+        self.episodes_completed += len(trajectories)
+        return pb.RunEpisodesResponse(trajectories=trajectories)
+
+    async def Status(self, request: pb.RolloutStatusRequest, context: grpc.aio.ServicerContext) -> pb.RolloutStatus:
+        return pb.RolloutStatus(
+            policy_version=self.engine.version if self.engine else 0,
+            model=self.config.model,
+            weights_hash=self.weights_hash,
+            episodes_completed=self.episodes_completed,
+            updates_applied=self.updates_applied,
+            weightsync_address=self.config.weightsync,
+        )
+
+    def _engine(self) -> Engine:
+        if self.engine is None or self.engine.tokenizer is None:
+            raise FailedPrecondition("the engine is still starting")
+        return self.engine

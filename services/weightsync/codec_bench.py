@@ -1,0 +1,233 @@
+"""Benchmark helpers for the weight-sync delta codec.
+
+Two public entry points:
+
+* :func:`synthetic_adam_versions` builds consecutive versions of a model's
+  weights the way a real RL trainer produces them (fp32 master weights, AdamW
+  steps with lr 1e-6, cast to bf16 by round-to-nearest-even), so that tests
+  and benchmarks see the same statistics as production without loading a
+  real model.
+* :func:`run_codec_bench` encodes/decodes each consecutive pair of versions
+  and reports sizes (ours, raw, zstd, XOR+zstd) and single-thread speeds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import zstandard
+
+from services.weightsync import codec
+
+__all__ = ["synthetic_adam_versions", "run_codec_bench", "fp32_to_bf16_bits"]
+
+
+# --------------------------------------------------------------------------
+# Synthetic AdamW trajectories
+# --------------------------------------------------------------------------
+
+
+def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Cast float32 values to bf16 raw bits (uint16) with round-to-nearest-even.
+
+    Implemented on the fp32 bit pattern, exactly as torch does it for finite
+    values: add 0x7FFF plus the lowest kept bit, then drop the low 16 bits.
+    NaNs are kept quiet (the payload would otherwise round into infinity).
+    """
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    lsb = (bits >> np.uint32(16)) & np.uint32(1)
+    rounded = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+    return rounded
+
+
+def _default_shapes(n_elems: int, rng: np.random.Generator) -> list[tuple[str, int, str]]:
+    """Pick tensor sizes resembling a small transformer: one embedding, many
+    matrices, a few LayerNorm-like gain vectors. Returns (name, size, kind)."""
+    hidden = 576
+    shapes: list[tuple[str, int, str]] = []
+    emb = max(hidden, n_elems // 4)
+    shapes.append(("model.embed_tokens.weight", emb, "matrix"))
+    remaining = n_elems - emb
+    layer = 0
+    while remaining > 0:
+        for part, mult in (("q_proj", 1), ("o_proj", 1), ("up_proj", 2.67), ("down_proj", 2.67)):
+            size = min(remaining, int(hidden * hidden * mult))
+            if size <= 0:
+                break
+            shapes.append((f"model.layers.{layer}.{part}.weight", size, "matrix"))
+            remaining -= size
+        if remaining > 0:
+            size = min(remaining, hidden)
+            shapes.append((f"model.layers.{layer}.input_layernorm.weight", size, "norm"))
+            remaining -= size
+        layer += 1
+    return shapes
+
+
+def synthetic_adam_versions(
+    n_elems: int = 20_000_000,
+    steps: int = 5,
+    *,
+    lr: float = 1e-6,
+    weight_decay: float = 0.01,
+    seed: int = 0,
+) -> list[dict[str, np.ndarray]]:
+    """Return ``steps + 1`` consecutive bf16 versions (raw uint16 bits) of a
+    synthetic model with about ``n_elems`` parameters.
+
+    Model: fp32 master weights ``w ~ N(0, sigma)`` with a per-tensor sigma in
+    [0.01, 0.1] (LayerNorm-like gains ~ 1.0). Each step is AdamW with
+    warmed-up moments: gradients are ``g = mu + tau * N(0, 1)`` with a small
+    persistent per-element drift ``mu`` (so the update direction is partly
+    persistent, as in real training), ``m``/``v`` start at their stationary
+    values, and the update is ``lr * (m / (sqrt(v) + eps) + wd * w)``.
+    With lr = 1e-6 about 0.3-0.4 % of bf16 elements change per step.
+    """
+    rng = np.random.default_rng(seed)
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    masters: dict[str, np.ndarray] = {}
+    states: dict[str, tuple[np.ndarray, ...]] = {}
+    shapes = _default_shapes(n_elems, rng)
+    # Stratified per-tensor sigmas in [0.01, 0.1] (shuffled), so the changed
+    # fraction does not swing with a few random draws; the embedding gets
+    # the usual init std 0.02.
+    n_mat = sum(kind == "matrix" for _, _, kind in shapes)
+    sigmas = list(rng.permutation(np.linspace(0.01, 0.1, max(n_mat - 1, 1))))
+    for name, size, kind in shapes:
+        if kind == "norm":
+            w = (1.0 + 0.05 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
+        else:
+            sigma = 0.02 if name == "model.embed_tokens.weight" or not sigmas else float(sigmas.pop())
+            w = (sigma * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
+        # Per-element gradient noise scale: tensor scale times a log-normal
+        # spread, so some elements move (and change bf16 value) more often.
+        tau = np.float32(rng.uniform(1e-4, 1e-2)) * np.exp(
+            0.5 * rng.standard_normal(size, dtype=np.float32)
+        ).astype(np.float32)
+        mu = (0.05 * tau * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
+        # Warmed-up moments: E[m] = mu, Var[m] = tau^2 (1-b1)/(1+b1). v carries
+        # the long (beta2 = 0.999) memory of larger early gradients: 3.5x the
+        # current stationary value, so |m/sqrt(v)| ~ 0.1 and 0.3-0.4 % change.
+        m = mu + np.float32(np.sqrt((1 - beta1) / (1 + beta1))) * tau * rng.standard_normal(
+            size, dtype=np.float32
+        )
+        v = (3.5 * (mu * mu + tau * tau)).astype(np.float32)
+        masters[name] = w
+        states[name] = (m.astype(np.float32), v, mu, tau)
+
+    versions = [{k: fp32_to_bf16_bits(w) for k, w in masters.items()}]
+    for _ in range(steps):
+        out: dict[str, np.ndarray] = {}
+        for name, w in masters.items():
+            m, v, mu, tau = states[name]
+            g = mu + tau * rng.standard_normal(w.size, dtype=np.float32)
+            m *= np.float32(beta1)
+            m += np.float32(1 - beta1) * g
+            v *= np.float32(beta2)
+            v += np.float32(1 - beta2) * g * g
+            upd = m / (np.sqrt(v) + np.float32(eps))
+            upd += np.float32(weight_decay) * w
+            w -= np.float32(lr) * upd
+            out[name] = fp32_to_bf16_bits(w)
+        versions.append(out)
+    return versions
+
+
+# --------------------------------------------------------------------------
+# Benchmark
+# --------------------------------------------------------------------------
+
+
+def _warm_up(dtype: str) -> float:
+    """Trigger numba compilation (or cache load) outside the timed region."""
+    t0 = time.perf_counter()
+    raw = codec.DTYPES[dtype]
+    old = np.arange(4096, dtype=raw)
+    new = old.copy()
+    new[::7] += raw(1)
+    chunks = codec.encode_tensor("warmup", new, old, dtype)
+    out = np.empty_like(new)
+    for c in chunks:
+        codec.decode_chunk_into(c.payload, out, old)
+    return time.perf_counter() - t0
+
+
+def _step_figures(
+    old_v: dict[str, np.ndarray], new_v: dict[str, np.ndarray], dtype: str, cctx: zstandard.ZstdCompressor
+) -> tuple[dict, bool]:
+    """Encode/decode one version step; return its figures and bit-exactness."""
+    names = sorted(new_v)
+    raw_bytes = sum(new_v[k].nbytes for k in names)
+    n_elems = sum(new_v[k].size for k in names)
+    changed = sum(int(np.count_nonzero(new_v[k] != old_v[k])) for k in names)
+
+    t0 = time.perf_counter()
+    encoded = {k: codec.encode_tensor(k, new_v[k], old_v[k], dtype) for k in names}
+    t_enc = time.perf_counter() - t0
+
+    outs = {k: np.empty_like(new_v[k]) for k in names}  # allocation is not decode work
+    t0 = time.perf_counter()
+    for k in names:
+        for chunk in encoded[k]:
+            codec.decode_chunk_into(chunk.payload, outs[k], old_v[k])
+    t_dec = time.perf_counter() - t0
+
+    exact = all(np.array_equal(outs[k], new_v[k]) for k in names)
+    fig = {
+        "changed_fraction": changed / max(n_elems, 1),
+        "ours_bytes": sum(len(c.payload) for k in names for c in encoded[k]),
+        "full_bf16_bytes": raw_bytes,
+        "zstd_full_bytes": sum(len(cctx.compress(new_v[k].tobytes())) for k in names),
+        "xor_zstd_bytes": sum(len(cctx.compress((new_v[k] ^ old_v[k]).tobytes())) for k in names),
+        "encode_gbps": raw_bytes / t_enc / 1e9,
+        "decode_gbps": raw_bytes / t_dec / 1e9,
+        "keyframe_chunks": sum(
+            codec.parse_header(c.payload).mode == codec.MODE_KEYFRAME for k in names for c in encoded[k]
+        ),
+    }
+    return fig, exact
+
+
+def run_codec_bench(versions: list[dict[str, np.ndarray]], dtype: str) -> dict:
+    """Encode each consecutive pair of ``versions`` (dicts name -> 1-D raw-bit
+    array), decode it again single-threaded, and report per-step figures.
+
+    Returns ``{"steps": [...], "summary": {...}}``. Each step has
+    ``changed_fraction``, ``ours_bytes``, ``full_bf16_bytes`` (raw size of the
+    new version), ``zstd_full_bytes`` and ``xor_zstd_bytes`` (zstd level 3 of
+    the raw new version / of old XOR new), ``encode_gbps`` and
+    ``decode_gbps`` (GB of raw model weights per second, one thread) and
+    ``keyframe_chunks``. The summary holds medians ``ours_pct_of_full`` and
+    ``ours_vs_xor_zstd``, median speeds, ``bit_exact`` (every step decoded
+    and compared) and ``jit_warmup_s`` (one-off compile/cache-load time).
+    """
+    if len(versions) < 2:
+        raise ValueError("need at least two versions to measure a step")
+    warmup = _warm_up(dtype)
+    cctx = zstandard.ZstdCompressor(level=3)
+    steps = []
+    exact = True
+    for old_v, new_v in zip(versions, versions[1:]):
+        if set(old_v) != set(new_v):
+            raise ValueError("consecutive versions must have the same tensor names")
+        fig, ok = _step_figures(old_v, new_v, dtype, cctx)
+        steps.append(fig)
+        exact = exact and ok
+    summary = {
+        "ours_pct_of_full": statistics.median(100 * s["ours_bytes"] / s["full_bf16_bytes"] for s in steps),
+        "ours_vs_xor_zstd": statistics.median(s["ours_bytes"] / s["xor_zstd_bytes"] for s in steps),
+        "xor_zstd_pct_of_full": statistics.median(
+            100 * s["xor_zstd_bytes"] / s["full_bf16_bytes"] for s in steps
+        ),
+        "changed_fraction": statistics.median(s["changed_fraction"] for s in steps),
+        "encode_gbps": statistics.median(s["encode_gbps"] for s in steps),
+        "decode_gbps": statistics.median(s["decode_gbps"] for s in steps),
+        "bit_exact": exact,
+        "jit_warmup_s": warmup,
+    }
+    return {"steps": steps, "summary": summary}

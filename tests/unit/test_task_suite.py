@@ -1,0 +1,250 @@
+"""The built-in task suite and the SWE-bench loader, checked end to end in sandboxes.
+
+Every built-in task must reach reward 1.0 with its reference and stay below 1.0 for
+an untouched workspace; otherwise it teaches nothing (or the wrong thing).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from meridian.errors import InvalidArgument
+from services.envsandbox import tasks as tasks_mod
+from services.envsandbox.sandbox import SandboxManager
+from services.envsandbox.swebench import PatchError, apply_unified_diff, instance_to_task, load_swebench_jsonl
+
+SAMPLE_JSONL = Path(tasks_mod.__file__).parent / "suites" / "swebench_sample.jsonl"
+KINDS = ("python_function", "bugfix", "terminal")
+BATCH = 8
+
+
+async def _reward(manager: SandboxManager, task: tasks_mod.Task, files: dict[str, str]) -> tuple[float, str]:
+    """Reward and test output of ``task`` in a fresh sandbox holding its files plus ``files``."""
+    box = manager.create(task=task, files={p: c.encode() for p, c in files.items()})
+    try:
+        outcome, _result, output = await manager.run_tests(box.sandbox_id)
+        return outcome.reward, output.decode(errors="replace")
+    finally:
+        await manager.close(box.sandbox_id)
+
+
+async def _rewards(root: Path, jobs: list[tuple[tasks_mod.Task, dict[str, str]]]) -> list[tuple[float, str]]:
+    """Runs the jobs in batches: enough overlap to hide process start-up, little enough for 2 cores."""
+    manager = SandboxManager(root=root)
+    try:
+        results: list[tuple[float, str]] = []
+        for start in range(0, len(jobs), BATCH):
+            batch = jobs[start:start + BATCH]
+            results += await asyncio.gather(*(_reward(manager, t, f) for t, f in batch))
+        return results
+    finally:
+        await manager.close_all()
+
+
+# ------------------------------------------------------------------ (a) suite shape
+
+
+def test_builtin_suite_shape() -> None:
+    suite = tasks_mod.TaskSuite.builtin()
+    all_tasks = suite.select()
+    assert len(suite) >= 60
+    kinds = Counter(t.kind for t in all_tasks)
+    for kind in KINDS:
+        assert kinds[kind] >= 18, f"only {kinds[kind]} {kind} tasks"
+    ids = [t.id for t in all_tasks]
+    assert len(ids) == len(set(ids))
+    assert {t.split for t in all_tasks} == {"train", "eval"}
+    assert suite.select(split="eval") and suite.select(split="train")
+
+
+def test_builtin_task_files_are_consistent() -> None:
+    """File name matches the id, and every task has a reference and an answer path it can use."""
+    for path in sorted(tasks_mod.BUILTIN_DIR.rglob("*.json")):
+        data = json.loads(path.read_text())
+        rel = path.relative_to(tasks_mod.BUILTIN_DIR).with_suffix("").as_posix()
+        assert data["id"] == rel, f"{path}: id {data['id']!r} does not match its file name"
+        task = tasks_mod.Task.from_dict(data, origin=str(path))
+        assert task.reference, f"{task.id}: no reference"
+        assert task.instruction.strip(), f"{task.id}: empty instruction"
+        if task.kind in ("python_function", "bugfix"):
+            assert task.answer_path in task.reference, f"{task.id}: answer_path not in the reference"
+        if task.kind == "bugfix":
+            assert 2 <= len(task.files) <= 4, f"{task.id}: wants 2-4 starting files"
+            assert task.answer_path in task.files, f"{task.id}: answer_path is not a starting file"
+        for rel_path in [*task.files, *task.reference, *task.tests]:
+            assert not rel_path.startswith(("/", tasks_mod.TESTS_DIR)) and ".." not in rel_path.split("/"), (task.id, rel_path)
+
+
+# ------------------------------------------------------------------ (b) every task in a sandbox
+
+
+def test_every_builtin_task_reference_passes_and_empty_attempt_fails(tmp_path: Path) -> None:
+    all_tasks = sorted(tasks_mod.TaskSuite.builtin().select(), key=lambda t: t.id)
+    jobs = [(t, t.reference) for t in all_tasks] + [(t, {}) for t in all_tasks]
+    results = asyncio.run(_rewards(tmp_path, jobs))
+    reference_results, empty_results = results[: len(all_tasks)], results[len(all_tasks):]
+    problems = []
+    for task, (ref_reward, ref_out), (empty_reward, empty_out) in zip(all_tasks, reference_results, empty_results):
+        if ref_reward != 1.0:
+            problems.append(f"{task.id}: reference reward {ref_reward}\n{ref_out}")
+        if empty_reward >= 1.0:
+            problems.append(f"{task.id}: empty attempt reward {empty_reward}\n{empty_out}")
+        if task.kind == "python_function" and empty_reward != 0.0:
+            problems.append(f"{task.id}: empty attempt reward {empty_reward}, want 0\n{empty_out}")
+    assert not problems, "\n".join(problems)
+
+
+def test_forged_pass_lines_do_not_count(tmp_path: Path) -> None:
+    """A solution that prints PASS lines itself must not earn reward from them."""
+    task = tasks_mod.TaskSuite.builtin().get("python/count_vowels")
+    forged = {"solution.py": "print('PASS case0')\nprint('PASS case1')\ndef count_vowels(s):\n    print('PASS x')\n    return -1\n"}
+    [(reward, output)] = asyncio.run(_rewards(tmp_path, [(task, forged)]))
+    assert reward == 0.0, output
+
+
+# ------------------------------------------------------------------ (c) score_output
+
+
+@pytest.mark.parametrize(
+    ("kind", "output", "exit_code", "reward"),
+    [
+        ("pass_fraction", "PASS a\nFAIL b: wrong\nPASS c\nFAIL d\n", 0, 0.5),
+        ("pass_fraction", "", 0, 0.0),
+        ("pass_fraction", "noise\nPASSED a\n  PASS a  \n", 1, 1.0),  # surrounding spaces are stripped
+        ("all_pass", "PASS a\nPASS b\n", 0, 1.0),
+        ("all_pass", "PASS a\nPASS b\n", 1, 0.0),  # a crash after the last line is a failure
+        ("all_pass", "PASS a\nFAIL b: x\n", 0, 0.0),
+        ("all_pass", "nothing parsable\n", 0, 0.0),
+        ("score", "PASS a\nSCORE 0.25\n", 0, 0.25),
+        ("score", "SCORE 7\n", 0, 1.0),  # clamped
+        ("score", "SCORE -1\n", 0, 0.0),
+        ("score", "SCORE nan-ish\n", 0, 0.0),
+        ("score", "PASS a\n", 0, 0.0),
+    ],
+)
+def test_score_output(kind: str, output: str, exit_code: int, reward: float) -> None:
+    assert tasks_mod.score_output(kind, output, exit_code).reward == pytest.approx(reward)
+
+
+def test_score_output_cases_and_reasons() -> None:
+    outcome = tasks_mod.score_output("pass_fraction", "PASS t/a.py::T::m\nFAIL t/b.py::f: AssertionError: 1 != 2\n", 0)
+    assert outcome.cases == [("t/a.py::T::m", True, ""), ("t/b.py::f", False, "AssertionError: 1 != 2")]
+
+
+# ------------------------------------------------------------------ (d) SWE-bench loader
+
+
+def _sample_lines() -> list[dict]:
+    return [json.loads(line) for line in SAMPLE_JSONL.read_text().splitlines() if line.strip()]
+
+
+def test_swebench_sample_loads() -> None:
+    tasks = load_swebench_jsonl(SAMPLE_JSONL)
+    assert len(tasks) == 3
+    for task in tasks:
+        assert task.kind == "swebench" and task.reward == "all_pass" and task.id.startswith("swebench/")
+        assert task.reference and task.answer_path in task.reference
+        listed = json.loads(task.tests["_swebench_tests.json"])
+        assert listed and all("::" in t for t in listed)
+
+
+def test_swebench_reference_passes_and_unpatched_fails(tmp_path: Path) -> None:
+    tasks = load_swebench_jsonl(SAMPLE_JSONL)
+    results = asyncio.run(_rewards(tmp_path, [(t, t.reference) for t in tasks] + [(t, {}) for t in tasks]))
+    raw = {line["instance_id"]: line for line in _sample_lines()}
+    for i, task in enumerate(tasks):
+        ref_reward, ref_out = results[i]
+        empty_reward, empty_out = results[len(tasks) + i]
+        assert ref_reward == 1.0, f"{task.id}\n{ref_out}"
+        assert empty_reward == 0.0, f"{task.id}\n{empty_out}"
+        # Unpatched: exactly the FAIL_TO_PASS tests fail, PASS_TO_PASS ones already pass.
+        instance = raw[task.id.removeprefix("swebench/")]
+        f2p = instance["FAIL_TO_PASS"]
+        f2p = json.loads(f2p) if isinstance(f2p, str) else f2p
+        failed = {name for name, ok, _ in tasks_mod.score_output("all_pass", empty_out, 1).cases if not ok}
+        assert failed == set(f2p), f"{task.id}\n{empty_out}"
+
+
+def test_swebench_hidden_tests_ignore_workspace_test_edits(tmp_path: Path) -> None:
+    """Rewriting the repository's own test file to pass everything changes nothing."""
+    task = load_swebench_jsonl(SAMPLE_JSONL)[2]
+    cheat = {"tests/test_falsy.py": "class TestFalsy:\n    def test_zero_is_kept(self): pass\n    def test_empty_string_is_kept(self): pass\n"}
+    [(reward, output)] = asyncio.run(_rewards(tmp_path, [(task, cheat)]))
+    assert reward == 0.0, output
+
+
+def test_swebench_malformed_lines_raise(tmp_path: Path) -> None:
+    good = _sample_lines()[0]
+    cases = {
+        "missing problem_statement": ({k: v for k, v in good.items() if k != "problem_statement"}, "problem_statement"),
+        "bad FAIL_TO_PASS": ({**good, "FAIL_TO_PASS": "[not json"}, "FAIL_TO_PASS"),
+        "test id with spaces": ({**good, "FAIL_TO_PASS": ["tests/test_slug.py::test x"]}, "unsupported test id"),
+        "unknown test file": ({**good, "FAIL_TO_PASS": ["tests/nope.py::test_x"]}, "neither"),
+        "repo_files not an object": ({**good, "repo_files": ["a.py"]}, "repo_files"),
+        "escaping path": ({**good, "repo_files": {"../evil.py": "x"}}, "unsafe"),
+        "test patch on a missing file": ({**good, "test_patch": good["test_patch"].replace("tests/test_slug.py", "tests/gone.py")}, "does not exist"),
+    }
+    for label, (obj, fragment) in cases.items():
+        with pytest.raises(InvalidArgument) as info:
+            instance_to_task(obj)
+        message = str(info.value)
+        assert fragment in message, f"{label}: {message}"
+        if "instance_id" in obj:
+            assert good["instance_id"] in message, f"{label}: {message}"
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(good) + "\n" + "{not json\n")
+    with pytest.raises(InvalidArgument, match=r"bad\.jsonl:2"):
+        load_swebench_jsonl(path)
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "patch": good["patch"].replace("text.lower()", "text.upper()")}) + "\n")
+    with pytest.raises(InvalidArgument, match=r"bad\.jsonl:2: instance textkit__textkit-101: patch: .*does not apply"):
+        load_swebench_jsonl(path)
+    path.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n")
+    with pytest.raises(InvalidArgument, match="duplicate"):
+        load_swebench_jsonl(path)
+
+
+# ------------------------------------------------------------------ the diff applier
+
+
+def test_apply_unified_diff_modify_create_delete() -> None:
+    files = {"a.py": "one\ntwo\nthree\nfour\n", "gone.txt": "x\ny\n"}
+    diff = (
+        "diff --git a/a.py b/a.py\n--- a/a.py\n+++ b/a.py\n@@ -1,2 +1,2 @@\n-one\n+ONE\n two\n@@ -4 +4,2 @@\n four\n+five\n"
+        "--- /dev/null\n+++ b/new/b.py\n@@ -0,0 +1,2 @@\n+print(1)\n+print(2)\n"
+        "--- a/gone.txt\n+++ /dev/null\n@@ -1,2 +0,0 @@\n-x\n-y\n"
+    )
+    out, changed, deleted = apply_unified_diff(files, diff)
+    assert out == {"a.py": "ONE\ntwo\nthree\nfour\nfive\n", "new/b.py": "print(1)\nprint(2)\n"}
+    assert changed == {"a.py", "new/b.py"} and deleted == {"gone.txt"}
+    assert files["a.py"] == "one\ntwo\nthree\nfour\n"  # input left alone
+
+
+def test_apply_unified_diff_no_newline_at_end_and_carriage_returns() -> None:
+    files = {"f.txt": "a\r\nb"}
+    diff = "--- a/f.txt\n+++ b/f.txt\n@@ -1,2 +1,2 @@\n a\r\n-b\n\\ No newline at end of file\n+c\n"
+    out, _, _ = apply_unified_diff(files, diff)
+    assert out["f.txt"] == "a\r\nc\n"
+
+
+@pytest.mark.parametrize(
+    ("diff", "fragment"),
+    [
+        ("--- a/a.py\n+++ b/a.py\n@@ -2,1 +2,1 @@\n-nope\n+x\n", "does not apply at line 2"),  # non-matching hunk
+        ("--- a/a.py\n+++ b/a.py\n@@ -1,2 +1,2 @@\n-one\n+x\n", "hunk claims"),  # counts disagree
+        ("--- a/a.py\n+++ b/a.py\n@@ bogus @@\n", "malformed hunk header"),
+        ("--- a/a.py\n+++ b/a.py\n", "no hunks"),
+        ("just text\n", "no file sections"),
+        ("--- /dev/null\n+++ b/a.py\n@@ -0,0 +1 @@\n+x\n", "already exists"),
+        ("--- a/../x\n+++ b/../x\n@@ -1 +1 @@\n-one\n+x\n", "unsafe"),
+        ("--- a/a.py\n+++ b/b.py\n@@ -1 +1 @@\n-one\n+x\n", "renames"),
+        ("--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-one\n+x\n@@ -1 +1 @@\n-one\n+y\n", "out of order"),
+    ],
+)
+def test_apply_unified_diff_rejects(diff: str, fragment: str) -> None:
+    with pytest.raises(PatchError, match=fragment):
+        apply_unified_diff({"a.py": "one\ntwo\n"}, diff)
