@@ -1,0 +1,153 @@
+"""One real RL step through all four services on the local stack (real redis-server,
+real vLLM, real sandboxes), with traces received over OTLP."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from meridian import stack as stack_mod
+from meridian.grpc_runtime import check_health, open_channel
+from meridian.trajectory_stream import TrajectoryStream
+from meridian.v1 import rollout_pb2 as pb
+from meridian.v1 import rollout_pb2_grpc as pb_grpc
+from meridian.v1 import envsandbox_pb2 as sbx
+from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
+from tests.integration.otlp_receiver import OtlpReceiver
+
+FIXED_PROMPT = "def fibonacci(n):"
+TASK = "text/shout"  # graded reward, so a random model's samples differ in reward
+GROUP = 4
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, otlp: OtlpReceiver) -> Iterator[stack_mod.Stack]:
+    config = stack_mod.StackConfig(run_dir=str(tmp_path_factory.mktemp("stack")), model=str(tiny_model), ports="auto", ready_timeout_s=600)
+    # A large step size so one update visibly moves the tiny model's greedy output.
+    extra = {"trainer": ["--lr", "1e-2", "--max-grad-norm", "0"]}
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    running = stack_mod.start(config, extra_args=extra, env=env)
+    try:
+        yield running
+    finally:
+        running.stop(config.stop_timeout_s)
+
+
+async def _greedy(address: str) -> tuple[list[int], list[int]]:
+    async with open_channel(address) as channel:
+        ids: list[int] = []
+        versions: list[int] = []
+        async for chunk in pb_grpc.RolloutStub(channel).Generate(pb.GenerateRequest(prompt=FIXED_PROMPT, sampling=pb.SamplingParams(max_tokens=12))):
+            ids += chunk.token_ids
+            versions += chunk.policy_versions
+        return ids, versions
+
+
+async def _rollout_status(address: str) -> pb.RolloutStatus:
+    async with open_channel(address) as channel:
+        return await pb_grpc.RolloutStub(channel).Status(pb.RolloutStatusRequest())
+
+
+def test_every_service_reports_serving(stack: stack_mod.Stack) -> None:
+    for name in stack_mod.SERVICE_ORDER:
+        assert asyncio.run(check_health(stack.addresses[name])) == "SERVING", name
+
+
+def test_one_rl_step_end_to_end(stack: stack_mod.Stack, otlp: OtlpReceiver) -> None:
+    rollout = stack.addresses["rollout"]
+    before_ids, before_versions = asyncio.run(_greedy(rollout))
+    assert before_ids and set(before_versions) == {0}
+
+    async def episodes() -> pb.RunEpisodesResponse:
+        async with open_channel(rollout) as channel:
+            request = pb.RunEpisodesRequest(task_ids=[TASK], group_size=GROUP, publish=True, sampling=pb.SamplingParams(max_tokens=24))
+            return await pb_grpc.RolloutStub(channel).RunEpisodes(request)
+
+    reply = asyncio.run(episodes())
+    trajs = list(reply.trajectories)
+    assert len(trajs) == GROUP and len({t.group_id for t in trajs}) == 1
+    for t in trajs:
+        n = len(t.completion_token_ids)
+        assert n > 0 and len(t.logprobs) == len(t.loss_mask) == len(t.policy_versions) == n
+        assert set(t.policy_versions) == {0} and all(lp <= 0 for lp in t.logprobs)
+        assert "traceparent" in t.trace_context
+    assert len({t.reward for t in trajs}) > 1, "group rewards must differ for GRPO to learn"
+
+    deadline = time.monotonic() + 180
+    while (status := asyncio.run(_rollout_status(rollout))).policy_version < 1:
+        assert time.monotonic() < deadline, f"rollout still on version {status.policy_version}"
+        time.sleep(0.5)
+    assert status.policy_version == 1 and status.updates_applied == 1
+
+    after_ids, after_versions = asyncio.run(_greedy(rollout))
+    assert set(after_versions) == {1}
+    assert after_ids != before_ids, "version 1's greedy output should differ from version 0's"
+
+    async def stream_counts() -> tuple[int, int]:
+        stream = TrajectoryStream.from_url(stack.redis_url)
+        try:
+            return await stream.length(), await stream.pending("trainer")
+        finally:
+            await stream.close()
+
+    assert asyncio.run(stream_counts()) == (GROUP, 0)
+
+    episode_spans = {(t.trace_context["traceparent"].split("-")[1], t.trace_context["traceparent"].split("-")[2]) for t in trajs}
+    assert otlp.wait_for(lambda r: any(set(s.links) & episode_spans for s in r.spans("trainer.step"))), (
+        "the trainer's step span should link to the episodes that produced its batch"
+    )
+    assert otlp.wait_for(lambda r: {s.span_id for s in r.spans("rollout.episode")} >= {sid for _, sid in episode_spans})
+
+
+@pytest.mark.parametrize(
+    "request_, code",
+    [
+        (pb.GenerateRequest(prompt="x", prompt_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.GenerateRequest(prompt_token_ids=[10**9]), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=10**6)), grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+def test_bad_generate_requests_get_clear_status(stack: stack_mod.Stack, request_: pb.GenerateRequest, code: grpc.StatusCode) -> None:
+    async def call() -> grpc.aio.AioRpcError:
+        async with open_channel(stack.addresses["rollout"]) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in pb_grpc.RolloutStub(channel).Generate(request_):
+                    pass
+            return info.value
+
+    error = asyncio.run(call())
+    assert error.code() == code and error.details()
+    assert asyncio.run(check_health(stack.addresses["rollout"])) == "SERVING"
+
+
+def test_bad_requests_to_other_services(stack: stack_mod.Stack) -> None:
+    async def calls() -> list[grpc.StatusCode]:
+        codes = []
+        async with open_channel(stack.addresses["rollout"]) as channel:
+            try:
+                await pb_grpc.RolloutStub(channel).RunEpisodes(pb.RunEpisodesRequest(task_ids=["no/such-task"]))
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+        async with open_channel(stack.addresses["envsandbox"]) as channel:
+            try:
+                await sbx_grpc.EnvSandboxStub(channel).Close(sbx.CloseRequest(sandbox_id="sbx-missing"))
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+        return codes
+
+    assert asyncio.run(calls()) == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.NOT_FOUND]
+    for name in stack_mod.SERVICE_ORDER:
+        assert asyncio.run(check_health(stack.addresses[name])) == "SERVING"
+
+
+def test_down_leaves_no_process(stack: stack_mod.Stack) -> None:
+    pids = dict(stack.pids)
+    stack.stop()
+    for name, pid in pids.items():
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # neither the leader nor anything in its group survives
