@@ -72,7 +72,17 @@ def prepare_builtin() -> Path:
         from transformers import AutoModelForCausalLM
 
         gguf = builtin_gguf()
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        # The GGUF loader marks the model quantized (so it refuses to save), though its
+        # tensors are already dequantised: copy them into a plain model of the same config.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+        if unexpected or [m for m in missing if not m.startswith("lm_head")]:
+            raise RuntimeError(f"built-in model conversion lost tensors: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        model.tie_weights()
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)

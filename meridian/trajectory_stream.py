@@ -8,6 +8,7 @@ Entries that cannot be decoded go to a dead-letter stream with the reason.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
@@ -58,6 +59,14 @@ def validate(traj: common_pb2.Trajectory) -> str:
         )
     if traj.group_size <= 0:
         return f"group_size must be positive, got {traj.group_size}"
+    if not traj.prompt_token_ids:
+        return "prompt_token_ids is empty (the first completion token needs a prompt to be predicted from)"
+    if any(t < 0 for t in traj.prompt_token_ids) or any(t < 0 for t in traj.completion_token_ids):
+        return "negative token id"
+    if not math.isfinite(traj.reward) or not all(math.isfinite(lp) for lp in traj.logprobs):
+        return "reward and logprobs must be finite"
+    if any(m not in (0, 1) for m in traj.loss_mask):
+        return "loss_mask values must be 0 or 1"
     return ""
 
 

@@ -19,7 +19,7 @@ from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync.client import WeightSubscriber
 from services.weightsync.config import WeightSyncConfig
 from services.weightsync.store import Encoded, VersionStore
-from services.weightsync.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor
+from services.weightsync.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -44,9 +44,10 @@ class _Assembly:
             dtype = PB_DTYPE_NAMES.get(piece.meta.dtype)
             if dtype is None:
                 raise InvalidArgument(f"tensor {name!r}: dtype must be BF16, FP16 or FP32")
-            if any(d < 0 for d in piece.meta.shape):
-                raise InvalidArgument(f"tensor {name!r}: negative dimension in {list(piece.meta.shape)}")
-            numel = int(np.prod(piece.meta.shape, dtype=np.int64)) if piece.meta.shape else 1
+            try:
+                numel = element_count(tuple(piece.meta.shape))
+            except ValueError as exc:
+                raise InvalidArgument(f"tensor {name!r}: {exc}") from None
             self.tensors[name] = RawTensor(dtype, tuple(piece.meta.shape), np.zeros(numel, dtype=RAW_DTYPES[dtype]))
             self._filled[name] = 0
         if not name:
@@ -79,7 +80,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         data_dir = Path(config.data_dir or self._tmp.name)  # type: ignore[union-attr]
         self.store = VersionStore(data_dir, keep=config.keep_versions, chunk_bytes=int(config.chunk_mb * (1 << 20)))
         self._changed = asyncio.Condition()
-        self._publish_lock = asyncio.Lock()
+        # The store is mutated in worker threads (encoding is CPU-bound); every access
+        # that reads or changes its state goes through this lock.
+        self._store_lock = asyncio.Lock()
         self._mirror: asyncio.Task[None] | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -108,7 +111,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             try:
                 async for update in subscriber.updates(follow=True, keep_encoded=True):
                     assert update.encoded is not None
-                    self.store.add_encoded(update.encoded, update.weights)
+                    async with self._store_lock:
+                        await asyncio.to_thread(self.store.add_encoded, update.encoded, update.weights)
                     await self._announce()
             except grpc.aio.AioRpcError as exc:
                 log.warning("upstream %s: %s; retrying", self.config.upstream, exc.code().name)
@@ -138,7 +142,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         if header is None:
             raise InvalidArgument("Publish stream had no header")
         assembly.check_complete()
-        async with self._publish_lock:
+        async with self._store_lock:
             with tracer.start_as_current_span("weightsync.encode", context=telemetry.extract(dict(header.trace_context))) as span:
                 span.set_attribute("meridian.version", header.version)
                 enc: Encoded = await asyncio.to_thread(
@@ -154,7 +158,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         if held < -1:
             raise InvalidArgument(f"from_version must be >= -1, got {held}")
         while True:
-            for enc in self.store.plan(held):
+            async with self._store_lock:
+                plan = await asyncio.to_thread(self.store.plan, held)
+            for enc in plan:
                 yield pb.WeightChunk(manifest=enc.manifest)
                 for index, payload in enumerate(enc.chunks):
                     yield pb.WeightChunk(chunk=pb.ChunkData(version=enc.manifest.version, index=index, data=payload))

@@ -24,7 +24,7 @@ import numpy as np
 from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import codec
-from services.weightsync.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, Weights, weights_hash
+from services.weightsync.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, Weights, element_count, weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,10 @@ class Decoder:
             dtype = PB_DTYPE_NAMES.get(meta.dtype)
             if dtype is None:
                 raise InvalidArgument(f"tensor {meta.name}: unknown dtype {meta.dtype}")
-            numel = int(np.prod(meta.shape, dtype=np.int64)) if meta.shape else 1
+            try:
+                numel = element_count(tuple(meta.shape))
+            except ValueError as exc:
+                raise InvalidArgument(f"tensor {meta.name}: {exc}") from None
             self._pending[meta.name] = RawTensor(dtype, tuple(meta.shape), np.empty(numel, dtype=RAW_DTYPES[dtype]))
 
     def add_chunk(self, index: int, payload: bytes) -> None:

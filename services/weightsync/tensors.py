@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -27,7 +28,7 @@ class RawTensor:
         want = RAW_DTYPES.get(self.dtype)
         if want is None:
             raise ValueError(f"unsupported dtype {self.dtype!r} (bf16, fp16, fp32)")
-        numel = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        numel = element_count(self.shape)
         if self.bits.dtype != want or self.bits.ndim != 1 or self.bits.shape[0] != numel:
             raise ValueError(
                 f"bits must be 1-D {np.dtype(want).name} with {numel} elements for shape {self.shape}, "
@@ -43,6 +44,19 @@ class RawTensor:
 
 
 Weights = Mapping[str, RawTensor]
+
+#: No tensor of a real model comes near this; it bounds what a peer can make us allocate.
+MAX_ELEMENTS = 1 << 40
+
+
+def element_count(shape: tuple[int, ...] | list[int]) -> int:
+    """Elements in ``shape``, exactly (Python ints do not wrap); ValueError when absurd."""
+    if any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in shape {list(shape)}")
+    numel = math.prod(shape)
+    if numel > MAX_ELEMENTS:
+        raise ValueError(f"shape {list(shape)} has {numel} elements, more than {MAX_ELEMENTS}")
+    return numel
 
 
 def weights_hash(weights: Weights) -> str:

@@ -1,0 +1,132 @@
+"""Shared fixtures: a real throw-away redis-server, free loopback ports, and an
+in-process gRPC server that wraps a Meridian ``Service`` the way production does
+(the ErrorBoundary interceptor plus the standard health service).
+
+pytest-asyncio is not used: tests call ``asyncio.run(...)`` themselves and use the
+``serving`` async context manager inside that loop.
+"""
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from meridian.grpc_runtime import ErrorBoundary, Service
+
+REDIS_SERVER = "/usr/bin/redis-server"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _redis_ping(port: int) -> bool:
+    """True once redis answers PING with +PONG on ``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _start_redis(workdir: Path, attempts: int = 3) -> tuple[subprocess.Popen[bytes], int]:
+    """Starts a private redis-server; retries with a new port if another process won the race."""
+    last_error = ""
+    for _ in range(attempts):
+        port = free_port()
+        log = workdir / f"redis-{port}.log"
+        proc = subprocess.Popen(
+            [
+                REDIS_SERVER,
+                "--port", str(port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(workdir),
+                "--logfile", str(log),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline and proc.poll() is None:
+            if _redis_ping(port):
+                return proc, port
+            time.sleep(0.02)
+        last_error = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+        _stop_process(proc)
+    raise RuntimeError(f"redis-server did not come up after {attempts} attempts:\n{last_error}")
+
+
+def _stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Terminates exactly this process (by its own handle) and reaps it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """``redis://127.0.0.1:PORT/0`` of a fresh, empty, non-persistent redis-server."""
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    proc, port = _start_redis(workdir)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        _stop_process(proc)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    service: Service, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+) -> AsyncIterator[str]:
+    """Runs ``service`` on a free loopback port inside the running loop; yields its address.
+
+    Mirrors :func:`meridian.grpc_runtime.run_server`: ErrorBoundary, health (SERVING only
+    after ``service.start()`` returned), and on exit stop the server, then the service.
+    """
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorBoundary()], options=list(options))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service.register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    if port == 0:
+        raise RuntimeError("cannot bind a loopback port for the test server")
+    await server.start()
+    try:
+        await service.start()
+        for name in ("", *service.service_names):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace=None)
+        await service.stop()
+
+
+@pytest.fixture
+def pick_port() -> Any:
+    """The :func:`free_port` helper (test modules cannot import conftest by name)."""
+    return free_port
+
+
+@pytest.fixture
+def grpc_serving() -> Any:
+    """The :func:`serving` factory, for tests that prefer a fixture to an import."""
+    return serving

@@ -1,0 +1,311 @@
+"""GRPO loss, batch building and group buffering, against hand-computed values."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meridian.v1 import common_pb2
+from services.trainer.batch import GroupBuffer, build_batch, token_logprobs
+from services.trainer.loss import LossConfig, clipped_pg_loss, group_advantages
+
+F64 = torch.float64
+
+
+# ---------------------------------------------------------------- group_advantages
+
+
+def test_group_advantages_normalised_by_population_std() -> None:
+    # rewards 0, 1, 2: mean 1, centred -1, 0, 1, population std sqrt(2/3).
+    adv = group_advantages(torch.tensor([0.0, 1.0, 2.0], dtype=F64), normalize_std=True, eps=0.0)
+    k = math.sqrt(1.5)
+    torch.testing.assert_close(adv, torch.tensor([-k, 0.0, k], dtype=F64))
+
+
+def test_group_advantages_eps_is_added_to_std() -> None:
+    # rewards 1, 0, 0, 1: centred +-0.5, std 0.5 -> +-0.5 / (0.5 + eps).
+    eps = 0.25
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=F64), normalize_std=True, eps=eps)
+    v = 0.5 / (0.5 + eps)
+    torch.testing.assert_close(adv, torch.tensor([v, -v, -v, v], dtype=F64))
+
+
+def test_group_advantages_without_std_is_centred_reward() -> None:
+    adv = group_advantages(torch.tensor([3.0, 1.0, 0.0, 0.0], dtype=F64), normalize_std=False)
+    torch.testing.assert_close(adv, torch.tensor([2.0, 0.0, -1.0, -1.0], dtype=F64))
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_group_advantages_all_equal_rewards_are_zero(normalize_std: bool) -> None:
+    adv = group_advantages(torch.full((4,), 0.7), normalize_std=normalize_std)
+    assert torch.equal(adv, torch.zeros(4))
+    assert torch.isfinite(adv).all()
+
+
+def test_group_advantages_single_sample_is_zero() -> None:
+    # A group of one has no relative signal (and no std to divide by).
+    assert torch.equal(group_advantages(torch.tensor([5.0])), torch.zeros(1))
+
+
+def test_group_advantages_sum_to_zero() -> None:
+    adv = group_advantages(torch.tensor([0.1, 0.9, 0.4, 0.4, 1.0], dtype=F64))
+    assert abs(float(adv.sum())) < 1e-12
+
+
+# ---------------------------------------------------------------- clipped_pg_loss
+
+# Row 0 has advantage +2, row 1 advantage -1; bounds are [0.8, 1.28].
+RATIOS = [[1.1, 1.5, 0.5], [1.5, 0.5, 0.9]]
+ADVANTAGES = [[2.0], [-1.0]]
+MASK = [[1, 1, 1], [1, 1, 0]]
+# Per token, -min(r*A, clip(r)*A):
+#   row 0: 1.1 inside -> -2.2; 1.5 above, A>0, clip binds -> -2.56; 0.5 below, A>0,
+#          clip does not bind (r*A=1.0 < 1.6) -> -1.0
+#   row 1: 1.5 above, A<0, clip does not bind (-1.5 < -1.28) -> 1.5; 0.5 below, A<0,
+#          clip binds (-0.8 < -0.5) -> 0.8; 0.9 masked out.
+N_TOKENS = 5
+EXPECTED_LOSS = (-2.2 - 2.56 - 1.0 + 1.5 + 0.8) / N_TOKENS
+# d loss / d logprob = -A * r / N where the unclipped term is the minimum, 0 where the
+# clip binds or the token is masked.
+EXPECTED_GRAD = [[-2.2 / N_TOKENS, 0.0, -1.0 / N_TOKENS], [1.5 / N_TOKENS, 0.0, 0.0]]
+
+
+def _loss_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    behaviour = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.25, -1.5]], dtype=F64)
+    logprobs = (behaviour + torch.log(torch.tensor(RATIOS, dtype=F64))).requires_grad_(True)
+    return logprobs, behaviour, torch.tensor(ADVANTAGES, dtype=F64), torch.tensor(MASK)
+
+
+def test_clipped_pg_loss_value() -> None:
+    logprobs, behaviour, adv, mask = _loss_inputs()
+    loss, _ = clipped_pg_loss(logprobs, behaviour, adv, mask, LossConfig(clip_low=0.2, clip_high=0.28))
+    assert loss.item() == pytest.approx(EXPECTED_LOSS, abs=1e-12)
+
+
+def test_clipped_pg_loss_gradient_matches_hand_derivation() -> None:
+    logprobs, behaviour, adv, mask = _loss_inputs()
+    loss, _ = clipped_pg_loss(logprobs, behaviour, adv, mask, LossConfig(clip_low=0.2, clip_high=0.28))
+    loss.backward()
+    assert logprobs.grad is not None
+    torch.testing.assert_close(logprobs.grad, torch.tensor(EXPECTED_GRAD, dtype=F64), atol=1e-12, rtol=0)
+
+
+def test_clipped_pg_loss_stats() -> None:
+    logprobs, behaviour, adv, mask = _loss_inputs()
+    _, stats = clipped_pg_loss(logprobs, behaviour, adv, mask, LossConfig(clip_low=0.2, clip_high=0.28))
+    assert stats["tokens"] == N_TOKENS
+    # Four unmasked ratios lie outside [0.8, 1.28] (whether or not the clip binds).
+    assert stats["clip_frac"] == pytest.approx(4 / N_TOKENS)
+    assert stats["ratio_mean"] == pytest.approx((1.1 + 1.5 + 0.5 + 1.5 + 0.5) / N_TOKENS)
+
+
+def test_clipped_pg_loss_asymmetric_bounds() -> None:
+    # r = 1.25 is inside 1 + clip_high = 1.28 but outside a symmetric 1 + 0.2.
+    behaviour = torch.zeros(1, 1, dtype=F64)
+    logprobs = torch.full((1, 1), math.log(1.25), dtype=F64, requires_grad=True)
+    adv = torch.ones(1, 1, dtype=F64)
+    loss, _ = clipped_pg_loss(logprobs, behaviour, adv, torch.ones(1, 1), LossConfig(clip_low=0.2, clip_high=0.28))
+    assert loss.item() == pytest.approx(-1.25)
+    loss.backward()
+    assert logprobs.grad is not None and logprobs.grad.item() == pytest.approx(-1.25)
+    loss_sym, _ = clipped_pg_loss(logprobs.detach(), behaviour, adv, torch.ones(1, 1), LossConfig(clip_low=0.2, clip_high=0.2))
+    assert loss_sym.item() == pytest.approx(-1.2)
+
+
+def test_clipped_pg_loss_is_masked_mean() -> None:
+    logprobs, behaviour, adv, mask = _loss_inputs()
+    cfg = LossConfig()
+    base, _ = clipped_pg_loss(logprobs, behaviour, adv, mask, cfg)
+    # Changing a masked-out token's log-prob changes nothing.
+    changed = logprobs.detach().clone()
+    changed[1, 2] += 3.0
+    again, _ = clipped_pg_loss(changed, behaviour, adv, mask, cfg)
+    assert again.item() == pytest.approx(base.item(), abs=1e-12)
+    # Masking a token removes it from numerator and denominator alike.
+    one = torch.tensor([[1, 0, 0], [0, 0, 0]])
+    single, _ = clipped_pg_loss(logprobs, behaviour, adv, one, cfg)
+    assert single.item() == pytest.approx(-2.2)
+
+
+def test_clipped_pg_loss_all_masked_is_zero_not_nan() -> None:
+    logprobs, behaviour, adv, _ = _loss_inputs()
+    loss, stats = clipped_pg_loss(logprobs, behaviour, adv, torch.zeros(2, 3))
+    assert loss.item() == 0.0
+    assert stats["tokens"] == 0.0
+    loss.backward()
+    assert logprobs.grad is not None and torch.equal(logprobs.grad, torch.zeros(2, 3, dtype=F64))
+
+
+def test_clipped_pg_loss_on_policy_is_minus_mean_advantage() -> None:
+    # ratio 1 everywhere: the loss is -mean(A) over tokens and the gradient is -A/N.
+    behaviour = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], dtype=F64)
+    logprobs = behaviour.clone().requires_grad_(True)
+    adv = torch.tensor([[1.0], [-3.0]], dtype=F64)
+    loss, stats = clipped_pg_loss(logprobs, behaviour, adv, torch.ones(2, 2))
+    assert loss.item() == pytest.approx(-(1 + 1 - 3 - 3) / 4)
+    assert stats["clip_frac"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.25, -0.25], [0.75, 0.75]], dtype=F64))
+
+
+# ---------------------------------------------------------------- build_batch / token_logprobs
+
+
+def _traj(
+    tid: str,
+    group: str,
+    prompt: list[int],
+    completion: list[int],
+    reward: float,
+    logprobs: list[float] | None = None,
+    mask: list[int] | None = None,
+    group_size: int = 2,
+) -> common_pb2.Trajectory:
+    n = len(completion)
+    return common_pb2.Trajectory(
+        trajectory_id=tid,
+        group_id=group,
+        group_size=group_size,
+        prompt_token_ids=prompt,
+        completion_token_ids=completion,
+        logprobs=logprobs if logprobs is not None else [-0.5] * n,
+        loss_mask=mask if mask is not None else [1] * n,
+        policy_versions=[0] * n,
+        reward=reward,
+    )
+
+
+PAD = 99
+
+
+def _two_trajectories() -> list[common_pb2.Trajectory]:
+    # a: prompt of 3, completion of 2 (second token is a masked tool token)
+    # b: prompt of 1, completion of 3
+    a = _traj("a", "g", [5, 6, 7], [8, 9], 1.0, logprobs=[-0.5, -0.25], mask=[1, 0])
+    b = _traj("b", "g", [5], [20, 21, 22], 0.0, logprobs=[-1.0, -2.0, -3.0], mask=[1, 1, 1])
+    return [a, b]
+
+
+def test_build_batch_pads_right() -> None:
+    batch = build_batch([_two_trajectories()], pad_id=PAD)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 20, 21, 22, PAD]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert batch.input_ids.dtype == torch.long
+
+
+def test_build_batch_target_positions_predict_completion_tokens() -> None:
+    batch = build_batch([_two_trajectories()], pad_id=PAD)
+    # Position t predicts input_ids[t + 1]; completion token j (at p + j) comes from p + j - 1.
+    assert batch.target_mask.shape == (2, 4)
+    assert batch.target_mask.tolist() == [[0, 0, 1, 0], [1, 1, 1, 0]]
+    assert batch.behaviour_logprobs.tolist() == [[0, 0, -0.5, -0.25], [-1.0, -2.0, -3.0, 0]]
+    for i, traj in enumerate(_two_trajectories()):
+        p = len(traj.prompt_token_ids)
+        for j, token in enumerate(traj.completion_token_ids):
+            assert batch.input_ids[i, p + j + 0].item() == token
+            assert batch.behaviour_logprobs[i, p + j - 1].item() == pytest.approx(traj.logprobs[j])
+            assert batch.target_mask[i, p + j - 1].item() == traj.loss_mask[j]
+
+
+def test_build_batch_token_logprobs_line_up_with_behaviour() -> None:
+    # Logits that put probability ~1 on the real next token: the model's log-probs at
+    # target positions are then ~0, and at every other position they are ignored.
+    batch = build_batch([_two_trajectories()], pad_id=PAD)
+    b, t = batch.input_ids.shape
+    logits = torch.full((b, t, 128), -30.0)
+    for i in range(b):
+        for pos in range(t - 1):
+            logits[i, pos, batch.input_ids[i, pos + 1]] = 30.0
+    lp = token_logprobs(logits, batch.input_ids)
+    assert lp.shape == batch.target_mask.shape
+    assert (lp.abs() < 1e-6).all()
+
+
+def test_token_logprobs_matches_log_softmax_gather() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 7, generator=gen)
+    ids = torch.tensor([[1, 2, 3, 4], [6, 5, 0, 0]])
+    lp = token_logprobs(logits, ids)
+    for i in range(2):
+        for pos in range(3):
+            want = torch.log_softmax(logits[i, pos], dim=-1)[ids[i, pos + 1]]
+            assert lp[i, pos].item() == pytest.approx(want.item(), abs=1e-6)
+
+
+def test_build_batch_advantages_per_group() -> None:
+    g1 = [_traj("a", "g1", [1], [2], 1.0), _traj("b", "g1", [1], [2], 0.0)]
+    g2 = [_traj("c", "g2", [1], [2], 0.5), _traj("d", "g2", [1], [2], 0.5)]
+    batch = build_batch([g1, g2], pad_id=PAD, normalize_std=False)
+    assert batch.advantages.shape == (4, 1)
+    assert batch.advantages.squeeze(1).tolist() == [0.5, -0.5, 0.0, 0.0]
+    assert batch.rewards.tolist() == [1.0, 0.0, 0.5, 0.5]
+    normed = build_batch([g1, g2], pad_id=PAD)
+    torch.testing.assert_close(normed.advantages.squeeze(1), torch.tensor([1.0, -1.0, 0.0, 0.0]), atol=1e-5, rtol=0)
+
+
+def test_build_batch_feeds_clipped_pg_loss() -> None:
+    # End to end on-policy: logprobs equal to behaviour give -mean(A) over target tokens.
+    batch = build_batch([_two_trajectories()], pad_id=PAD, normalize_std=False)
+    loss, stats = clipped_pg_loss(batch.behaviour_logprobs.clone(), batch.behaviour_logprobs, batch.advantages, batch.target_mask)
+    # advantages +0.5 (1 token of a) and -0.5 (3 tokens of b) -> -(0.5 - 1.5) / 4
+    assert stats["tokens"] == 4
+    assert loss.item() == pytest.approx(0.25)
+
+
+# ---------------------------------------------------------------- GroupBuffer
+
+
+def test_group_buffer_dedupes_redelivery() -> None:
+    buf = GroupBuffer()
+    t = _traj("t1", "g", [1], [2], 1.0)
+    assert buf.add("1-0", t) is True
+    assert buf.add("2-0", t) is False  # same trajectory_id redelivered under a new entry id
+    assert buf.pending() == 1
+
+
+def test_group_buffer_dedupes_after_pop() -> None:
+    # A redelivery that arrives after its group was trained on must not start a new group.
+    buf = GroupBuffer()
+    buf.add("1-0", _traj("a", "g", [1], [2], 1.0))
+    buf.add("2-0", _traj("b", "g", [1], [2], 0.0))
+    assert len(buf.pop_complete(1)) == 1
+    assert buf.add("1-0", _traj("a", "g", [1], [2], 1.0)) is False
+    assert buf.pending() == 0
+
+
+def test_group_buffer_pop_complete_exact_count_or_nothing() -> None:
+    buf = GroupBuffer()
+    buf.add("1", _traj("a1", "A", [1], [2], 1.0))          # A: 1 of 2
+    buf.add("2", _traj("b1", "B", [1], [2], 1.0))
+    buf.add("3", _traj("b2", "B", [1], [2], 0.0))          # B complete
+    assert buf.pop_complete(2) == []                        # only one complete group
+    assert buf.pending() == 3                               # nothing was removed
+    buf.add("4", _traj("a2", "A", [1], [2], 0.0))          # A complete
+    buf.add("5", _traj("c1", "C", [1], [2], 0.0))          # C: 1 of 2
+    groups = buf.pop_complete(1)
+    assert len(groups) == 1
+    # Oldest group first: A was started before B.
+    assert [(eid, t.trajectory_id) for eid, t in groups[0]] == [("1", "a1"), ("4", "a2")]
+    rest = buf.pop_complete(1)
+    assert [[t.trajectory_id for _, t in g] for g in rest] == [["b1", "b2"]]
+    assert buf.pop_complete(1) == []
+    assert buf.pending() == 1                               # C still waits
+
+
+def test_group_buffer_respects_each_groups_size() -> None:
+    buf = GroupBuffer()
+    for i in range(3):
+        buf.add(str(i), _traj(f"x{i}", "X", [1], [2], float(i), group_size=4))
+    assert buf.pop_complete(1) == []
+    buf.add("3", _traj("x3", "X", [1], [2], 3.0, group_size=4))
+    (group,) = buf.pop_complete(1)
+    assert len(group) == 4
+
+
+def test_trajectory_with_empty_prompt_is_rejected_before_batching() -> None:
+    """Its first completion token has nothing to be predicted from; it must go to the dead letters."""
+    from meridian.trajectory_stream import validate
+
+    no_prompt = _traj("a", "g", [], [5, 6], 1.0)
+    assert "prompt" in validate(no_prompt)

@@ -1,0 +1,427 @@
+"""VersionStore, Decoder and raw tensors: bit-exact round trips, recovery and retention."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from services.weightsync.store import Decoder, Encoded, VersionStore, decode_all, encode_version
+from services.weightsync.tensors import RawTensor, from_torch, to_torch, weights_hash
+
+Weights = dict[str, RawTensor]
+CHUNK_BYTES = 64  # tiny, so every tensor spans several chunks
+
+
+def _bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> RawTensor:
+    # Bit patterns of ordinary bf16 values (sign, exponent near 1.0, random mantissa).
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    values = rng.normal(0, 0.05, numel).astype(np.float32)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)
+    return RawTensor("bf16", shape, bits)
+
+
+def _initial(seed: int = 0) -> Weights:
+    rng = np.random.default_rng(seed)
+    return {
+        "layer.0.weight": _bf16(rng, (16, 8)),
+        "layer.0.bias": _bf16(rng, (33,)),
+        "norm.scale": _bf16(rng, ()),  # a scalar
+        "head.fp32": RawTensor("fp32", (5, 3), rng.normal(0, 1, 15).astype(np.float32).view(np.uint32)),
+    }
+
+
+def _step(weights: Weights, rng: np.random.Generator) -> Weights:
+    """The next version: a few elements of every tensor nudged in their low bits."""
+    out = {}
+    for name, t in weights.items():
+        bits = t.bits.copy()
+        idx = rng.choice(bits.size, size=max(1, bits.size // 4), replace=False)
+        bits[idx] ^= rng.integers(1, 8, idx.size).astype(bits.dtype)
+        out[name] = RawTensor(t.dtype, t.shape, bits)
+    return out
+
+
+def _versions(n: int, seed: int = 0) -> list[Weights]:
+    rng = np.random.default_rng(seed + 1)
+    versions = [_initial(seed)]
+    for _ in range(n - 1):
+        versions.append(_step(versions[-1], rng))
+    return versions
+
+
+def _assert_same(a: Weights, b: Weights) -> None:
+    assert set(a) == set(b)
+    for name in a:
+        assert (a[name].dtype, a[name].shape) == (b[name].dtype, b[name].shape), name
+        assert np.array_equal(a[name].bits, b[name].bits), name
+    assert weights_hash(a) == weights_hash(b)
+
+
+def _store(path: Path, keep: int = 16, keyframe_every: int = 2) -> VersionStore:
+    return VersionStore(path, keep=keep, chunk_bytes=CHUNK_BYTES, keyframe_every=keyframe_every)
+
+
+@pytest.fixture
+def versions() -> list[Weights]:
+    return _versions(6)
+
+
+@pytest.fixture
+def filled(tmp_path: Path, versions: list[Weights]) -> VersionStore:
+    """A store holding v0 (keyframe) and v1..v5 (deltas; keyframes also at v2 and v4)."""
+    store = _store(tmp_path / "ws")
+    for v, w in enumerate(versions):
+        store.publish(v, w, expected_hash=weights_hash(w))
+    return store
+
+
+# ---------------------------------------------------------------- publishing and planning
+
+
+def test_first_version_is_keyframe_then_deltas(filled: VersionStore) -> None:
+    assert filled.latest == 5
+    assert filled.versions() == [0, 1, 2, 3, 4, 5]
+    assert filled.keyframes[0].is_keyframe and filled.keyframes[0].manifest.base_version == -1
+    for v in range(1, 6):
+        assert filled.deltas[v].manifest.base_version == v - 1
+    # keyframe_every=2: a keyframe beside the delta of every even version.
+    assert sorted(filled.keyframes) == [0, 2, 4]
+
+
+def test_manifest_describes_the_version(filled: VersionStore, versions: list[Weights]) -> None:
+    m = filled.manifest(3)
+    assert m.version == 3 and m.base_version == 2
+    assert m.weights_hash == weights_hash(versions[3])
+    assert m.raw_bytes == sum(t.nbytes for t in versions[3].values())
+    assert m.encoded_bytes == sum(c.size for c in m.chunks)
+    assert [c.index for c in m.chunks] == list(range(len(m.chunks)))
+    assert len(m.chunks) > len(versions[3])  # the small chunk size splits tensors
+    assert filled.manifest(-1).version == 5
+    with pytest.raises(NotFound):
+        filled.manifest(17)
+
+
+def test_plan_for_holder_of_v2_is_the_delta_chain(filled: VersionStore, versions: list[Weights]) -> None:
+    plan = filled.plan(2)
+    assert [(e.manifest.version, e.manifest.base_version) for e in plan] == [(3, 2), (4, 3), (5, 4)]
+    decoder = decode_all(plan, versions[2], 2)
+    assert decoder.version == 5
+    _assert_same(decoder.weights, versions[5])
+
+
+def test_plan_for_newcomer_is_a_keyframe_of_latest(filled: VersionStore, versions: list[Weights]) -> None:
+    (kf,) = filled.plan(-1)
+    assert kf.is_keyframe and kf.manifest.version == 5
+    decoder = decode_all([kf])
+    assert decoder.version == 5
+    _assert_same(decoder.weights, versions[5])
+    assert kf.manifest.weights_hash == weights_hash(versions[5])
+
+
+def test_plan_when_up_to_date_is_empty(filled: VersionStore) -> None:
+    assert filled.plan(5) == []
+    assert filled.plan(9) == []
+    assert _store(filled.data_dir.parent / "empty").plan(-1) == []
+
+
+def test_plan_prefers_keyframe_when_smaller_than_chain(tmp_path: Path) -> None:
+    # Every version rewrites every element at random: deltas are as large as keyframes,
+    # so from v0 a keyframe of v2 (held, keyframe_every=2) is cheaper than two deltas.
+    rng = np.random.default_rng(3)
+    store = _store(tmp_path, keyframe_every=2)
+    ws = [{"t": RawTensor("bf16", (256,), rng.integers(0, 2**16, 256, dtype=np.uint16))} for _ in range(3)]
+    for v, w in enumerate(ws):
+        store.publish(v, w)
+    (only,) = store.plan(0)
+    assert only.is_keyframe and only.manifest.version == 2
+    _assert_same(decode_all([only]).weights, ws[2])
+
+
+def test_publishing_an_old_or_equal_version_fails(filled: VersionStore, versions: list[Weights]) -> None:
+    for v in (5, 3, -1):
+        with pytest.raises(FailedPrecondition):
+            filled.publish(v, versions[5])
+    assert filled.latest == 5
+
+
+def test_empty_version_is_invalid(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument):
+        _store(tmp_path).publish(0, {})
+
+
+def test_changed_tensor_set_is_invalid(filled: VersionStore, versions: list[Weights]) -> None:
+    fewer = dict(versions[5])
+    del fewer["layer.0.bias"]
+    with pytest.raises(InvalidArgument, match="tensor set"):
+        filled.publish(6, fewer)
+    renamed = dict(versions[5])
+    renamed["new.name"] = renamed.pop("layer.0.bias")
+    with pytest.raises(InvalidArgument, match="tensor set"):
+        filled.publish(6, renamed)
+    assert filled.latest == 5
+
+
+def test_changed_shape_or_dtype_is_invalid(filled: VersionStore, versions: list[Weights]) -> None:
+    reshaped = dict(versions[5])
+    reshaped["layer.0.weight"] = RawTensor("bf16", (8, 16), versions[5]["layer.0.weight"].bits)
+    with pytest.raises(InvalidArgument):
+        filled.publish(6, reshaped)
+    retyped = dict(versions[5])
+    retyped["layer.0.bias"] = RawTensor("fp16", (33,), versions[5]["layer.0.bias"].bits)
+    with pytest.raises(InvalidArgument):
+        filled.publish(6, retyped)
+    assert filled.latest == 5
+
+
+def test_wrong_expected_hash_is_data_loss_and_stores_nothing(filled: VersionStore, versions: list[Weights]) -> None:
+    nxt = _step(versions[5], np.random.default_rng(9))
+    with pytest.raises(DataLoss):
+        filled.publish(6, nxt, expected_hash=weights_hash(versions[5]))
+    assert filled.latest == 5 and 6 not in filled.versions()
+    assert not (filled.data_dir / f"{6:010d}").exists()
+    # The right hash is accepted afterwards.
+    filled.publish(6, nxt, expected_hash=weights_hash(nxt))
+    assert filled.latest == 6
+
+
+def test_trace_context_is_kept_in_manifest(tmp_path: Path, versions: list[Weights]) -> None:
+    store = _store(tmp_path)
+    store.publish(0, versions[0], trace_context={"traceparent": "00-aa-bb-01"})
+    assert dict(store.manifest(0).trace_context) == {"traceparent": "00-aa-bb-01"}
+
+
+# ---------------------------------------------------------------- disk: recovery and retention
+
+
+def test_new_store_recovers_latest_from_disk(filled: VersionStore, versions: list[Weights]) -> None:
+    again = _store(filled.data_dir)
+    assert again.latest == 5
+    _assert_same(again.weights, versions[5])
+    # Recovery starts from the newest keyframe (v4) and applies the delta after it.
+    assert max(again.keyframes) == 4
+    # The recovered store keeps serving deltas and accepts the next version.
+    decoder = decode_all(again.plan(3), versions[3], 3)
+    _assert_same(decoder.weights, versions[5])
+    nxt = _step(versions[5], np.random.default_rng(11))
+    again.publish(6, nxt)
+    _assert_same(decode_all(again.plan(5), versions[5], 5).weights, nxt)
+
+
+def test_recovery_ignores_incomplete_version(filled: VersionStore, versions: list[Weights]) -> None:
+    # A crash mid-write leaves a folder without COMPLETE: it must not count.
+    torn = filled.data_dir / f"{6:010d}" / "delta"
+    torn.mkdir(parents=True)
+    (torn / "manifest.pb").write_bytes(b"garbage")
+    again = _store(filled.data_dir)
+    assert again.latest == 5
+    _assert_same(again.weights, versions[5])
+
+
+def test_recovery_from_keyframe_plus_long_delta_chain(tmp_path: Path, versions: list[Weights]) -> None:
+    store = _store(tmp_path, keep=2, keyframe_every=100)
+    for v, w in enumerate(versions):
+        store.publish(v, w)
+    # Only v0 is a keyframe, so retention must keep every delta recovery needs.
+    again = _store(tmp_path, keep=2, keyframe_every=100)
+    assert again.latest == 5
+    _assert_same(again.weights, versions[5])
+
+
+def test_retention_deletes_old_versions_but_still_recovers(tmp_path: Path, versions: list[Weights]) -> None:
+    store = _store(tmp_path, keep=2, keyframe_every=2)
+    for v, w in enumerate(versions):
+        store.publish(v, w)
+    dirs = sorted(p.name for p in tmp_path.iterdir())
+    assert dirs == [f"{4:010d}", f"{5:010d}"]
+    assert store.versions() == [4, 5]
+    # A holder of a version that is gone gets a keyframe of the latest.
+    (kf,) = store.plan(1)
+    assert kf.is_keyframe and kf.manifest.version == 5
+    _assert_same(decode_all([kf]).weights, versions[5])
+    # A holder of v4 still gets the one delta.
+    assert [e.manifest.version for e in store.plan(4)] == [5]
+    again = _store(tmp_path, keep=2, keyframe_every=2)
+    assert again.latest == 5
+    _assert_same(again.weights, versions[5])
+
+
+def test_stored_bytes_counts_everything_held(filled: VersionStore) -> None:
+    held = [*filled.deltas.values(), *filled.keyframes.values()]
+    assert filled.stored_bytes() == sum(e.size for e in held) > 0
+
+
+# ---------------------------------------------------------------- Decoder
+
+
+def _delta(versions: list[Weights], v: int) -> Encoded:
+    return encode_version(v, versions[v], versions[v - 1], v - 1, CHUNK_BYTES)
+
+
+def test_decoder_applies_chunks_in_any_order(versions: list[Weights]) -> None:
+    enc = _delta(versions, 1)
+    decoder = Decoder(versions[0], 0)
+    decoder.begin(enc.manifest)
+    for i in reversed(range(len(enc.chunks))):
+        decoder.add_chunk(i, enc.chunks[i])
+    assert decoder.finish() == 1
+    _assert_same(decoder.weights, versions[1])
+
+
+def test_decoder_corrupted_chunk_is_data_loss(versions: list[Weights]) -> None:
+    enc = _delta(versions, 1)
+    decoder = Decoder(versions[0], 0)
+    decoder.begin(enc.manifest)
+    bad = bytearray(enc.chunks[0])
+    bad[len(bad) // 2] ^= 0xFF
+    with pytest.raises(DataLoss, match="checksum"):
+        decoder.add_chunk(0, bytes(bad))
+    with pytest.raises(DataLoss):
+        decoder.add_chunk(0, enc.chunks[0] + b"\x00")  # wrong size
+    # The held version is untouched.
+    assert decoder.version == 0
+    _assert_same(decoder.weights, versions[0])
+
+
+def test_decoder_chunk_before_manifest_is_failed_precondition(versions: list[Weights]) -> None:
+    enc = _delta(versions, 1)
+    decoder = Decoder(versions[0], 0)
+    with pytest.raises(FailedPrecondition):
+        decoder.add_chunk(0, enc.chunks[0])
+    with pytest.raises(FailedPrecondition):
+        decoder.finish()
+
+
+def test_decoder_delta_on_wrong_base_is_failed_precondition(versions: list[Weights]) -> None:
+    decoder = Decoder(versions[1], 1)
+    with pytest.raises(FailedPrecondition):
+        decoder.begin(_delta(versions, 3).manifest)  # based on 2, holder has 1
+    with pytest.raises(FailedPrecondition):
+        Decoder(None, -1).begin(_delta(versions, 1).manifest)  # holder has nothing
+
+
+def test_decoder_missing_chunk_at_finish_is_data_loss(versions: list[Weights]) -> None:
+    enc = _delta(versions, 1)
+    assert len(enc.chunks) > 1
+    decoder = Decoder(versions[0], 0)
+    decoder.begin(enc.manifest)
+    for i in range(len(enc.chunks) - 1):
+        decoder.add_chunk(i, enc.chunks[i])
+    with pytest.raises(DataLoss, match="missing"):
+        decoder.finish()
+    assert decoder.version == 0
+
+
+def test_decoder_chunk_index_out_of_range_is_invalid(versions: list[Weights]) -> None:
+    enc = _delta(versions, 1)
+    decoder = Decoder(versions[0], 0)
+    decoder.begin(enc.manifest)
+    with pytest.raises(InvalidArgument):
+        decoder.add_chunk(len(enc.chunks), enc.chunks[0])
+    with pytest.raises(InvalidArgument):
+        decoder.add_chunk(-1, enc.chunks[0])
+
+
+def test_decoder_hash_mismatch_at_finish_is_data_loss(versions: list[Weights]) -> None:
+    # Chunks that check out individually but a manifest hash that does not.
+    enc = encode_version(0, versions[0], None, -1, CHUNK_BYTES)
+    enc.manifest.weights_hash = weights_hash(versions[1])
+    with pytest.raises(DataLoss, match="hash"):
+        decode_all([enc])
+
+
+def test_decoder_keyframe_replaces_whatever_is_held(versions: list[Weights]) -> None:
+    kf = encode_version(4, versions[4], None, -1, CHUNK_BYTES)
+    decoder = decode_all([kf], versions[1], 1)
+    assert decoder.version == 4
+    _assert_same(decoder.weights, versions[4])
+
+
+# ---------------------------------------------------------------- raw tensors
+
+
+def test_raw_tensor_validates_bits() -> None:
+    with pytest.raises(ValueError):
+        RawTensor("bf16", (4,), np.zeros(4, dtype=np.uint32))  # wrong bit width
+    with pytest.raises(ValueError):
+        RawTensor("bf16", (2, 2), np.zeros((2, 2), dtype=np.uint16))  # not 1-D
+    with pytest.raises(ValueError):
+        RawTensor("fp32", (3,), np.zeros(4, dtype=np.uint32))  # wrong count
+    with pytest.raises(ValueError):
+        RawTensor("int8", (1,), np.zeros(1, dtype=np.uint8))  # unsupported dtype
+    assert RawTensor("fp16", (), np.zeros(1, dtype=np.uint16)).nbytes == 2
+
+
+def test_raw_tensor_rejects_shape_whose_element_count_overflows() -> None:
+    with pytest.raises(ValueError):
+        RawTensor("bf16", (2**32, 2**32), np.zeros(0, dtype=np.uint16))
+
+
+def test_zero_element_tensor_round_trips(tmp_path: Path) -> None:
+    empty = RawTensor("bf16", (0, 3), np.zeros(0, dtype=np.uint16))
+    w0 = {"empty": empty, "x": RawTensor("bf16", (2,), np.array([1, 2], dtype=np.uint16))}
+    w1 = {"empty": empty, "x": RawTensor("bf16", (2,), np.array([1, 3], dtype=np.uint16))}
+    store = _store(tmp_path)
+    store.publish(0, w0)
+    store.publish(1, w1)
+    _assert_same(decode_all(store.plan(0), w0, 0).weights, w1)
+    _assert_same(decode_all(store.plan(-1)).weights, w1)
+    _assert_same(_store(tmp_path).weights, w1)
+
+
+def test_weights_hash_covers_name_dtype_shape_and_bits() -> None:
+    bits = np.arange(6, dtype=np.uint16)
+    base = {"a": RawTensor("bf16", (2, 3), bits)}
+    h = weights_hash(base)
+    assert weights_hash({"a": RawTensor("bf16", (2, 3), bits.copy())}) == h
+    assert weights_hash({"b": RawTensor("bf16", (2, 3), bits)}) != h
+    assert weights_hash({"a": RawTensor("fp16", (2, 3), bits)}) != h
+    assert weights_hash({"a": RawTensor("bf16", (3, 2), bits)}) != h
+    flipped = bits.copy()
+    flipped[5] ^= 1
+    assert weights_hash({"a": RawTensor("bf16", (2, 3), flipped)}) != h
+
+
+def test_weights_hash_ignores_insertion_order() -> None:
+    x = RawTensor("bf16", (1,), np.array([1], dtype=np.uint16))
+    y = RawTensor("bf16", (1,), np.array([2], dtype=np.uint16))
+    assert weights_hash({"x": x, "y": y}) == weights_hash({"y": y, "x": x})
+
+
+def test_weights_hash_separates_names_from_shapes() -> None:
+    # The NUL separators keep ("a1", shape (2,)) and ("a", shape (12,)) apart.
+    two = RawTensor("bf16", (2,), np.zeros(2, dtype=np.uint16))
+    twelve = RawTensor("bf16", (12,), np.zeros(12, dtype=np.uint16))
+    assert weights_hash({"a1": two}) != weights_hash({"a": twelve})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_torch_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensor = torch.randn(3, 5, generator=gen).to(dtype)
+    tensor[0, 0] = float("nan")
+    tensor[0, 1] = float("-inf")
+    tensor[0, 2] = -0.0
+    raw = from_torch(tensor)
+    assert raw.shape == (3, 5) and raw.bits.ndim == 1
+    back = to_torch(raw)
+    assert back.dtype == dtype and back.shape == tensor.shape
+    int_view = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
+    assert torch.equal(back.view(int_view), tensor.view(int_view))
+
+
+def test_from_torch_bf16_bits_are_the_top_half_of_fp32() -> None:
+    raw = from_torch(torch.tensor([1.0, -2.0], dtype=torch.bfloat16))
+    assert raw.dtype == "bf16"
+    assert raw.bits.tolist() == [0x3F80, 0xC000]
+
+
+def test_from_torch_handles_non_contiguous_and_rejects_other_dtypes() -> None:
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()
+    assert not t.is_contiguous()
+    raw = from_torch(t)
+    assert torch.equal(to_torch(raw), t)
+    with pytest.raises(ValueError):
+        from_torch(torch.zeros(2, dtype=torch.int32))
