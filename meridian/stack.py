@@ -25,6 +25,7 @@ from meridian.config import add_config_args, config_from_args, opt
 STATE_FILE = "stack.json"
 SERVICE_ORDER = ("envsandbox", "weightsync", "trainer", "rollout")
 _LISTEN = re.compile(r"meridian (\w+) listening on ([\d.]+):(\d+)")
+_HTTP_LISTEN = re.compile(r"meridian rollout http listening on ([\d.]+):(\d+)")
 
 
 @dataclasses.dataclass
@@ -32,7 +33,7 @@ class StackConfig:
     run_dir: str = opt(".meridian/run", "folder for the stack's state file, logs and Redis data")
     model: str = opt("builtin", "model folder for rollout and trainer ('builtin': SmolLM2-135M-Instruct)")
     host: str = opt("127.0.0.1", "address every service listens on")
-    ports: str = opt("fixed", "'fixed' (redis 6390, rollout 50051, envsandbox 50052, trainer 50053, weightsync 50054) or 'auto' (free ports)")
+    ports: str = opt("fixed", "'fixed' (redis 6390, rollout 50051 and HTTP 8051, envsandbox 50052, trainer 50053, weightsync 50054) or 'auto' (free ports)")
     ready_timeout_s: float = opt(900.0, "seconds to wait for every service to report SERVING")
     stop_timeout_s: float = opt(30.0, "seconds to wait after SIGTERM before SIGKILL")
 
@@ -41,7 +42,7 @@ class StackConfig:
             raise ValueError(f"ports must be fixed or auto, got {self.ports!r}")
 
 
-FIXED_PORTS = {"redis": 6390, "rollout": 50051, "envsandbox": 50052, "trainer": 50053, "weightsync": 50054}
+FIXED_PORTS = {"redis": 6390, "rollout": 50051, "envsandbox": 50052, "trainer": 50053, "weightsync": 50054, "rollout_http": 8051}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -213,8 +214,13 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
         _wait_serving(["envsandbox", "weightsync"], stack, procs, config.ready_timeout_s)
         common = ["--model", config.model, "--redis-url", stack.redis_url]
         launch("trainer", [*common, "--weightsync", stack.addresses["weightsync"]])
-        launch("rollout", [*common, "--weightsync", stack.addresses["weightsync"], "--envsandbox", stack.addresses["envsandbox"]])
+        http_port = 0 if config.ports == "auto" else port("rollout_http")
+        launch("rollout", [*common, "--weightsync", stack.addresses["weightsync"], "--envsandbox", stack.addresses["envsandbox"], "--http-host", config.host, "--http-port", str(http_port)])
         _wait_serving(["trainer", "rollout"], stack, procs, config.ready_timeout_s)
+        # The HTTP API starts during the rollout's warm-up, so its line is there by now.
+        if m := _HTTP_LISTEN.search(Path(stack.logs["rollout"]).read_text(errors="replace")):
+            stack.addresses["rollout_http"] = f"http://{m.group(1)}:{m.group(2)}/v1"
+            stack.save()
     except BaseException:
         stack.stop(config.stop_timeout_s)
         raise
@@ -265,6 +271,8 @@ def main(command: str, argv: list[str]) -> int:
         print(f"meridian stack up (run folder {run_dir})")
         for name in ("redis", *SERVICE_ORDER):
             print(f"  {name:<11} {stack.addresses[name]:<28} pid {stack.pids[name]:<8} log {stack.logs[name]}")
+        if "rollout_http" in stack.addresses:
+            print(f"  {'openai api':<11} {stack.addresses['rollout_http']}")
         return 0
     stack = Stack.load(run_dir)
     if stack is None:

@@ -138,6 +138,19 @@ class TrajectoryStream:
     async def length(self) -> int:
         return int(await self.redis.xlen(self.name))
 
+    async def backlog(self, group: str) -> int:
+        """Entries not yet consumed by ``group``: never delivered plus delivered and unacked."""
+        try:
+            groups = await self.redis.xinfo_groups(self.name)
+        except aioredis.ResponseError:
+            return 0  # no stream yet
+        for info in groups:
+            name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+            if name == group:
+                lag = info.get("lag")
+                return int(info["pending"]) + (int(lag) if lag is not None else await self.length())
+        return await self.length()
+
     async def pending(self, group: str) -> int:
         """Entries delivered to ``group`` and not yet acked (0 when the group is absent)."""
         try:

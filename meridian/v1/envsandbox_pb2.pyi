@@ -53,18 +53,22 @@ class GetTaskRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("memory_bytes", "max_pids", "cpu_seconds", "wall_seconds", "max_output_bytes")
+    __slots__ = ("memory_bytes", "max_pids", "cpu_seconds", "wall_seconds", "max_output_bytes", "disk_bytes", "cpus")
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_PIDS_FIELD_NUMBER: _ClassVar[int]
     CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
     memory_bytes: int
     max_pids: int
     cpu_seconds: float
     wall_seconds: float
     max_output_bytes: int
-    def __init__(self, memory_bytes: _Optional[int] = ..., max_pids: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., max_output_bytes: _Optional[int] = ...) -> None: ...
+    disk_bytes: int
+    cpus: float
+    def __init__(self, memory_bytes: _Optional[int] = ..., max_pids: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., max_output_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., cpus: _Optional[float] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
     __slots__ = ("task_id", "files", "limits", "ttl_seconds", "client_request_id")
@@ -118,20 +122,22 @@ class ExecRequest(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class ExecResult(_message.Message):
-    __slots__ = ("exit_code", "signal", "timed_out", "stdout_truncated", "stderr_truncated", "wall_seconds")
+    __slots__ = ("exit_code", "signal", "timed_out", "stdout_truncated", "stderr_truncated", "wall_seconds", "oom_killed")
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     STDOUT_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     STDERR_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
     exit_code: int
     signal: int
     timed_out: bool
     stdout_truncated: bool
     stderr_truncated: bool
     wall_seconds: float
-    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
+    oom_killed: bool
+    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., wall_seconds: _Optional[float] = ..., oom_killed: _Optional[bool] = ...) -> None: ...
 
 class ExecChunk(_message.Message):
     __slots__ = ("stdout", "stderr", "result")

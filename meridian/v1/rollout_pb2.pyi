@@ -81,22 +81,44 @@ class RunEpisodesResponse(_message.Message):
     trajectories: _containers.RepeatedCompositeFieldContainer[_common_pb2.Trajectory]
     def __init__(self, trajectories: _Optional[_Iterable[_Union[_common_pb2.Trajectory, _Mapping]]] = ...) -> None: ...
 
+class ScoreRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("logprobs", "policy_version")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    policy_version: int
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
 class RolloutStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("policy_version", "model", "weights_hash", "episodes_completed", "updates_applied", "weightsync_address")
+    __slots__ = ("policy_version", "model", "weights_hash", "episodes_completed", "updates_applied", "weightsync_address", "latest_published_version", "rl_state", "rl_trajectories_published", "http_port")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
     EPISODES_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     WEIGHTSYNC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_PUBLISHED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RL_STATE_FIELD_NUMBER: _ClassVar[int]
+    RL_TRAJECTORIES_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     model: str
     weights_hash: str
     episodes_completed: int
     updates_applied: int
     weightsync_address: str
-    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., weights_hash: _Optional[str] = ..., episodes_completed: _Optional[int] = ..., updates_applied: _Optional[int] = ..., weightsync_address: _Optional[str] = ...) -> None: ...
+    latest_published_version: int
+    rl_state: str
+    rl_trajectories_published: int
+    http_port: int
+    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., weights_hash: _Optional[str] = ..., episodes_completed: _Optional[int] = ..., updates_applied: _Optional[int] = ..., weightsync_address: _Optional[str] = ..., latest_published_version: _Optional[int] = ..., rl_state: _Optional[str] = ..., rl_trajectories_published: _Optional[int] = ..., http_port: _Optional[int] = ...) -> None: ...

@@ -50,6 +50,11 @@ class RolloutStub:
                 request_serializer=meridian_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
                 response_deserializer=meridian_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/meridian.v1.Rollout/Score',
+                request_serializer=meridian_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=meridian_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -77,6 +82,13 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Log-probs the served policy assigns to a given token sequence (teacher forcing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=meridian_dot_v1_dot_rollout__pb2.RolloutStatusRequest.FromString,
                     response_serializer=meridian_dot_v1_dot_rollout__pb2.RolloutStatus.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=meridian_dot_v1_dot_rollout__pb2.ScoreRequest.FromString,
+                    response_serializer=meridian_dot_v1_dot_rollout__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +195,33 @@ class Rollout:
             '/meridian.v1.Rollout/Status',
             meridian_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
             meridian_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meridian.v1.Rollout/Score',
+            meridian_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+            meridian_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19meridian/v1/trainer.proto\x12\x0bmeridian.v1\"\x16\n\x14TrainerStatusRequest\"\xbc\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x13\n\x0breward_mean\x18\x04 \x01(\x01\x12\x14\n\x0ctrajectories\x18\x05 \x01(\x05\x12\x0e\n\x06groups\x18\x06 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x07 \x01(\x01\x12\x11\n\tgrad_norm\x18\x08 \x01(\x01\x12\x15\n\rdropped_stale\x18\t \x01(\x05\"\xb1\x01\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x1d\n\x15trajectories_consumed\x18\x03 \x01(\x03\x12\x1c\n\x14trajectories_pending\x18\x04 \x01(\x03\x12.\n\x0crecent_steps\x18\x05 \x03(\x0b\x32\x18.meridian.v1.StepMetrics\x12\r\n\x05model\x18\x06 \x01(\t2R\n\x07Trainer\x12G\n\x06Status\x12!.meridian.v1.TrainerStatusRequest\x1a\x1a.meridian.v1.TrainerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19meridian/v1/trainer.proto\x12\x0bmeridian.v1\"\x16\n\x14TrainerStatusRequest\"\xc9\x03\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x13\n\x0breward_mean\x18\x04 \x01(\x01\x12\x14\n\x0ctrajectories\x18\x05 \x01(\x05\x12\x0e\n\x06groups\x18\x06 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x07 \x01(\x01\x12\x11\n\tgrad_norm\x18\x08 \x01(\x01\x12\x15\n\rdropped_stale\x18\t \x01(\x05\x12\x1a\n\x12\x64ownweighted_stale\x18\n \x01(\x05\x12\x16\n\x0e\x64ropped_groups\x18\x0b \x01(\x05\x12\x11\n\tpass_rate\x18\x0c \x01(\x01\x12\x17\n\x0fpolicy_lag_mean\x18\r \x01(\x01\x12\x16\n\x0epolicy_lag_max\x18\x0e \x01(\x03\x12\x11\n\tpublished\x18\x0f \x01(\x08\x12\x1c\n\x14weightsync_raw_bytes\x18\x10 \x01(\x04\x12 \n\x18weightsync_encoded_bytes\x18\x11 \x01(\x04\x12\n\n\x02lr\x18\x12 \x01(\x01\x12\x0f\n\x07stepped\x18\x13 \x01(\x08\x12\x17\n\x0ftis_weight_mean\x18\x14 \x01(\x01\x12\n\n\x02kl\x18\x15 \x01(\x01\"\x86\x03\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x1d\n\x15trajectories_consumed\x18\x03 \x01(\x03\x12\x1c\n\x14trajectories_pending\x18\x04 \x01(\x03\x12.\n\x0crecent_steps\x18\x05 \x03(\x0b\x32\x18.meridian.v1.StepMetrics\x12\r\n\x05model\x18\x06 \x01(\t\x12\x1b\n\x13\x64ropped_stale_total\x18\x07 \x01(\x03\x12 \n\x18\x64ownweighted_stale_total\x18\x08 \x01(\x03\x12\x15\n\rdead_lettered\x18\t \x01(\x03\x12\x1a\n\x12\x64uplicates_skipped\x18\n \x01(\x03\x12\x0f\n\x07\x63laimed\x18\x0b \x01(\x03\x12\x17\n\x0f\x63heckpoint_step\x18\x0c \x01(\x03\x12\x19\n\x11resumed_from_step\x18\r \x01(\x03\x12\x1c\n\x14\x64ropped_groups_total\x18\x0e \x01(\x03\x32R\n\x07Trainer\x12G\n\x06Status\x12!.meridian.v1.TrainerStatusRequest\x1a\x1a.meridian.v1.TrainerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINERSTATUSREQUEST']._serialized_start=42
   _globals['_TRAINERSTATUSREQUEST']._serialized_end=64
   _globals['_STEPMETRICS']._serialized_start=67
-  _globals['_STEPMETRICS']._serialized_end=255
-  _globals['_TRAINERSTATUS']._serialized_start=258
-  _globals['_TRAINERSTATUS']._serialized_end=435
-  _globals['_TRAINER']._serialized_start=437
-  _globals['_TRAINER']._serialized_end=519
+  _globals['_STEPMETRICS']._serialized_end=524
+  _globals['_TRAINERSTATUS']._serialized_start=527
+  _globals['_TRAINERSTATUS']._serialized_end=917
+  _globals['_TRAINER']._serialized_start=919
+  _globals['_TRAINER']._serialized_end=1001
 # @@protoc_insertion_point(module_scope)

@@ -124,12 +124,20 @@ class Manifest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., weights_hash: _Optional[str] = ..., codec: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("from_version", "follow")
+    __slots__ = ("from_version", "follow", "resume", "resume_version", "resume_base", "resume_chunk")
     FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    RESUME_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_BASE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CHUNK_FIELD_NUMBER: _ClassVar[int]
     from_version: int
     follow: bool
-    def __init__(self, from_version: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+    resume: bool
+    resume_version: int
+    resume_base: int
+    resume_chunk: int
+    def __init__(self, from_version: _Optional[int] = ..., follow: _Optional[bool] = ..., resume: _Optional[bool] = ..., resume_version: _Optional[int] = ..., resume_base: _Optional[int] = ..., resume_chunk: _Optional[int] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("manifest", "chunk")
@@ -155,18 +163,42 @@ class GetManifestRequest(_message.Message):
     version: int
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
+class FetchChunkRequest(_message.Message):
+    __slots__ = ("version", "base_version", "index")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    base_version: int
+    index: int
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
 class WeightSyncStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WeightSyncStatus(_message.Message):
-    __slots__ = ("latest_version", "versions", "stored_bytes", "role")
+    __slots__ = ("latest_version", "versions", "stored_bytes", "role", "chunks_sent", "chunk_bytes_sent", "resumed_streams", "chunk_fetches", "compacted_built", "upstream_versions", "upstream_bytes")
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FETCHES_FIELD_NUMBER: _ClassVar[int]
+    COMPACTED_BUILT_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     latest_version: int
     versions: _containers.RepeatedScalarFieldContainer[int]
     stored_bytes: int
     role: str
-    def __init__(self, latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., stored_bytes: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+    chunks_sent: int
+    chunk_bytes_sent: int
+    resumed_streams: int
+    chunk_fetches: int
+    compacted_built: int
+    upstream_versions: int
+    upstream_bytes: int
+    def __init__(self, latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., stored_bytes: _Optional[int] = ..., role: _Optional[str] = ..., chunks_sent: _Optional[int] = ..., chunk_bytes_sent: _Optional[int] = ..., resumed_streams: _Optional[int] = ..., chunk_fetches: _Optional[int] = ..., compacted_built: _Optional[int] = ..., upstream_versions: _Optional[int] = ..., upstream_bytes: _Optional[int] = ...) -> None: ...

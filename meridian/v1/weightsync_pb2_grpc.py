@@ -50,6 +50,11 @@ class WeightSyncStub:
                 request_serializer=meridian_dot_v1_dot_weightsync__pb2.GetManifestRequest.SerializeToString,
                 response_deserializer=meridian_dot_v1_dot_weightsync__pb2.Manifest.FromString,
                 _registered_method=True)
+        self.FetchChunk = channel.unary_unary(
+                '/meridian.v1.WeightSync/FetchChunk',
+                request_serializer=meridian_dot_v1_dot_weightsync__pb2.FetchChunkRequest.SerializeToString,
+                response_deserializer=meridian_dot_v1_dot_weightsync__pb2.ChunkData.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/meridian.v1.WeightSync/Status',
                 request_serializer=meridian_dot_v1_dot_weightsync__pb2.WeightSyncStatusRequest.SerializeToString,
@@ -82,6 +87,13 @@ class WeightSyncServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchChunk(self, request, context):
+        """One chunk of a version again (a subscriber whose copy failed its checksum).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -105,6 +117,11 @@ def add_WeightSyncServicer_to_server(servicer, server):
                     servicer.GetManifest,
                     request_deserializer=meridian_dot_v1_dot_weightsync__pb2.GetManifestRequest.FromString,
                     response_serializer=meridian_dot_v1_dot_weightsync__pb2.Manifest.SerializeToString,
+            ),
+            'FetchChunk': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchChunk,
+                    request_deserializer=meridian_dot_v1_dot_weightsync__pb2.FetchChunkRequest.FromString,
+                    response_serializer=meridian_dot_v1_dot_weightsync__pb2.ChunkData.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -194,6 +211,33 @@ class WeightSync:
             '/meridian.v1.WeightSync/GetManifest',
             meridian_dot_v1_dot_weightsync__pb2.GetManifestRequest.SerializeToString,
             meridian_dot_v1_dot_weightsync__pb2.Manifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meridian.v1.WeightSync/FetchChunk',
+            meridian_dot_v1_dot_weightsync__pb2.FetchChunkRequest.SerializeToString,
+            meridian_dot_v1_dot_weightsync__pb2.ChunkData.FromString,
             options,
             channel_credentials,
             insecure,

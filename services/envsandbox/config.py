@@ -5,15 +5,22 @@ import dataclasses
 
 from meridian.config import opt
 
+BACKENDS = ("process", "docker")
+
 
 @dataclasses.dataclass
 class EnvSandboxConfig:
-    root: str = opt("", "folder for sandbox workspaces (empty: a fresh temporary folder)")
+    backend: str = opt("process", "sandbox backend: process (namespaces + cgroups, no daemon) or docker")
+    root: str = opt("", "folder for the service's sandbox state (empty: a fresh temporary folder)")
     tasks_dir: str = opt("", "extra folder of task JSON files loaded beside the built-in suite")
     max_sandboxes: int = opt(256, "live sandboxes at most; more answers RESOURCE_EXHAUSTED")
     default_ttl_s: float = opt(600.0, "time-to-live of a sandbox that asks for none")
     reap_interval_s: float = opt(5.0, "how often expired sandboxes are closed")
+    docker_host: str = opt("", "docker backend: daemon address, e.g. unix:///run/docker.sock (empty: DOCKER_HOST or the default)")
+    docker_image: str = opt("", "docker backend: image to run (empty: build the minimal base image locally)")
 
     def __post_init__(self) -> None:
         if self.max_sandboxes <= 0 or self.default_ttl_s <= 0 or self.reap_interval_s <= 0:
             raise ValueError("max_sandboxes, default_ttl_s and reap_interval_s must be positive")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -1,36 +1,42 @@
-"""Process-backend sandboxes: a private workspace directory per sandbox, commands run
-in their own process group and network namespace with resource limits, a wall-clock
-timeout that kills the whole group, and capped output.
+"""Sandboxes behind one interface: the backend-independent manager and the backend contract.
+
+The manager owns ids, time-to-live, the live-sandbox limit, create idempotency, Fork and
+RunTests; a :class:`Backend` owns isolation (where files live, how commands run). Two
+backends exist: ``process`` (namespaces + cgroups, no daemon; the default) and ``docker``.
 
 This module is the service's pure core: it knows nothing of gRPC.
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
-import os
-import shutil
-import signal
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.envsandbox import workspace_files
 from services.envsandbox.tasks import TESTS_DIR, Task, TestOutcome, score_output
 
-_SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
-_READ_CHUNK = 64 * 1024
+SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+HARNESS_PATH = f"{TESTS_DIR}/_harness.py"
+HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text()
+SANDBOX_UID = 61000
+MAX_FORK = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
     memory_bytes: int = 512 * 1024 * 1024
+    max_pids: int = 128
+    cpus: float = 1.0
     cpu_seconds: float = 30.0
     wall_seconds: float = 20.0
     max_output_bytes: int = 1024 * 1024
     max_file_bytes: int = 64 * 1024 * 1024
+    disk_bytes: int = 128 * 1024 * 1024
 
     def merged(self, **overrides: float | int) -> "Limits":
         """These limits with every positive override applied."""
@@ -45,57 +51,83 @@ class ExecResult:
     stdout_truncated: bool
     stderr_truncated: bool
     wall_seconds: float
+    oom_killed: bool = False
+
+
+ExecItem = tuple[str, bytes] | ExecResult
 
 
 @dataclasses.dataclass
 class Sandbox:
     sandbox_id: str
-    workspace: Path
     task: Task | None
     limits: Limits
     created: float
     expires: float
     client_request_id: str = ""
-    running: set[asyncio.subprocess.Process] = dataclasses.field(default_factory=set)
+    ready: bool = False
 
 
-def _isolation_prefix() -> list[str]:
-    """Runs commands without network interfaces when we may create namespaces."""
-    unshare = shutil.which("unshare")
-    if unshare and os.geteuid() == 0:
-        return [unshare, "--net", "--"]
-    return []
+class Backend(abc.ABC):
+    """Where sandboxes live and how their commands run."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Prepares the backend and removes what a previous (killed) run left behind."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Releases everything the backend holds."""
+
+    @abc.abstractmethod
+    async def create(self, sandbox_id: str, limits: Limits) -> None:
+        """An empty workspace, limited by ``limits``."""
+
+    @abc.abstractmethod
+    async def destroy(self, sandbox_id: str) -> None:
+        """Kills every process of the sandbox and removes all its resources."""
+
+    @abc.abstractmethod
+    async def write_files(self, sandbox_id: str, files: dict[str, bytes], mode: int = 0o644) -> None:
+        """Writes files below the workspace; raises workspace_files.PathError on bad paths."""
+
+    @abc.abstractmethod
+    async def read_files(self, sandbox_id: str, paths: list[str], max_bytes: int) -> dict[str, bytes]:
+        """Reads regular files below the workspace without following symlinks."""
+
+    @abc.abstractmethod
+    async def remove(self, sandbox_id: str, path: str) -> None:
+        """Removes a file or folder below the workspace (no error if absent)."""
+
+    @abc.abstractmethod
+    async def copy_workspace(self, src_id: str, dst_id: str) -> None:
+        """Copies one sandbox's workspace into another's (empty) one."""
+
+    @abc.abstractmethod
+    def exec(
+        self, sandbox_id: str, argv: list[str], stdin: bytes, env: dict[str, str], cwd: str, wall_s: float, limits: Limits
+    ) -> AsyncIterator[ExecItem]:
+        """Runs ``argv``; yields ``("stdout"|"stderr", bytes)`` chunks, then one ExecResult."""
+
+    @abc.abstractmethod
+    async def leftovers(self) -> list[str]:
+        """Resources of this backend that no live sandbox accounts for (should be none)."""
 
 
-def _limits_prefix(limits: Limits) -> list[str]:
-    """Resource limits applied by ``prlimit`` in the child.
-
-    A ``preexec_fn`` would run Python (and gRPC's fork handlers) between fork and exec
-    in this multi-threaded server, which deadlocks; an exec'd wrapper does not.
-    """
-    prlimit = shutil.which("prlimit")
-    if prlimit is None:
-        raise FailedPrecondition("prlimit (util-linux) is required to limit sandboxed commands")
-    cpu = max(1, int(limits.cpu_seconds))
-    return [
-        prlimit,
-        f"--as={limits.memory_bytes}",
-        f"--cpu={cpu}:{cpu + 1}",
-        f"--fsize={limits.max_file_bytes}",
-        "--core=0",
-        "--",
-    ]
+def path_error(exc: workspace_files.PathError) -> Exception:
+    return NotFound(str(exc)) if exc.kind == "not_found" else InvalidArgument(str(exc))
 
 
-def resolve_inside(root: Path, relative: str) -> Path:
-    """``root/relative`` if it stays inside ``root`` after following symlinks; else InvalidArgument."""
-    if not relative or relative.startswith("/") or "\x00" in relative:
-        raise InvalidArgument(f"path must be relative and non-empty: {relative!r}")
-    candidate = Path(os.path.realpath(root / relative))
-    real_root = Path(os.path.realpath(root))
-    if candidate != real_root and real_root not in candidate.parents:
-        raise InvalidArgument(f"path escapes the workspace: {relative!r}")
-    return candidate
+def sandbox_env(env: dict[str, str] | None) -> dict[str, str]:
+    """The environment of a sandboxed command: a fixed base plus what the caller asked for."""
+    full = {"PATH": SAFE_PATH, "HOME": "/workspace", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    for key, value in (env or {}).items():
+        if not key or "=" in key or "\x00" in key or "\x00" in value:
+            raise InvalidArgument(f"bad environment variable {key!r}")
+        full[key] = value
+    return full
 
 
 class SandboxManager:
@@ -103,23 +135,35 @@ class SandboxManager:
 
     def __init__(
         self,
-        root: Path | None = None,
+        backend: Backend,
         default_limits: Limits = Limits(),
         default_ttl_s: float = 600.0,
         max_sandboxes: int = 256,
     ) -> None:
-        self.root = Path(root or tempfile.mkdtemp(prefix="meridian-sandboxes-"))
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.backend = backend
         self.default_limits = default_limits
         self.default_ttl_s = default_ttl_s
         self.max_sandboxes = max_sandboxes
         self._boxes: dict[str, Sandbox] = {}
         self._by_request: dict[str, str] = {}
-        self._prefix = _isolation_prefix()
+        self._started = False
+        self._start_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Starts the backend once (concurrent callers wait for the first)."""
+        async with self._start_lock:
+            if not self._started:
+                await self.backend.start()
+                self._started = True
 
     # ------------------------------------------------------------ lifecycle
 
-    def create(
+    def limits_for(self, task: Task | None) -> Limits:
+        if task is None:
+            return self.default_limits
+        return self.default_limits.merged(**dataclasses.asdict(task.limits))
+
+    async def create(
         self,
         task: Task | None = None,
         files: dict[str, bytes] | None = None,
@@ -128,6 +172,7 @@ class SandboxManager:
         client_request_id: str = "",
     ) -> Sandbox:
         """A new sandbox holding the task's files then ``files``; idempotent per request id."""
+        await self.start()
         if client_request_id and client_request_id in self._by_request:
             existing = self._boxes.get(self._by_request[client_request_id])
             if existing is not None:
@@ -136,108 +181,127 @@ class SandboxManager:
             raise ResourceExhausted(f"live sandbox limit reached ({self.max_sandboxes}); close some first")
         if ttl_s < 0:
             raise InvalidArgument(f"ttl_seconds must be >= 0, got {ttl_s}")
-        sandbox_id = "sbx-" + uuid.uuid4().hex[:16]
-        workspace = self.root / sandbox_id
-        workspace.mkdir(mode=0o755)
         now = time.time()
         box = Sandbox(
-            sandbox_id=sandbox_id,
-            workspace=workspace,
+            sandbox_id="sbx-" + uuid.uuid4().hex[:16],
             task=task,
-            limits=limits or (self.default_limits.merged(**dataclasses.asdict(task.limits)) if task else self.default_limits),
+            limits=limits or self.limits_for(task),
             created=now,
             expires=now + (ttl_s or self.default_ttl_s),
             client_request_id=client_request_id,
         )
-        self._boxes[sandbox_id] = box
+        # Registered before the first await so that the limit and idempotency hold under concurrency.
+        self._boxes[box.sandbox_id] = box
         if client_request_id:
-            self._by_request[client_request_id] = sandbox_id
+            self._by_request[client_request_id] = box.sandbox_id
         try:
-            if task is not None:
-                self.write_files(sandbox_id, {p: c.encode() for p, c in task.files.items()})
+            await self.backend.create(box.sandbox_id, box.limits)
+            box.ready = True
+            if task is not None and task.files:
+                await self._write(box, {p: c.encode() for p, c in task.files.items()})
             if files:
-                self.write_files(sandbox_id, files)
-        except Exception:
-            self._remove(box)
+                await self._write(box, files)
+        except BaseException:
+            await self._remove(box)
             raise
         return box
 
     def get(self, sandbox_id: str) -> Sandbox:
-        try:
-            return self._boxes[sandbox_id]
-        except KeyError:
-            raise NotFound(f"no live sandbox {sandbox_id!r}") from None
+        box = self._boxes.get(sandbox_id)
+        if box is None or not box.ready:
+            raise NotFound(f"no live sandbox {sandbox_id!r}")
+        return box
 
     def list(self) -> list[Sandbox]:
-        return list(self._boxes.values())
+        return [b for b in self._boxes.values() if b.ready]
 
     async def close(self, sandbox_id: str) -> None:
-        """Kills whatever still runs in the sandbox and deletes its workspace."""
-        box = self.get(sandbox_id)
-        for proc in list(box.running):
-            _kill_group(proc)
-        self._remove(box)
+        """Kills whatever still runs in the sandbox and removes all its resources."""
+        await self._remove(self.get(sandbox_id))
 
-    def _remove(self, box: Sandbox) -> None:
+    async def _remove(self, box: Sandbox) -> None:
         self._boxes.pop(box.sandbox_id, None)
-        if box.client_request_id:
+        box.ready = False
+        if box.client_request_id and self._by_request.get(box.client_request_id) == box.sandbox_id:
             self._by_request.pop(box.client_request_id, None)
-        shutil.rmtree(box.workspace, ignore_errors=True)
+        await self.backend.destroy(box.sandbox_id)
 
     async def reap_expired(self, now: float | None = None) -> list[str]:
         """Closes sandboxes past their time-to-live; returns their ids."""
         now = time.time() if now is None else now
-        expired = [b.sandbox_id for b in self._boxes.values() if b.expires <= now]
+        expired = [b.sandbox_id for b in self.list() if b.expires <= now]
         for sandbox_id in expired:
-            await self.close(sandbox_id)
+            if sandbox_id in self._boxes:
+                await self.close(sandbox_id)
         return expired
 
     async def close_all(self) -> None:
-        for sandbox_id in list(self._boxes):
-            await self.close(sandbox_id)
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Closes every sandbox and stops the backend."""
+        for box in list(self._boxes.values()):
+            await self._remove(box)
+        if self._started:
+            await self.backend.stop()
+            self._started = False
 
-    def fork(self, sandbox_id: str, count: int) -> list[Sandbox]:
+    async def fork(self, sandbox_id: str, count: int) -> list[Sandbox]:
         """``count`` new sandboxes, each with a copy of the source's workspace."""
-        if count <= 0 or count > 64:
-            raise InvalidArgument(f"fork count must be in 1..64, got {count}")
+        if count <= 0 or count > MAX_FORK:
+            raise InvalidArgument(f"fork count must be in 1..{MAX_FORK}, got {count}")
         src = self.get(sandbox_id)
         if len(self._boxes) + count > self.max_sandboxes:
             raise ResourceExhausted(f"forking {count} would exceed the live sandbox limit ({self.max_sandboxes})")
-        copies = []
-        for _ in range(count):
-            box = self.create(task=None, limits=src.limits, ttl_s=max(1.0, src.expires - time.time()))
+        ttl = max(1.0, src.expires - time.time())
+
+        async def one() -> Sandbox:
+            box = await self.create(task=None, limits=src.limits, ttl_s=ttl)
             box.task = src.task
-            shutil.copytree(src.workspace, box.workspace, symlinks=True, dirs_exist_ok=True)
-            copies.append(box)
-        return copies
+            try:
+                await self.backend.copy_workspace(src.sandbox_id, box.sandbox_id)
+            except BaseException:
+                await self._remove(box)
+                raise
+            return box
+
+        results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for r in results:
+                if isinstance(r, Sandbox) and r.sandbox_id in self._boxes:
+                    await self._remove(r)
+            raise failed[0]
+        return [r for r in results if isinstance(r, Sandbox)]
 
     # ------------------------------------------------------------ files
 
-    def write_files(self, sandbox_id: str, files: dict[str, bytes], mode: int = 0o644) -> None:
-        box = self.get(sandbox_id)
+    async def _write(self, box: Sandbox, files: dict[str, bytes]) -> None:
         for rel, content in files.items():
             if len(content) > box.limits.max_file_bytes:
                 raise InvalidArgument(f"file {rel!r} is {len(content)} bytes, over the {box.limits.max_file_bytes} limit")
-            path = resolve_inside(box.workspace, rel)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.is_symlink():
-                path.unlink()
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(content)
+            try:
+                workspace_files.split_relative(rel)
+            except workspace_files.PathError as exc:
+                raise path_error(exc) from None
+        try:
+            await self.backend.write_files(box.sandbox_id, files)
+        except workspace_files.PathError as exc:
+            raise path_error(exc) from None
+        except OSError as exc:
+            raise ResourceExhausted(f"cannot write files in sandbox {box.sandbox_id}: {exc.strerror or exc}") from None
 
-    def read_files(self, sandbox_id: str, paths: list[str]) -> dict[str, bytes]:
+    async def write_files(self, sandbox_id: str, files: dict[str, bytes]) -> None:
+        await self._write(self.get(sandbox_id), files)
+
+    async def read_files(self, sandbox_id: str, paths: list[str]) -> dict[str, bytes]:
         box = self.get(sandbox_id)
-        out = {}
         for rel in paths:
-            path = resolve_inside(box.workspace, rel)
-            if not path.is_file():
-                raise NotFound(f"no file {rel!r} in sandbox {sandbox_id}")
-            if path.stat().st_size > box.limits.max_output_bytes:
-                raise InvalidArgument(f"file {rel!r} is larger than {box.limits.max_output_bytes} bytes")
-            out[rel] = path.read_bytes()
-        return out
+            try:
+                workspace_files.split_relative(rel)
+            except workspace_files.PathError as exc:
+                raise path_error(exc) from None
+        try:
+            return await self.backend.read_files(sandbox_id, paths, box.limits.max_output_bytes)
+        except workspace_files.PathError as exc:
+            raise path_error(exc) from None
 
     # ------------------------------------------------------------ exec
 
@@ -249,126 +313,124 @@ class SandboxManager:
         env: dict[str, str] | None = None,
         cwd: str = "",
         timeout_s: float = 0.0,
-    ) -> AsyncIterator[tuple[str, bytes] | ExecResult]:
+    ) -> AsyncIterator[ExecItem]:
         """Runs ``argv``; yields ``("stdout"|"stderr", bytes)`` chunks, then an ExecResult."""
         box = self.get(sandbox_id)
-        if not argv or not argv[0]:
-            raise InvalidArgument("argv must name a command")
-        workdir = resolve_inside(box.workspace, cwd) if cwd else box.workspace
-        if not workdir.is_dir():
-            raise InvalidArgument(f"cwd {cwd!r} is not a directory in the sandbox")
-        limits = box.limits
-        wall = min(timeout_s, limits.wall_seconds) if timeout_s > 0 else limits.wall_seconds
-        full_env = {"PATH": _SAFE_PATH, "HOME": str(box.workspace), "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        full_env.update(env or {})
-        start = time.monotonic()
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *_limits_prefix(limits),
-                *self._prefix,
-                *argv,
-                cwd=workdir,
-                env=full_env,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
-        except (FileNotFoundError, PermissionError) as exc:
-            raise FailedPrecondition(f"cannot start {argv[0]!r}: {exc}") from exc
-        box.running.add(proc)
-        queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
-        budget = {"stdout": limits.max_output_bytes, "stderr": limits.max_output_bytes}
-        truncated = {"stdout": False, "stderr": False}
-
-        async def pump(name: str, stream: asyncio.StreamReader) -> None:
-            while chunk := await stream.read(_READ_CHUNK):
-                keep = chunk[: max(0, budget[name])]
-                budget[name] -= len(chunk)
-                if len(keep) < len(chunk):
-                    truncated[name] = True
-                if keep:
-                    await queue.put((name, keep))
-            await queue.put(None)
-
-        async def feed() -> None:
-            assert proc.stdin is not None
+        if not argv or not argv[0] or any("\x00" in a for a in argv):
+            raise InvalidArgument("argv must name a command (and hold no NUL bytes)")
+        if cwd:
             try:
-                if stdin:
-                    proc.stdin.write(stdin)
-                    await proc.stdin.drain()
-                proc.stdin.close()
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-
-        assert proc.stdout is not None and proc.stderr is not None
-        tasks = [asyncio.create_task(pump("stdout", proc.stdout)), asyncio.create_task(pump("stderr", proc.stderr)), asyncio.create_task(feed())]
-        timed_out = False
-        deadline = start + wall
-        try:
-            open_streams = 2
-            while open_streams:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    timed_out = True
-                    break
-                try:
-                    item = await asyncio.wait_for(queue.get(), timeout=remaining)
-                except TimeoutError:
-                    timed_out = True
-                    break
-                if item is None:
-                    open_streams -= 1
-                else:
-                    yield item
-            if timed_out:
-                _kill_group(proc)
-            try:
-                await asyncio.wait_for(proc.wait(), timeout=max(0.1, deadline - time.monotonic()) if not timed_out else 5)
-            except TimeoutError:
-                timed_out = True
-                _kill_group(proc)
-                await proc.wait()
-        finally:
-            # Whatever the outcome (also a cancelled client), nothing of this exec survives it.
-            _kill_group(proc)
-            for t in tasks:
-                t.cancel()
-            box.running.discard(proc)
-        code = proc.returncode if proc.returncode is not None else -1
-        yield ExecResult(
-            exit_code=code if code >= 0 else -1,
-            signal=-code if code < 0 else 0,
-            timed_out=timed_out,
-            stdout_truncated=truncated["stdout"],
-            stderr_truncated=truncated["stderr"],
-            wall_seconds=time.monotonic() - start,
-        )
+                workspace_files.split_relative(cwd)
+            except workspace_files.PathError as exc:
+                raise path_error(exc) from None
+        if timeout_s < 0:
+            raise InvalidArgument(f"timeout_seconds must be >= 0, got {timeout_s}")
+        wall = min(timeout_s, box.limits.wall_seconds) if timeout_s > 0 else box.limits.wall_seconds
+        full_env = sandbox_env(env)
+        async for item in self.backend.exec(sandbox_id, argv, stdin, full_env, cwd, wall, box.limits):
+            yield item
 
     async def run_tests(self, sandbox_id: str) -> tuple[TestOutcome, ExecResult, bytes]:
-        """Writes the task's hidden tests, runs its test command and scores the output."""
+        """Writes the task's hidden tests and the trusted harness, runs the test command and
+        scores its standard output (see harness.py for why nothing else can write there)."""
         box = self.get(sandbox_id)
         if box.task is None:
             raise FailedPrecondition(f"sandbox {sandbox_id} was not created from a task")
         task = box.task
-        tests_dir = box.workspace / TESTS_DIR
-        shutil.rmtree(tests_dir, ignore_errors=True)
-        self.write_files(sandbox_id, {f"{TESTS_DIR}/{p}": c.encode() for p, c in task.tests.items()})
-        output = bytearray()
+        await self.backend.remove(sandbox_id, TESTS_DIR)
+        hidden = {f"{TESTS_DIR}/{p}": c.encode() for p, c in task.tests.items()}
+        hidden[HARNESS_PATH] = HARNESS_SOURCE.encode()
+        await self._write(box, hidden)
+        stdout, stderr = bytearray(), bytearray()
         result: ExecResult | None = None
-        async for item in self.exec(sandbox_id, task.test_command, timeout_s=task.limits.wall_seconds):
-            if isinstance(item, ExecResult):
-                result = item
-            else:
-                output += item[1]
-        assert result is not None
-        outcome = score_output(task.reward, output.decode(errors="replace"), result.exit_code)
-        return outcome, result, bytes(output)
-
-
-def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            async for item in self.exec(sandbox_id, task.test_command, timeout_s=task.limits.wall_seconds):
+                if isinstance(item, ExecResult):
+                    result = item
+                elif item[0] == "stdout":
+                    stdout += item[1]
+                else:
+                    stderr += item[1]
+        finally:
+            await self.backend.remove(sandbox_id, TESTS_DIR)
+        assert result is not None
+        outcome = score_output(task.reward, stdout.decode(errors="replace"), result.exit_code)
+        return outcome, result, bytes(stdout + stderr)
+
+
+# ------------------------------------------------------------------ shared exec plumbing
+
+
+@dataclasses.dataclass(frozen=True)
+class PumpDone:
+    timed_out: bool
+    stdout_truncated: bool
+    stderr_truncated: bool
+
+
+async def pump_process(
+    proc: asyncio.subprocess.Process, stdin: bytes, wall_s: float, max_output: int, kill: Callable[[], None]
+) -> AsyncIterator[tuple[str, bytes] | PumpDone]:
+    """Streams a started process's output within ``wall_s`` and ``max_output`` bytes per stream.
+
+    Yields output chunks, then one PumpDone. ``kill`` ends the process and all it started.
+    """
+    queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+    budget = {"stdout": max_output, "stderr": max_output}
+    truncated = {"stdout": False, "stderr": False}
+
+    async def pump(name: str, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(64 * 1024):
+            keep = chunk[: max(0, budget[name])]
+            budget[name] -= len(chunk)
+            if len(keep) < len(chunk):
+                truncated[name] = True
+            if keep:
+                await queue.put((name, keep))
+        await queue.put(None)
+
+    async def feed() -> None:
+        assert proc.stdin is not None
+        try:
+            if stdin:
+                proc.stdin.write(stdin)
+                await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
             pass
+
+    assert proc.stdout is not None and proc.stderr is not None
+    start = time.monotonic()
+    tasks = [asyncio.create_task(pump("stdout", proc.stdout)), asyncio.create_task(pump("stderr", proc.stderr)), asyncio.create_task(feed())]
+    timed_out = False
+    deadline = start + wall_s
+    try:
+        open_streams = 2
+        while open_streams:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=remaining)
+            except TimeoutError:
+                timed_out = True
+                break
+            if item is None:
+                open_streams -= 1
+            else:
+                yield item
+        if timed_out:
+            kill()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=max(0.1, deadline - time.monotonic()) if not timed_out else 5)
+        except TimeoutError:
+            timed_out = True
+            kill()
+            await proc.wait()
+    finally:
+        # Whatever the outcome (also a cancelled client), nothing of this exec survives it.
+        kill()
+        for t in tasks:
+            t.cancel()
+    yield PumpDone(timed_out, truncated["stdout"], truncated["stderr"])

@@ -13,8 +13,9 @@ import grpc
 from meridian.errors import InvalidArgument
 from meridian.v1 import envsandbox_pb2 as pb
 from meridian.v1 import envsandbox_pb2_grpc as pb_grpc
+from services.envsandbox.backends import make_backend
 from services.envsandbox.config import EnvSandboxConfig
-from services.envsandbox.sandbox import ExecResult, Limits, SandboxManager
+from services.envsandbox.sandbox import ExecResult, Sandbox, SandboxManager
 from services.envsandbox.tasks import Task, TaskSuite
 
 log = logging.getLogger(__name__)
@@ -33,13 +34,13 @@ def task_to_pb(task: Task) -> pb.Task:
     )
 
 
-def _info(box) -> pb.SandboxInfo:  # type: ignore[no-untyped-def]
+def _info(box: Sandbox, backend: str) -> pb.SandboxInfo:
     return pb.SandboxInfo(
         sandbox_id=box.sandbox_id,
         task_id=box.task.id if box.task else "",
         created_unix=box.created,
         expires_unix=box.expires,
-        backend="process",
+        backend=backend,
     )
 
 
@@ -68,7 +69,7 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
             extra = TaskSuite.load_dir(Path(config.tasks_dir))
             self.suite = TaskSuite([*self.suite.select(), *extra.select()])
         self.sandboxes = SandboxManager(
-            root=Path(config.root) if config.root else None,
+            make_backend(config),
             default_ttl_s=config.default_ttl_s,
             max_sandboxes=config.max_sandboxes,
         )
@@ -78,6 +79,8 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
         pb_grpc.add_EnvSandboxServicer_to_server(self, server)
 
     async def start(self) -> None:
+        # Backend start-up also removes what a killed previous run left behind.
+        await self.sandboxes.start()
         self._reaper = asyncio.create_task(self._reap_forever())
 
     async def stop(self) -> None:
@@ -90,7 +93,11 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
-            reaped = await self.sandboxes.reap_expired()
+            try:
+                reaped = await self.sandboxes.reap_expired()
+            except Exception:
+                log.exception("reaping expired sandboxes failed")
+                continue
             if reaped:
                 log.info("reaped %d expired sandboxes", len(reaped))
 
@@ -109,18 +116,21 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
             base = self.sandboxes.default_limits
             limits = base.merged(
                 memory_bytes=request.limits.memory_bytes,
+                max_pids=request.limits.max_pids,
                 cpu_seconds=request.limits.cpu_seconds,
                 wall_seconds=request.limits.wall_seconds,
                 max_output_bytes=request.limits.max_output_bytes,
+                disk_bytes=request.limits.disk_bytes,
+                cpus=request.limits.cpus,
             )
-        box = self.sandboxes.create(
+        box = await self.sandboxes.create(
             task=task,
             files=_files(list(request.files)),
             limits=limits,
             ttl_s=request.ttl_seconds,
             client_request_id=request.client_request_id,
         )
-        return _info(box)
+        return _info(box, self.sandboxes.backend.name)
 
     async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExecChunk]:
         if len(request.argv) > MAX_EXEC_ARGS:
@@ -141,15 +151,16 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
                 yield pb.ExecChunk(stderr=item[1])
 
     async def WriteFiles(self, request: pb.WriteFilesRequest, context: grpc.aio.ServicerContext) -> pb.WriteFilesResponse:
-        self.sandboxes.write_files(request.sandbox_id, _files(list(request.files)))
+        await self.sandboxes.write_files(request.sandbox_id, _files(list(request.files)))
         return pb.WriteFilesResponse()
 
     async def ReadFiles(self, request: pb.ReadFilesRequest, context: grpc.aio.ServicerContext) -> pb.ReadFilesResponse:
-        files = self.sandboxes.read_files(request.sandbox_id, list(request.paths))
+        files = await self.sandboxes.read_files(request.sandbox_id, list(request.paths))
         return pb.ReadFilesResponse(files=[pb.File(path=p, content=c) for p, c in files.items()])
 
     async def Fork(self, request: pb.ForkRequest, context: grpc.aio.ServicerContext) -> pb.ForkResponse:
-        return pb.ForkResponse(sandboxes=[_info(b) for b in self.sandboxes.fork(request.sandbox_id, request.count)])
+        copies = await self.sandboxes.fork(request.sandbox_id, request.count)
+        return pb.ForkResponse(sandboxes=[_info(b, self.sandboxes.backend.name) for b in copies])
 
     async def RunTests(self, request: pb.RunTestsRequest, context: grpc.aio.ServicerContext) -> pb.RunTestsResponse:
         outcome, result, output = await self.sandboxes.run_tests(request.sandbox_id)
@@ -165,4 +176,4 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
         return pb.CloseResponse()
 
     async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> pb.ListResponse:
-        return pb.ListResponse(sandboxes=[_info(b) for b in self.sandboxes.list()])
+        return pb.ListResponse(sandboxes=[_info(b, self.sandboxes.backend.name) for b in self.sandboxes.list()])

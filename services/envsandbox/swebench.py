@@ -245,19 +245,21 @@ def apply_unified_diff(files: dict[str, str], diff: str) -> tuple[dict[str, str]
 
 RUNNER_SOURCE = '''"""Runs named tests of a SWE-bench-style task; prints PASS/FAIL per test id.
 
-Usage: python3 .tests/_swebench_runner.py .tests/_swebench_tests.json
+Usage: python3 -I .tests/_swebench_runner.py .tests/_swebench_tests.json
+Each test runs in its own child process (code under test never runs in this one).
 Exits 1 when any test fails.
 """
-import contextlib
+import ctypes
 import importlib.util
 import inspect
-import io
 import json
 import os
+import subprocess
 import sys
 import traceback
 import unittest
 
+CHILD_TIMEOUT_S = 8
 HIDDEN = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.getcwd()
 _modules = {}
@@ -325,21 +327,60 @@ def run_one(test_id):
     return True, ""
 
 
+def run_in_child(test_id):
+    """(passed, reason): the test runs in a fresh interpreter that never holds this
+    process's standard output, the only channel the service scores."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-I", os.path.abspath(__file__), "--one", test_id],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            close_fds=True, timeout=CHILD_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return False, "timed out"
+    verdict = None
+    for line in proc.stdout.decode("utf-8", "replace").splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict) and verdict is None:
+            verdict = item
+    if verdict is None or proc.returncode != 0:
+        return False, (verdict or {}).get("reason") or f"the test process exited with {proc.returncode}"
+    return bool(verdict.get("ok")), str(verdict.get("reason", ""))
+
+
+def one(test_id):
+    """Child mode: run one test, report on a private copy of stdout."""
+    rep = os.fdopen(os.dup(1), "w")
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    try:
+        ok, reason = run_one(test_id)
+    except BaseException as exc:
+        ok, reason = False, f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, AssertionError) and not str(exc):
+            tb = traceback.extract_tb(exc.__traceback__)
+            reason = f"AssertionError at line {tb[-1].lineno}" if tb else "AssertionError"
+    rep.write(json.dumps({"ok": ok, "reason": one_line(reason)}) + "\\n")
+    rep.flush()
+    os._exit(0 if ok else 1)
+
+
 def main():
+    if sys.argv[1] == "--one":
+        one(sys.argv[2])
+        return
+    # Same-user processes cannot open our descriptors or memory once we are not dumpable.
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
     with open(sys.argv[1]) as fh:
         test_ids = json.load(fh)
     out = sys.stdout
     failed = 0
     for test_id in test_ids:
-        try:
-            # Whatever the code under test prints is swallowed: only this runner speaks.
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                ok, reason = run_one(test_id)
-        except BaseException as exc:
-            ok, reason = False, f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, AssertionError) and not str(exc):
-                tb = traceback.extract_tb(exc.__traceback__)
-                reason = f"AssertionError at line {tb[-1].lineno}" if tb else "AssertionError"
+        ok, reason = run_in_child(test_id)
         failed += not ok
         out.write(f"PASS {test_id}\\n" if ok else f"FAIL {test_id}: {one_line(reason) or 'failed'}\\n")
         out.flush()
@@ -465,7 +506,7 @@ def instance_to_task(obj: dict[str, Any], split: str = "eval") -> Task:
         files=repo_files,
         answer_path=answer_path,
         tests=tests,
-        test_command=["python3", f"{TESTS_DIR}/{RUNNER_PATH}", f"{TESTS_DIR}/{TEST_LIST_PATH}"],
+        test_command=["python3", "-I", f"{TESTS_DIR}/{RUNNER_PATH}", f"{TESTS_DIR}/{TEST_LIST_PATH}"],
         reward="all_pass",
         reference=reference,
         limits=DEFAULT_LIMITS,

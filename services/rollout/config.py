@@ -19,9 +19,23 @@ class RolloutConfig:
     max_model_len: int = opt(2048, "longest prompt + completion, tokens")
     kv_cache_gib: float = opt(1.0, "CPU KV cache size, GiB")
     seed: int = opt(0, "engine seed")
+    update_policy: str = opt("finish", "requests in flight during a weight update: 'finish' on the old weights, or 'pause' and continue on the new")
+    http_host: str = opt("127.0.0.1", "OpenAI-compatible HTTP API address")
+    http_port: int = opt(-1, "OpenAI-compatible HTTP API port (0: a free port; -1: off)")
+    rl_workers: int = opt(0, "background RL episode workers filling spare capacity (0: only on-demand RunEpisodes)")
+    rl_high_water: int = opt(2000, "RL workers pause while the trajectory stream holds more unconsumed entries than this")
+    max_policy_lag: int = opt(2, "RL workers pause while this rollout lags the newest published version by more")
+    max_turns: int = opt(4, "model turns per episode")
+    episode_wall_s: float = opt(300.0, "wall-clock limit of one episode")
 
     def __post_init__(self) -> None:
         if self.group_size <= 0 or self.max_tokens <= 0 or self.max_model_len <= 0:
             raise ValueError("group_size, max_tokens and max_model_len must be positive")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")
+        if self.update_policy not in ("finish", "pause"):
+            raise ValueError(f"update_policy must be finish or pause, got {self.update_policy!r}")
+        if self.http_port < -1 or self.http_port > 65535:
+            raise ValueError(f"http_port must be -1 (off), 0 (free port) or a port, got {self.http_port}")
+        if self.rl_workers < 0 or self.rl_high_water <= 0 or self.max_policy_lag < 0 or self.max_turns <= 0 or self.episode_wall_s <= 0:
+            raise ValueError("rl_workers and max_policy_lag must be >= 0; rl_high_water, max_turns, episode_wall_s > 0")

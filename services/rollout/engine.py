@@ -4,15 +4,22 @@ requests in flight finish on the weights they started with."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
+import logging
 import os
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from meridian.errors import DataLoss, InvalidArgument
 from services.weightsync.tensors import RawTensor, to_torch
+
+log = logging.getLogger(__name__)
+
+#: How requests in flight meet a weight update: "finish" lets them complete on the old
+#: weights (new ones wait); "pause" freezes them and continues them on the new weights.
+UPDATE_POLICIES = ("finish", "pause")
 
 PRIORITY_PRODUCTION = 0
 PRIORITY_RL = 1
@@ -25,6 +32,7 @@ class Sampling:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    include_stop: bool = False  # keep a matched stop string in the output (tool-call close tags)
 
 
 @dataclasses.dataclass
@@ -39,53 +47,21 @@ class Delta:
     finish_reason: str
 
 
-class VersionGate:
-    """Requests hold the gate while they generate; a weight update waits for them to
-    finish on the old weights and holds new requests back until it is applied."""
-
-    def __init__(self) -> None:
-        self._active = 0
-        self._updating = False
-        self._cond = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def request(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._updating)
-            self._active += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._active -= 1
-                self._cond.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def update(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._updating)
-            self._updating = True
-            await self._cond.wait_for(lambda: self._active == 0)
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._updating = False
-                self._cond.notify_all()
-
-
 class Engine:
     """vLLM behind a small async API; ``version`` is the policy version being served."""
 
-    def __init__(self, model_dir: Path, max_model_len: int, kv_cache_gib: float, seed: int) -> None:
+    def __init__(self, model_dir: Path, max_model_len: int, kv_cache_gib: float, seed: int, update_policy: str = "finish") -> None:
+        if update_policy not in UPDATE_POLICIES:
+            raise InvalidArgument(f"update policy must be one of {UPDATE_POLICIES}, got {update_policy!r}")
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
         self.seed = seed
+        self.update_policy = update_policy
         self.version = 0
-        self.gate = VersionGate()
         self._llm = None
         self.tokenizer = None
+        self._update_lock = asyncio.Lock()
 
     async def start(self) -> None:
         # vLLM reads these at import and engine start; the CPU KV cache is sized in GiB here.
@@ -120,7 +96,9 @@ class Engine:
         return len(self.tokenizer)
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, priority: int, request_id: str = "") -> AsyncIterator[Delta]:
-        """Streams the completion of ``prompt_ids``; every token carries this engine's version."""
+        """Streams the completion of ``prompt_ids``; each delta carries the policy version
+        that produced its tokens (the version changes only while the engine is paused, so
+        a delta never mixes versions)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -131,29 +109,75 @@ class Engine:
             max_tokens=sampling.max_tokens,
             stop=list(sampling.stop) or None,
             seed=sampling.seed,
+            include_stop_str_in_output=sampling.include_stop,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
         )
         request_id = request_id or uuid.uuid4().hex
-        async with self.gate.request():
-            version = self.version
-            async for out in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, priority=priority):
-                completion = out.outputs[0]
-                ids = list(completion.token_ids)
-                logprobs = [entry[tok].logprob for tok, entry in zip(ids, completion.logprobs or [])]
-                yield Delta(ids, logprobs, version, completion.text, out.finished, completion.finish_reason or "")
+        async for out in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, priority=priority):
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = [entry[tok].logprob for tok, entry in zip(ids, completion.logprobs or [])]
+            yield Delta(ids, logprobs, self.version, completion.text, out.finished, completion.finish_reason or "")
 
-    async def apply_weights(self, weights: dict[str, RawTensor], version: int) -> None:
-        """Loads ``weights`` in place between requests, resets the prefix cache, then serves ``version``."""
-        from safetensors.torch import save_file
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """Log-prob of each token of ``token_ids`` given the ones before it (the first gets 0)."""
+        from vllm import SamplingParams
 
         assert self._llm is not None, "engine not started"
-        # Shared memory keeps the hand-over to the worker process off the disk.
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        with tempfile.NamedTemporaryFile(dir=folder, prefix="meridian-weights-", suffix=".safetensors") as fh:
-            await asyncio.to_thread(save_file, {n: to_torch(t) for n, t in weights.items()}, fh.name)
-            async with self.gate.update():
-                await self._llm.collective_rpc("meridian_reload_weights", args=(fh.name,))
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        final = None
+        async for out in self._llm.generate({"prompt_token_ids": token_ids}, params, request_id=uuid.uuid4().hex, priority=0):
+            final = out
+        assert final is not None and final.prompt_logprobs is not None
+        return [0.0 if entry is None else entry[tok].logprob for tok, entry in zip(token_ids, final.prompt_logprobs)]
+
+    async def apply_weights(self, weights: dict[str, RawTensor], version: int, expected_hash: str, previous: dict[str, RawTensor] | None) -> None:
+        """Loads ``weights`` in place, verifies what the workers loaded against
+        ``expected_hash``, resets the prefix cache, and only then serves ``version``.
+
+        On any failure the previous weights are loaded back (when given) and the engine
+        keeps serving the previous version; the error is re-raised.
+        """
+        assert self._llm is not None, "engine not started"
+        async with self._update_lock:
+            path = await asyncio.to_thread(_write_shared, weights)
+            # "wait": requests in flight finish on the old weights, new ones queue;
+            # "keep": they freeze and continue on the new weights after resume.
+            mode = "wait" if self.update_policy == "finish" else "keep"
+            await self._llm.pause_generation(mode=mode, clear_cache=False)
+            try:
+                try:
+                    loaded = await self._llm.collective_rpc("meridian_reload_weights", args=(path,))
+                    if any(h != expected_hash for h in loaded):
+                        raise DataLoss(f"version {version}: workers loaded weights with hash {loaded[0][:12]}, expected {expected_hash[:12]}")
+                except BaseException:
+                    if previous is not None:
+                        await self._restore(previous)
+                    raise
                 # Cached KV blocks were computed by the old weights.
                 await self._llm.reset_prefix_cache()
                 self.version = version
+            finally:
+                os.unlink(path)
+                await self._llm.resume_generation()
+
+    async def _restore(self, previous: dict[str, RawTensor]) -> None:
+        assert self._llm is not None
+        path = await asyncio.to_thread(_write_shared, previous)
+        try:
+            await self._llm.collective_rpc("meridian_reload_weights", args=(path,))
+            log.warning("weight update failed; restored version %d", self.version)
+        finally:
+            os.unlink(path)
+
+
+def _write_shared(weights: dict[str, RawTensor]) -> str:
+    """Writes a safetensors file the engine's worker process can load (shared memory when available)."""
+    from safetensors.torch import save_file
+
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(dir=folder, prefix="meridian-weights-", suffix=".safetensors")
+    os.close(fd)
+    save_file({n: to_torch(t) for n, t in weights.items()}, path)
+    return path

@@ -1,10 +1,10 @@
-"""RL episodes: sample a GRPO group for a task, score every sample in its own sandbox,
-and build trajectories whose token ids, log-probs and versions come straight from the
-engine (nothing is re-tokenised)."""
+"""RL episodes: a GRPO group of multi-turn agent episodes for one task, each in its own
+forked sandbox, built into trajectories whose model tokens, log-probs and versions come
+straight from the engine (nothing is re-tokenised; tool output is masked out)."""
 from __future__ import annotations
 
 import asyncio
-import re
+import dataclasses
 import time
 import uuid
 
@@ -15,41 +15,159 @@ from meridian.errors import NotFound
 from meridian.v1 import common_pb2
 from meridian.v1 import envsandbox_pb2 as sbx
 from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
+from services.rollout.agent import (
+    SYSTEM_PROMPT,
+    TOOL_CALL_CLOSE,
+    Ledger,
+    ToolCall,
+    extract_answer,
+    format_observation,
+    parse_tool_call,
+)
 from services.rollout.engine import PRIORITY_RL, Engine, Sampling
 
 tracer = telemetry.tracer(__name__)
 
-_FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)(?:```|$)", re.DOTALL)
+TOOL_TIMEOUT_S = 10.0
 
 
-def extract_answer(text: str) -> str:
-    """The first fenced code block of a reply, or the whole reply when it has none."""
-    m = _FENCE.search(text)
-    return m.group(1) if m else text
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 4
+    wall_s: float = 300.0
+    max_model_len: int = 2048
 
 
-def chat_prompt(engine: Engine, instruction: str) -> list[int]:
+def chat_prompt(engine: Engine, task: sbx.Task) -> list[int]:
     """The prompt's token ids through the model's own chat template."""
     assert engine.tokenizer is not None
-    messages = [{"role": "user", "content": instruction}]
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT.replace("{answer_path}", task.answer_path)},
+        {"role": "user", "content": task.instruction},
+    ]
     ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-async def _sample(engine: Engine, prompt_ids: list[int], sampling: Sampling) -> tuple[list[int], list[float], list[int], str, str]:
-    ids: list[int] = []
+_PROBE = "MERIDIAN-PROBE-7f3a"
+
+
+def observation_template(engine: Engine) -> str:
+    """What the chat template puts between the end of a model turn and the start of the
+    next one when a user message carries tool output: ``{observation}`` marks the output.
+    Derived from the model's own template, so it holds for any chat format."""
+    tok = engine.tokenizer
+    assert tok is not None
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
+    after = [*history, {"role": "user", "content": "<tool_response>\n" + _PROBE + "-OBS\n</tool_response>"}]
+    rendered = tok.apply_chat_template(after, add_generation_prompt=True, tokenize=False)
+    tail = rendered[rendered.index(_PROBE) + len(_PROBE) :]
+    return tail.replace(_PROBE + "-OBS", "{observation}")
+
+
+def observation_ids(engine: Engine, template: str, text: str, model_ended_turn: bool) -> list[int]:
+    """Tokens that close the model's turn, carry the tool output and open its next turn."""
+    tok = engine.tokenizer
+    assert tok is not None
+    wrapped = template.replace("{observation}", text)
+    eos = tok.eos_token or ""
+    if model_ended_turn and eos and wrapped.startswith(eos):
+        wrapped = wrapped[len(eos) :]  # the model already closed its turn with the end token
+    return list(tok(wrapped, add_special_tokens=False)["input_ids"])
+
+
+async def _model_turn(engine: Engine, ids: list[int], sampling: Sampling) -> tuple[list[int], list[float], list[int], str, str]:
+    out_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
     text, reason = "", ""
-    async for delta in engine.generate(prompt_ids, sampling, PRIORITY_RL):
-        ids += delta.token_ids
+    async for delta in engine.generate(ids, sampling, PRIORITY_RL):
+        out_ids += delta.token_ids
         logprobs += delta.logprobs
         versions += [delta.version] * len(delta.token_ids)
         text += delta.text
         reason = delta.finish_reason or reason
-    return ids, logprobs, versions, text, reason
+    return out_ids, logprobs, versions, text, reason
+
+
+async def _run_tool(sandboxes: sbx_grpc.EnvSandboxStub, sandbox_id: str, call: ToolCall) -> str:
+    """Executes one tool call in the sandbox; failures become observations, not errors."""
+    args = call.arguments
+    try:
+        if call.name == "bash":
+            out = bytearray()
+            code = 0
+            request = sbx.ExecRequest(sandbox_id=sandbox_id, argv=["bash", "-c", args["command"]], timeout_seconds=TOOL_TIMEOUT_S)
+            async for chunk in sandboxes.Exec(request):
+                if chunk.HasField("result"):
+                    code = chunk.result.exit_code if not chunk.result.timed_out else -1
+                else:
+                    out += chunk.stdout or chunk.stderr
+            return f"{out.decode(errors='replace')}\n[exit code {code}]"
+        if call.name == "write_file":
+            await sandboxes.WriteFiles(sbx.WriteFilesRequest(sandbox_id=sandbox_id, files=[sbx.File(path=args["path"], content=args["content"].encode())]))
+            return f"wrote {len(args['content'])} characters to {args['path']}"
+        if call.name == "read_file":
+            reply = await sandboxes.ReadFiles(sbx.ReadFilesRequest(sandbox_id=sandbox_id, paths=[args["path"]]))
+            return reply.files[0].content.decode(errors="replace")
+    except grpc.aio.AioRpcError as exc:
+        return f"error: {exc.details()}"
+    return ""
+
+
+@dataclasses.dataclass
+class EpisodeResult:
+    ledger: Ledger
+    text: str
+    finish_reason: str
+    turns: int
+    reward: float
+    generate_s: float
+    sandbox_s: float
+
+
+async def run_episode(
+    engine: Engine, sandboxes: sbx_grpc.EnvSandboxStub, sandbox_id: str, task: sbx.Task, prompt_ids: list[int], sampling: Sampling, limits: EpisodeLimits
+) -> EpisodeResult:
+    """The agent loop: model turn, tool call, observation, … until submit or a limit."""
+    ledger = Ledger()
+    template = observation_template(engine)
+    deadline = time.monotonic() + limits.wall_s
+    generate_s = sandbox_s = 0.0
+    wrote_files = False
+    last_text, reason, turns = "", "", 0
+    turn_sampling = dataclasses.replace(sampling, stop=(*sampling.stop, TOOL_CALL_CLOSE), include_stop=True)
+    while True:
+        room = limits.max_model_len - len(prompt_ids) - len(ledger) - 1
+        if turns >= limits.max_turns or room <= 0 or time.monotonic() > deadline:
+            reason = "turn_limit" if turns >= limits.max_turns else "token_limit" if room <= 0 else "timeout"
+            break
+        t0 = time.perf_counter()
+        turn = dataclasses.replace(turn_sampling, max_tokens=min(turn_sampling.max_tokens, room))
+        ids, logprobs, versions, text, finish = await _model_turn(engine, prompt_ids + ledger.token_ids, turn)
+        generate_s += time.perf_counter() - t0
+        ledger.add_model(ids, logprobs, versions)
+        turns += 1
+        last_text, reason = text, finish
+        call = parse_tool_call(text)
+        if call is None or (isinstance(call, ToolCall) and call.name == "submit"):
+            break
+        t1 = time.perf_counter()
+        if isinstance(call, str):
+            observation = f"error: {call}"
+        else:
+            observation = await _run_tool(sandboxes, sandbox_id, call)
+            wrote_files = wrote_files or call.name == "write_file"
+        sandbox_s += time.perf_counter() - t1
+        ended = bool(ids) and ids[-1] == engine.tokenizer.eos_token_id  # type: ignore[union-attr]
+        ledger.add_observation(observation_ids(engine, template, format_observation(observation), ended))
+    t2 = time.perf_counter()
+    if not wrote_files and parse_tool_call(last_text) is None:
+        answer = extract_answer(last_text).encode()
+        await sandboxes.WriteFiles(sbx.WriteFilesRequest(sandbox_id=sandbox_id, files=[sbx.File(path=task.answer_path, content=answer)]))
+    result = await sandboxes.RunTests(sbx.RunTestsRequest(sandbox_id=sandbox_id))
+    sandbox_s += time.perf_counter() - t2
+    return EpisodeResult(ledger, last_text, reason, turns, result.reward, generate_s, sandbox_s)
 
 
 async def run_group(
@@ -59,11 +177,11 @@ async def run_group(
     group_size: int,
     sampling: Sampling,
     model: str,
+    limits: EpisodeLimits = EpisodeLimits(),
 ) -> list[common_pb2.Trajectory]:
-    """One GRPO group for ``task``: ``group_size`` samples, each scored in a forked sandbox."""
-    prompt_ids = chat_prompt(engine, task.instruction)
+    """One GRPO group for ``task``: ``group_size`` episodes, each in a forked sandbox."""
+    prompt_ids = chat_prompt(engine, task)
     group_id = uuid.uuid4().hex
-    seeds = [None if sampling.seed is None else sampling.seed + i for i in range(group_size)]
     base = await sandboxes.Create(sbx.CreateRequest(task_id=task.id, client_request_id=f"{group_id}-base"))
     try:
         forks = await sandboxes.Fork(sbx.ForkRequest(sandbox_id=base.sandbox_id, count=group_size))
@@ -72,36 +190,30 @@ async def run_group(
 
     async def episode(index: int, sandbox_id: str) -> common_pb2.Trajectory:
         started = time.time()
+        seed = None if sampling.seed is None else sampling.seed + index
         with tracer.start_as_current_span("rollout.episode") as span:
             span.set_attribute("meridian.task_id", task.id)
             span.set_attribute("meridian.group_id", group_id)
             try:
-                t0 = time.perf_counter()
-                one = Sampling(sampling.temperature, sampling.top_p, sampling.max_tokens, sampling.stop, seeds[index])
-                ids, logprobs, versions, text, reason = await _sample(engine, prompt_ids, one)
-                generate_s = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                answer = extract_answer(text).encode()
-                await sandboxes.WriteFiles(sbx.WriteFilesRequest(sandbox_id=sandbox_id, files=[sbx.File(path=task.answer_path, content=answer)]))
-                result = await sandboxes.RunTests(sbx.RunTestsRequest(sandbox_id=sandbox_id))
-                sandbox_s = time.perf_counter() - t1
+                res = await run_episode(engine, sandboxes, sandbox_id, task, prompt_ids, dataclasses.replace(sampling, seed=seed), limits)
             finally:
                 await sandboxes.Close(sbx.CloseRequest(sandbox_id=sandbox_id))
-            span.set_attribute("meridian.reward", result.reward)
+            span.set_attribute("meridian.reward", res.reward)
+            span.set_attribute("meridian.turns", res.turns)
             return common_pb2.Trajectory(
                 trajectory_id=uuid.uuid4().hex,
                 task_id=task.id,
                 group_id=group_id,
                 group_size=group_size,
                 prompt_token_ids=prompt_ids,
-                completion_token_ids=ids,
-                logprobs=logprobs,
-                loss_mask=[1] * len(ids),
-                policy_versions=versions,
-                reward=result.reward,
-                truncated=reason == "length",
-                finish_reason=reason,
-                timings=common_pb2.Timings(generate_s=generate_s, sandbox_s=sandbox_s, total_s=time.time() - started, created_unix=started),
+                completion_token_ids=res.ledger.token_ids,
+                logprobs=res.ledger.logprobs,
+                loss_mask=res.ledger.loss_mask,
+                policy_versions=res.ledger.policy_versions,
+                reward=res.reward,
+                truncated=res.finish_reason in ("length", "token_limit", "turn_limit", "timeout"),
+                finish_reason=res.finish_reason,
+                timings=common_pb2.Timings(generate_s=res.generate_s, sandbox_s=res.sandbox_s, total_s=time.time() - started, created_unix=started),
                 trace_context=telemetry.inject(span),
                 model=model,
             )

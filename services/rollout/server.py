@@ -1,5 +1,6 @@
 """gRPC adapter of the rollout service: Generate (production and RL on one engine),
-RunEpisodes, Status; and the subscription that applies new policy versions in place."""
+RunEpisodes, Score, Status; the OpenAI-compatible HTTP API on the same engine; the
+background RL workers; and the subscription that applies new policy versions in place."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +8,7 @@ import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 
@@ -20,8 +22,8 @@ from meridian.v1 import rollout_pb2 as pb
 from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, Engine, Sampling
-from services.rollout.episodes import fetch_task, run_group
-from services.weightsync.client import WeightSubscriber
+from services.rollout.episodes import EpisodeLimits, fetch_task, run_group
+from services.weightsync import client as weightsync
 from services.weightsync.tensors import RawTensor, from_torch, weights_hash
 
 log = logging.getLogger(__name__)
@@ -29,9 +31,10 @@ log = logging.getLogger(__name__)
 MAX_GROUP = 64
 MAX_TASKS = 64
 MAX_STOPS = 16
+TRAINER_GROUP = "trainer"
 
 
-def load_checkpoint_weights(model_dir) -> dict[str, RawTensor]:  # type: ignore[no-untyped-def]
+def load_checkpoint_weights(model_dir: Path) -> dict[str, RawTensor]:
     """The model folder's tensors as raw bits: version 0, the base the first delta decodes on."""
     from safetensors.torch import load_file
 
@@ -47,51 +50,76 @@ class RolloutService(pb_grpc.RolloutServicer):
     service_names = (pb.DESCRIPTOR.services_by_name["Rollout"].full_name,)
 
     def __init__(self, config: RolloutConfig) -> None:
+        from services.rollout.rl_workers import RLWorkers
+
         self.config = config
         self.engine: Engine | None = None
         self.stream = TrajectoryStream.from_url(config.redis_url, config.stream)
         self._sandbox_channel = open_channel(config.envsandbox)
         self.sandboxes = sbx_grpc.EnvSandboxStub(self._sandbox_channel)
+        self.limits = EpisodeLimits(config.max_turns, config.episode_wall_s, config.max_model_len)
         self.weights_hash = ""
         self.episodes_completed = 0
         self.updates_applied = 0
+        self.latest_published = -1
         self._follow: asyncio.Task[None] | None = None
         self._base: dict[str, RawTensor] = {}
+        self._http = None
+        self.workers = RLWorkers(config.rl_workers, self._background_group, self._backpressure)
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_RolloutServicer_to_server(self, server)
 
     async def start(self) -> None:
         model_dir = await asyncio.to_thread(resolve_model, self.config.model)
-        self.engine = Engine(model_dir, self.config.max_model_len, self.config.kv_cache_gib, self.config.seed)
+        self.engine = Engine(model_dir, self.config.max_model_len, self.config.kv_cache_gib, self.config.seed, self.config.update_policy)
         await self.engine.start()
         self._base = await asyncio.to_thread(load_checkpoint_weights, model_dir)
         self.weights_hash = weights_hash(self._base)
         # Warm-up: one real generation before reporting SERVING.
         async for _ in self.engine.generate([self.engine.tokenizer.bos_token_id or 0], Sampling(max_tokens=2), PRIORITY_PRODUCTION):
             pass
+        if self.config.http_port >= 0:
+            from services.rollout.openai_api import HttpFrontDoor, create_app
+
+            app = create_app(self.engine, self.config.model, self.config.max_model_len, self.config.max_tokens)
+            self._http = HttpFrontDoor(app, self.config.http_host, self.config.http_port)
+            port = await self._http.start()
+            # The stack launcher reads this line; keep its shape stable.
+            print(f"meridian rollout http listening on {self.config.http_host}:{port}", flush=True)
         if self.config.weightsync:
             self._follow = asyncio.create_task(self._follow_weights())
+        self.workers.start()
 
     async def stop(self) -> None:
-        if self._follow:
-            self._follow.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._follow
-        await self._sandbox_channel.close()
-        await self.stream.close()
-        if self.engine:
-            self.engine.shutdown()
+        # Ordered: stop producing work, stop the front doors, then the engine last; every
+        # step runs even when one before it failed, so the engine's processes never outlive us.
+        try:
+            await self.workers.stop()
+            if self._http is not None:
+                await self._http.stop()
+            if self._follow:
+                self._follow.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._follow
+        finally:
+            try:
+                await self._sandbox_channel.close()
+                await self.stream.close()
+            finally:
+                if self.engine:
+                    self.engine.shutdown()
 
     async def _follow_weights(self) -> None:
         """Applies every new version from weightsync; a failed one is retried from a keyframe."""
         assert self.engine is not None
         weights, version = self._base, 0
         while True:
-            subscriber = WeightSubscriber(self.config.weightsync, weights, version)
+            subscriber = weightsync.WeightSubscriber(self.config.weightsync, weights, version)
             try:
                 async for update in subscriber.updates(follow=True):
-                    await self.engine.apply_weights(update.weights, update.version)
+                    self.latest_published = max(self.latest_published, update.version)
+                    await self.engine.apply_weights(update.weights, update.version, update.manifest.weights_hash, previous=weights or None)
                     weights, version = update.weights, update.version
                     self.weights_hash = update.manifest.weights_hash
                     self.updates_applied += 1
@@ -107,15 +135,49 @@ class RolloutService(pb_grpc.RolloutServicer):
                 await subscriber.close()
             await asyncio.sleep(1.0)
 
+    # ------------------------------------------------------------ RL work
+
+    async def _backpressure(self) -> str:
+        """Why RL workers should wait now ('' when they may run)."""
+        backlog = await self.stream.backlog(TRAINER_GROUP)
+        if backlog > self.config.rl_high_water:
+            return f"stream backlog {backlog} > {self.config.rl_high_water}"
+        if self.config.weightsync:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                self.latest_published = max(self.latest_published, await weightsync.latest_version(self.config.weightsync, timeout_s=2.0))
+        lag = self.latest_published - self._engine().version
+        if lag > self.config.max_policy_lag:
+            return f"policy lag {lag} > {self.config.max_policy_lag}"
+        return ""
+
+    async def _background_group(self) -> int:
+        trajectories = await self._run_groups(await self._pick_tasks(1), self.config.group_size, self._sampling(pb.SamplingParams(), self.config.temperature))
+        for traj in trajectories:
+            await self.stream.publish(traj)
+        return len(trajectories)
+
+    async def _pick_tasks(self, count: int) -> list[sbx.Task]:
+        listed = (await self.sandboxes.ListTasks(sbx.ListTasksRequest(split="train"))).tasks
+        if not listed:
+            raise FailedPrecondition("envsandbox has no training tasks")
+        return random.sample(list(listed), k=min(len(listed), count))
+
+    async def _run_groups(self, tasks: list[sbx.Task], group_size: int, sampling: Sampling) -> list:  # type: ignore[type-arg]
+        engine = self._engine()
+        groups = await asyncio.gather(*(run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits) for t in tasks))
+        trajectories = [t for g in groups for t in g]
+        self.episodes_completed += len(trajectories)
+        return trajectories
+
     # ------------------------------------------------------------ RPCs
 
     def _sampling(self, params: pb.SamplingParams, default_temperature: float) -> Sampling:
         if params.temperature < 0 or not 0 <= params.top_p <= 1:
             raise InvalidArgument(f"temperature must be >= 0 and top_p in [0, 1], got {params.temperature}, {params.top_p}")
-        if params.max_tokens < 0 or params.max_tokens > self.config.max_model_len:
-            raise InvalidArgument(f"max_tokens must be in 0..{self.config.max_model_len}, got {params.max_tokens}")
-        if len(params.stop) > MAX_STOPS:
-            raise InvalidArgument(f"at most {MAX_STOPS} stop sequences")
+        if params.max_tokens < 0 or params.max_tokens >= self.config.max_model_len:
+            raise InvalidArgument(f"max_tokens must be in 0..{self.config.max_model_len - 1}, got {params.max_tokens}")
+        if len(params.stop) > MAX_STOPS or any(not s for s in params.stop):
+            raise InvalidArgument(f"at most {MAX_STOPS} non-empty stop sequences")
         return Sampling(
             temperature=params.temperature if params.HasField("temperature") else default_temperature,
             top_p=params.top_p or 1.0,
@@ -124,19 +186,23 @@ class RolloutService(pb_grpc.RolloutServicer):
             seed=params.seed if params.HasField("seed") else None,
         )
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+    def _prompt_ids(self, prompt: str, token_ids: list[int]) -> list[int]:
         engine = self._engine()
-        if bool(request.prompt) == bool(request.prompt_token_ids):
+        if bool(prompt) == bool(token_ids):
             raise InvalidArgument("give exactly one of prompt or prompt_token_ids")
-        ids = list(request.prompt_token_ids) or engine.tokenizer(request.prompt)["input_ids"]
+        ids = token_ids or list(engine.tokenizer(prompt)["input_ids"])  # type: ignore[misc]
         bad = [t for t in ids if not 0 <= t < engine.vocab_size]
         if bad:
-            raise InvalidArgument(f"prompt_token_ids outside the vocabulary (size {engine.vocab_size}): {bad[:5]}")
+            raise InvalidArgument(f"token ids outside the vocabulary (size {engine.vocab_size}): {bad[:5]}")
         if len(ids) >= self.config.max_model_len:
             raise InvalidArgument(f"prompt is {len(ids)} tokens; the model takes at most {self.config.max_model_len - 1}")
+        return ids
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        ids = self._prompt_ids(request.prompt, list(request.prompt_token_ids))
         sampling = self._sampling(request.sampling, default_temperature=0.0)
         priority = PRIORITY_RL if request.priority == pb.PRIORITY_RL else PRIORITY_PRODUCTION
-        async for delta in engine.generate(ids, sampling, priority, request.request_id):
+        async for delta in self._engine().generate(ids, sampling, priority, request.request_id):
             yield pb.GenerateChunk(
                 token_ids=delta.token_ids,
                 logprobs=delta.logprobs,
@@ -146,27 +212,29 @@ class RolloutService(pb_grpc.RolloutServicer):
                 finish_reason=delta.finish_reason,
             )
 
-    async def RunEpisodes(self, request: pb.RunEpisodesRequest, context: grpc.aio.ServicerContext) -> pb.RunEpisodesResponse:
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        ids = self._prompt_ids("", list(request.token_ids))
+        if len(ids) < 2:
+            raise InvalidArgument("score needs at least two tokens")
         engine = self._engine()
+        version = engine.version
+        return pb.ScoreResponse(logprobs=await engine.score(ids), policy_version=version)
+
+    async def RunEpisodes(self, request: pb.RunEpisodesRequest, context: grpc.aio.ServicerContext) -> pb.RunEpisodesResponse:
         group_size = request.group_size or self.config.group_size
         if not 2 <= group_size <= MAX_GROUP:
             raise InvalidArgument(f"group_size must be in 2..{MAX_GROUP}, got {group_size}")
-        if len(request.task_ids) > MAX_TASKS or request.num_tasks > MAX_TASKS or request.num_tasks < 0:
+        if len(request.task_ids) > MAX_TASKS or not 0 <= request.num_tasks <= MAX_TASKS:
             raise InvalidArgument(f"at most {MAX_TASKS} tasks per call")
+        sampling = self._sampling(request.sampling, default_temperature=self.config.temperature)
         if request.task_ids:
             tasks = [await fetch_task(self.sandboxes, tid) for tid in request.task_ids]
         else:
-            listed = (await self.sandboxes.ListTasks(sbx.ListTasksRequest(split="train"))).tasks
-            if not listed:
-                raise FailedPrecondition("envsandbox has no training tasks")
-            tasks = random.sample(list(listed), k=min(len(listed), request.num_tasks or 1))
-        sampling = self._sampling(request.sampling, default_temperature=self.config.temperature)
-        groups = await asyncio.gather(*(run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model) for t in tasks))
-        trajectories = [t for g in groups for t in g]
+            tasks = await self._pick_tasks(request.num_tasks or 1)
+        trajectories = await self._run_groups(tasks, group_size, sampling)
         if request.publish:
             for traj in trajectories:
                 await self.stream.publish(traj)
-        self.episodes_completed += len(trajectories)
         return pb.RunEpisodesResponse(trajectories=trajectories)
 
     async def Status(self, request: pb.RolloutStatusRequest, context: grpc.aio.ServicerContext) -> pb.RolloutStatus:
@@ -177,6 +245,10 @@ class RolloutService(pb_grpc.RolloutServicer):
             episodes_completed=self.episodes_completed,
             updates_applied=self.updates_applied,
             weightsync_address=self.config.weightsync,
+            latest_published_version=self.latest_published,
+            rl_state=self.workers.state,
+            rl_trajectories_published=self.workers.published,
+            http_port=self._http.port if self._http is not None else 0,
         )
 
     def _engine(self) -> Engine:

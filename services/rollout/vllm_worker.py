@@ -4,13 +4,16 @@ from __future__ import annotations
 
 
 class WeightUpdateExtension:
-    """Loads a new policy version into the running model, in place."""
+    """Loads a policy version into the running model, in place."""
 
-    def meridian_reload_weights(self, path: str) -> int:
-        """Reloads every tensor of a safetensors file (checkpoint names) into the model."""
+    def meridian_reload_weights(self, path: str) -> str:
+        """Reloads every tensor of a safetensors file (checkpoint names) into the model and
+        returns the weights hash of exactly what was loaded, for the caller to verify."""
         from safetensors.torch import load_file
 
+        from services.weightsync.tensors import from_torch, weights_hash
+
         tensors = load_file(path)
-        # reload_weights (not model.load_weights) because the CPU backend repacks weights after loading.
+        # reload_weights (not model.load_weights): the CPU backend repacks weights after loading.
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
-        return len(tensors)
+        return weights_hash({name: from_torch(t) for name, t in tensors.items()})

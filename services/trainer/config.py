@@ -5,6 +5,8 @@ import dataclasses
 
 from meridian.config import opt
 
+STALE_MODES = ("drop", "downweight")
+
 
 @dataclasses.dataclass
 class TrainerConfig:
@@ -15,12 +17,26 @@ class TrainerConfig:
     group: str = opt("trainer", "consumer group name (one per training job)")
     consumer: str = opt("trainer-0", "this process's consumer name within the group")
     groups_per_step: int = opt(1, "complete GRPO groups per optimizer step")
-    lr: float = opt(1e-6, "AdamW learning rate")
+    lr: float = opt(1e-6, "AdamW peak learning rate")
+    warmup_steps: int = opt(0, "linear learning-rate warm-up steps, then constant (0: constant from the start)")
     weight_decay: float = opt(0.0, "AdamW decoupled weight decay")
     max_grad_norm: float = opt(1.0, "gradient clipping norm (0: off)")
     clip_low: float = opt(0.2, "lower ratio clip epsilon")
     clip_high: float = opt(0.28, "upper ratio clip epsilon")
-    max_policy_lag: int = opt(4, "samples older than this many versions are dropped")
+    normalize_std: bool = opt(True, "divide group-relative advantages by the group's reward std")
+    drop_equal_reward_groups: bool = opt(True, "skip groups whose rewards are all equal (they carry no signal)")
+    tis_cap: float = opt(2.0, "truncated importance sampling cap on pi_trainer / pi_behaviour per token (0: off, ratio against behaviour log-probs)")
+    kl_coef: float = opt(0.0, "KL penalty to a frozen copy of the initial model (0: off, no reference model kept)")
+    max_policy_lag: int = opt(4, "samples whose policy lags the trainer by more versions are stale")
+    stale_mode: str = opt("drop", "what happens to stale samples: drop or downweight")
+    stale_weight: float = opt(0.25, "loss weight of a stale sample in downweight mode")
+    autocast_bf16: bool = opt(False, "run forward and backward under bf16 autocast (master weights stay fp32)")
+    publish_every: int = opt(1, "publish (and checkpoint) every k optimizer steps")
+    checkpoint_dir: str = opt("", "folder for checkpoints; the trainer resumes from the newest complete one (empty: none, resume from weightsync's latest version without optimiser state)")
+    keep_checkpoints: int = opt(2, "complete checkpoints kept on disk")
+    claim_idle_ms: int = opt(60_000, "claim entries another consumer left pending this long (XAUTOCLAIM)")
+    claim_every_s: float = opt(10.0, "seconds between claims of stale pending entries")
+    dedupe_window: int = opt(1_000_000, "trained trajectory ids remembered (in checkpoints) to drop redeliveries")
     threads: int = opt(1, "torch CPU threads")
     seed: int = opt(0, "torch seed")
 
@@ -29,3 +45,13 @@ class TrainerConfig:
             raise ValueError("groups_per_step, lr and threads must be positive")
         if self.clip_low < 0 or self.clip_high < 0 or self.max_policy_lag < 0:
             raise ValueError("clip bounds and max_policy_lag must be >= 0")
+        if self.stale_mode not in STALE_MODES:
+            raise ValueError(f"stale_mode must be one of {STALE_MODES}, got {self.stale_mode!r}")
+        if not 0 <= self.stale_weight <= 1:
+            raise ValueError(f"stale_weight must be in [0, 1], got {self.stale_weight}")
+        if self.tis_cap < 0 or self.kl_coef < 0 or self.warmup_steps < 0:
+            raise ValueError("tis_cap, kl_coef and warmup_steps must be >= 0")
+        if self.publish_every <= 0 or self.keep_checkpoints <= 0 or self.dedupe_window <= 0:
+            raise ValueError("publish_every, keep_checkpoints and dedupe_window must be positive")
+        if self.claim_idle_ms <= 0 or self.claim_every_s <= 0:
+            raise ValueError("claim_idle_ms and claim_every_s must be positive")

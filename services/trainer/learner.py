@@ -1,18 +1,33 @@
-"""The learner: fp32 master weights, AdamW, one GRPO step per batch of complete groups,
-and the bf16 view of the weights that becomes the next policy version."""
+"""The learner: fp32 master weights, AdamW with a warm-up schedule, one GRPO step per
+batch of complete groups, the bf16 view of the weights that becomes the next policy
+version, and the full training state for checkpoints.
+
+Under ``torch.distributed`` (see ``services.trainer.distributed``) every rank holds the
+same batch, takes its shard of the trajectories, and DistributedDataParallel averages
+the gradients; the loss of each shard is normalised by the whole batch's token count
+so the result equals the single-process step up to floating-point summation order.
+"""
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import hashlib
+import random
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from meridian.v1 import common_pb2
-from services.trainer.batch import build_batch, token_logprobs
+from services.trainer.batch import Batch, build_batch, policy_lag, token_logprobs
 from services.trainer.config import TrainerConfig
-from services.trainer.loss import LossConfig, clipped_pg_loss
+from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal, staleness_weight
 from services.weightsync.tensors import RawTensor, from_torch, to_torch
+
+PASS_REWARD = 1.0  # a trajectory passes when its reward reaches this (every test passed)
 
 
 @dataclasses.dataclass
@@ -26,34 +41,115 @@ class StepResult:
     seconds: float
     dropped_stale: int
     stats: dict[str, float]
+    stepped: bool = True
+    downweighted_stale: int = 0
+    dropped_groups: int = 0
+    pass_rate: float = 0.0
+    lag_mean: float = 0.0
+    lag_max: int = 0
+    lr: float = 0.0
+
+
+@dataclasses.dataclass
+class Prepared:
+    """The groups that will be trained on, their sequence weights, and what was filtered."""
+
+    groups: list[list[common_pb2.Trajectory]]
+    weights: list[list[float]]
+    dropped_stale: int = 0
+    downweighted_stale: int = 0
+    dropped_groups: int = 0
+    lags: list[int] = dataclasses.field(default_factory=list)
+
+
+def prepare_groups(groups: list[list[common_pb2.Trajectory]], version: int, config: TrainerConfig) -> Prepared:
+    """Applies the staleness bound and the equal-reward rule to complete groups.
+
+    Stale samples are dropped (the group's advantages then come from the rest; a group
+    left with fewer than two samples is dropped) or kept with ``stale_weight``.
+    """
+    out = Prepared([], [])
+    for group in groups:
+        lags = [policy_lag(t, version) for t in group]
+        out.lags.extend(lags)
+        weights = [staleness_weight(lag, config.max_policy_lag, config.stale_mode, config.stale_weight) for lag in lags]
+        if config.stale_mode == "drop":
+            keep = [(t, w) for t, w in zip(group, weights) if w > 0]
+            out.dropped_stale += len(group) - len(keep)
+            if len(keep) < 2:
+                out.dropped_stale += len(keep)
+                continue
+        else:
+            keep = list(zip(group, weights))
+            out.downweighted_stale += sum(1 for w in weights if w < 1)
+        trajs = [t for t, _ in keep]
+        if config.drop_equal_reward_groups and not has_reward_signal([t.reward for t in trajs]):
+            out.dropped_groups += 1
+            continue
+        out.groups.append(trajs)
+        out.weights.append([w for _, w in keep])
+    return out
+
+
+def _shard(batch: Batch, rank: int, world: int) -> Batch:
+    """Rows ``rank::world`` of the batch (a rank with no rows keeps row 0 at weight 0,
+    so it still runs the backward pass DistributedDataParallel waits for)."""
+    rows = torch.arange(rank, batch.input_ids.shape[0], world)
+    empty = rows.numel() == 0
+    if empty:
+        rows = torch.zeros(1, dtype=torch.long)
+    shard = Batch(**{f.name: getattr(batch, f.name)[rows] for f in dataclasses.fields(Batch)})
+    if empty:
+        shard.token_weights = torch.zeros_like(shard.token_weights)
+    return shard
 
 
 class Learner:
     """Owns the model and optimizer; knows nothing of Redis or gRPC."""
 
-    def __init__(self, model_dir: Path, config: TrainerConfig) -> None:
+    def __init__(self, model_dir: Path, config: TrainerConfig, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        np.random.seed(config.seed)
         self.config = config
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model.train()
+        self.device = torch.device(device)
+        self.module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        self.module.train()
+        self.reference = None
+        if config.kl_coef > 0:
+            # A frozen copy of the starting weights; only built when the KL term is on.
+            self.reference = copy.deepcopy(self.module).eval().requires_grad_(False)
+        self.rank, self.world = 0, 1
+        self.model: torch.nn.Module = self.module
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            self.model = DistributedDataParallel(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        self.loss_config = LossConfig(clip_low=config.clip_low, clip_high=config.clip_high)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        warmup = config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+        self.loss_config = LossConfig(
+            clip_low=config.clip_low, clip_high=config.clip_high, normalize_std=config.normalize_std, tis_cap=config.tis_cap, kl_coef=config.kl_coef
+        )
         self.step_count = 0
         self.version = 0
+
+    # ------------------------------------------------------------ weights
 
     def policy_weights(self) -> dict[str, RawTensor]:
         """The current policy as bf16, keyed by checkpoint (Hugging Face) names."""
         with torch.no_grad():
-            return {name: from_torch(p.detach().to(torch.bfloat16)) for name, p in self.model.named_parameters()}
+            return {name: from_torch(p.detach().to(torch.bfloat16)) for name, p in self.module.named_parameters()}
 
     def load_policy_weights(self, weights: dict[str, RawTensor], version: int) -> None:
         """Starts from a published version (e.g. after a restart without a checkpoint)."""
-        params = dict(self.model.named_parameters())
+        params = dict(self.module.named_parameters())
         missing = set(params) - set(weights)
         if missing:
             raise ValueError(f"published version {version} lacks tensors {sorted(missing)[:3]}")
@@ -62,44 +158,110 @@ class Learner:
                 p.copy_(to_torch(weights[name]).to(torch.float32))
         self.version = version
 
-    def split_stale(self, groups: list[list[common_pb2.Trajectory]]) -> tuple[list[list[common_pb2.Trajectory]], int]:
-        """Drops samples produced by a policy more than ``max_policy_lag`` versions old."""
-        fresh, dropped = [], 0
-        floor = self.version - self.config.max_policy_lag
-        for group in groups:
-            keep = [t for t in group if min((v for v, m in zip(t.policy_versions, t.loss_mask) if m), default=self.version) >= floor]
-            dropped += len(group) - len(keep)
-            if len(keep) >= 2:
-                fresh.append(keep)
-            else:
-                dropped += len(keep)
-        return fresh, dropped
+    def master_hash(self) -> str:
+        """sha256 over the fp32 master weights (name, shape, bytes), in name order."""
+        h = hashlib.sha256()
+        for name, p in sorted(self.module.named_parameters()):
+            h.update(f"{name}\0{tuple(p.shape)}\0".encode())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    # ------------------------------------------------------------ training state
+
+    def state(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bit for bit."""
+        return {
+            "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+            },
+            "step": self.step_count,
+            "version": self.version,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        self.step_count = int(state["step"])
+        self.version = int(state["version"])
+
+    # ------------------------------------------------------------ the step
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.config.autocast_bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def loss_on(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Forward and loss of this rank's shard of ``batch`` (normalised by the whole batch)."""
+        total_tokens = float(batch.target_mask.sum())
+        shard = _shard(batch, self.rank, self.world) if self.world > 1 else batch
+        shard = Batch(**{f.name: getattr(shard, f.name).to(self.device) for f in dataclasses.fields(Batch)})
+        with self._autocast():
+            out = self.model(input_ids=shard.input_ids, attention_mask=shard.attention_mask)
+        logprobs = token_logprobs(out.logits, shard.input_ids)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad(), self._autocast():
+                ref = token_logprobs(self.reference(input_ids=shard.input_ids, attention_mask=shard.attention_mask).logits, shard.input_ids)
+        loss, stats = clipped_pg_loss(
+            logprobs, shard.behaviour_logprobs, shard.advantages, shard.target_mask, self.loss_config, shard.token_weights, ref, total_tokens
+        )
+        # DDP averages gradients over ranks; scale so they add up to the full batch's.
+        return loss * self.world, stats
 
     def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
-        """One optimizer step on complete groups; advances the policy version."""
+        """One optimizer step on complete groups; advances the policy version.
+
+        Groups left with nothing to learn (all stale, or equal rewards) make no step.
+        """
         start = time.perf_counter()
-        fresh, dropped = self.split_stale(groups)
-        if not fresh:
-            return StepResult(self.step_count, 0.0, 0.0, 0, 0, 0.0, time.perf_counter() - start, dropped, {})
-        batch = build_batch(fresh, self.pad_id)
-        out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-        logprobs = token_logprobs(out.logits, batch.input_ids)
-        loss, stats = clipped_pg_loss(logprobs, batch.behaviour_logprobs, batch.advantages, batch.target_mask, self.loss_config)
+        prepared = prepare_groups(groups, self.version, self.config)
+        rewards = [t.reward for g in groups for t in g]
+        common = {
+            "dropped_stale": prepared.dropped_stale,
+            "downweighted_stale": prepared.downweighted_stale,
+            "dropped_groups": prepared.dropped_groups,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "pass_rate": sum(1 for r in rewards if r >= PASS_REWARD) / len(rewards) if rewards else 0.0,
+            "lag_mean": sum(prepared.lags) / len(prepared.lags) if prepared.lags else 0.0,
+            "lag_max": max(prepared.lags, default=0),
+            "lr": float(self.scheduler.get_last_lr()[0]),
+        }
+        if not prepared.groups:
+            return StepResult(self.step_count, 0.0, trajectories=0, groups=0, grad_norm=0.0, seconds=time.perf_counter() - start, stats={}, stepped=False, **common)
+        batch = build_batch(prepared.groups, self.pad_id, self.config.normalize_std, prepared.weights)
+        loss, stats = self.loss_on(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
         self.optimizer.step()
+        self.scheduler.step()
         self.step_count += 1
         self.version += 1
+        reported = loss.detach() / self.world  # this shard's part of the whole batch's loss
+        if self.world > 1:
+            torch.distributed.all_reduce(reported)
         return StepResult(
             step=self.step_count,
-            loss=float(loss.detach()),
-            reward_mean=float(batch.rewards.mean()),
+            loss=float(reported),
             trajectories=int(batch.rewards.numel()),
-            groups=len(fresh),
+            groups=len(prepared.groups),
             grad_norm=grad_norm,
             seconds=time.perf_counter() - start,
-            dropped_stale=dropped,
             stats=stats,
+            **common,
         )

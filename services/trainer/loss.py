@@ -1,5 +1,7 @@
-"""GRPO-family loss: group-relative advantages and a token-level clipped
-policy-gradient objective against the behaviour log-probs recorded at sampling time.
+"""GRPO-family loss: group-relative advantages, a token-level clipped
+policy-gradient objective against the behaviour log-probs recorded at sampling time,
+truncated importance sampling, an optional KL penalty to a reference model, and the
+staleness rule (drop or down-weight samples whose policy lags too far).
 
 Pure functions over tensors; no I/O. Unit tests check them against hand-computed values.
 """
@@ -9,6 +11,8 @@ import dataclasses
 
 import torch
 
+STALE_MODES = ("drop", "downweight")
+
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
@@ -16,6 +20,14 @@ class LossConfig:
     clip_high: float = 0.28
     normalize_std: bool = True
     eps: float = 1e-6
+    # > 0: decoupled objective. The clipped ratio is taken against the trainer's own
+    # log-probs before this update (the proximal policy), and each token is weighted by
+    # min(pi_proximal / pi_behaviour, tis_cap): truncated importance sampling that
+    # corrects both staleness and the inference/training numeric mismatch without
+    # letting one token's weight explode. 0: the coupled objective, ratio against the
+    # behaviour log-probs directly (PPO as sampled).
+    tis_cap: float = 0.0
+    kl_coef: float = 0.0
 
 
 def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -30,26 +42,76 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: flo
     return centred
 
 
+def has_reward_signal(rewards: list[float]) -> bool:
+    """False when every reward of the group is the same (its advantages are all zero)."""
+    return len(rewards) > 1 and max(rewards) != min(rewards)
+
+
+def staleness_weight(lag: int, max_policy_lag: int, mode: str, stale_weight: float) -> float:
+    """Weight of a sample whose oldest trained token lags the trainer by ``lag`` versions.
+
+    Within the bound: 1. Beyond it: 0 (``drop``) or ``stale_weight`` (``downweight``).
+    """
+    if mode not in STALE_MODES:
+        raise ValueError(f"stale mode must be one of {STALE_MODES}, got {mode!r}")
+    if lag <= max_policy_lag:
+        return 1.0
+    return 0.0 if mode == "drop" else stale_weight
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate exp(d) - d - 1 with d = ref - logp (non-negative, unbiased)."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1.0
+
+
 def clipped_pg_loss(
     logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     config: LossConfig = LossConfig(),
+    token_weights: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level clipped surrogate, averaged over every unmasked token of the batch.
 
-    All inputs are [B, T] (advantages broadcast per sequence). The ratio is taken
-    against the behaviour policy, with asymmetric bounds [1 - clip_low, 1 + clip_high].
+    All inputs are [B, T] (advantages and ``token_weights`` broadcast per sequence).
+    The clip bounds are asymmetric: [1 - clip_low, 1 + clip_high]. ``num_tokens``
+    overrides the denominator (a data-parallel shard divides by the whole batch's
+    token count so the shards' gradients add up to the full batch's).
     """
     mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - behaviour_logprobs)
+    if config.tis_cap > 0:
+        proximal = logprobs.detach()
+        ratio = torch.exp(logprobs - proximal)
+        raw_is = torch.exp(proximal - behaviour_logprobs)
+        is_weight = torch.clamp(raw_is, max=config.tis_cap)
+    else:
+        ratio = torch.exp(logprobs - behaviour_logprobs)
+        raw_is = is_weight = torch.ones_like(ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
-    tokens = mask.sum().clamp(min=1.0)
+    per_token = -torch.minimum(unclipped, clipped) * is_weight
+    if token_weights is not None:
+        per_token = per_token * token_weights
+    kl = None
+    if config.kl_coef > 0 and ref_logprobs is not None:
+        kl = kl_k3(logprobs, ref_logprobs)
+        per_token = per_token + config.kl_coef * kl
+    tokens = torch.as_tensor(num_tokens, dtype=logprobs.dtype) if num_tokens is not None else mask.sum()
+    tokens = tokens.clamp(min=1.0)
     loss = (per_token * mask).sum() / tokens
     with torch.no_grad():
-        clip_frac = (((ratio < 1.0 - config.clip_low) | (ratio > 1.0 + config.clip_high)).to(mask.dtype) * mask).sum() / tokens
-        stats = {"ratio_mean": float((ratio * mask).sum() / tokens), "clip_frac": float(clip_frac), "tokens": float(mask.sum())}
+        local = mask.sum().clamp(min=1.0)
+        out_of_bounds = (ratio < 1.0 - config.clip_low) | (ratio > 1.0 + config.clip_high)
+        stats = {
+            "ratio_mean": float((ratio * mask).sum() / local),
+            "clip_frac": float((out_of_bounds.to(mask.dtype) * mask).sum() / local),
+            "tokens": float(mask.sum()),
+            "is_weight_mean": float((is_weight * mask).sum() / local),
+            "is_truncated_frac": float(((raw_is > config.tis_cap).to(mask.dtype) * mask).sum() / local) if config.tis_cap > 0 else 0.0,
+            "kl": float((kl * mask).sum() / local) if kl is not None else 0.0,
+        }
     return loss, stats

@@ -3,14 +3,29 @@ relay side), which verifies and decodes every version before handing it over."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
-from collections.abc import AsyncIterator, Iterator, Mapping
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
+import grpc
+
+from meridian.errors import DataLoss
 from meridian.grpc_runtime import open_channel
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
-from services.weightsync.store import Decoder, Encoded
+from services.weightsync.ratelimit import TokenBucket
+from services.weightsync.store import ChunkChecksumError, Decoder, Encoded
 from services.weightsync.tensors import RawTensor, Weights, weights_hash
+
+log = logging.getLogger(__name__)
+
+#: Transport failures worth reconnecting for (a cut link, a restarting peer).
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED}
+)
 
 PIECE_BYTES = 2 << 20
 
@@ -61,31 +76,173 @@ class VersionUpdate:
     encoded: Encoded | None = None
 
 
-class WeightSubscriber:
-    """Follows a weightsync from the version it holds, yielding verified full versions."""
+@dataclasses.dataclass
+class SubscriberStats:
+    """What a subscriber went through (tests and benches read it)."""
 
-    def __init__(self, address: str, weights: Weights | None, version: int) -> None:
+    chunks: int = 0            # chunks received that passed their checksum
+    chunk_bytes: int = 0
+    reconnects: int = 0        # new Subscribe calls after a failure
+    resumed: int = 0           # ...of which continued mid-version
+    refetched: int = 0         # chunks fetched again after a checksum failure
+
+
+ChunkHook = Callable[[pb.Manifest, int, bytes], None]
+
+
+class WeightSubscriber:
+    """Follows a weightsync from the version it holds, yielding verified full versions.
+
+    Robust to the link: a cut stream is reopened with a resume point (the version being
+    received, its base and the next chunk), so only the missing chunks travel again; a
+    chunk failing its checksum is fetched again with ``FetchChunk``; chunks are decoded on
+    a thread pool while the next ones arrive. ``max_attempts`` consecutive failures
+    without progress end the iteration with the last gRPC error.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        weights: Weights | None,
+        version: int,
+        *,
+        max_attempts: int = 8,
+        decode_threads: int = 0,
+        max_mib_s: float = 0.0,
+        on_manifest: Callable[[pb.Manifest], None] | None = None,
+        on_chunk: ChunkHook | None = None,
+    ) -> None:
         self.address = address
         self.decoder = Decoder(weights, version if weights else -1)
         self._channel = open_channel(address)
+        self.max_attempts = max_attempts
+        self.stats = SubscriberStats()
+        self._bucket = TokenBucket.mib_per_s(max_mib_s)
+        self._threads = decode_threads or min(4, os.cpu_count() or 1)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="ws-decode")
+        self._on_manifest = on_manifest
+        self._on_chunk = on_chunk
 
     async def close(self) -> None:
         await self._channel.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def updates(self, follow: bool = True, keep_encoded: bool = False) -> AsyncIterator[VersionUpdate]:
+        """Every version after the one held, verified; with ``follow`` new ones as published."""
+        receiving = _Receiving(None, keep_encoded)
+        failures = 0
+        while True:
+            request = pb.SubscribeRequest(from_version=self.decoder.version, follow=follow)
+            if receiving.manifest is not None:
+                request.resume = True
+                request.resume_version = receiving.manifest.version
+                request.resume_base = receiving.manifest.base_version
+                request.resume_chunk = receiving.next_chunk
+            call = pb_grpc.WeightSyncStub(self._channel).Subscribe(request)
+            first = True
+            try:
+                async for item in call:
+                    failures = 0
+                    if first and request.resume and item.HasField("chunk"):
+                        self.stats.resumed += 1
+                    first = False
+                    if item.HasField("manifest"):
+                        await receiving.drain()
+                        self.decoder.begin(item.manifest)
+                        receiving = _Receiving(item.manifest, keep_encoded)
+                        if self._on_manifest is not None:
+                            self._on_manifest(item.manifest)
+                        continue
+                    update = await self._take_chunk(receiving, item.chunk)
+                    if update is not None:
+                        receiving = _Receiving(None, keep_encoded)
+                        yield update
+                if not follow and receiving.manifest is None:
+                    return
+                # A follow stream (or a version) that ended early: the server is going away.
+                failures += 1
+                reason = "stream ended"
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE or failures + 1 >= self.max_attempts:
+                    raise
+                failures += 1
+                reason = exc.code().name
+            finally:
+                call.cancel()
+            if failures >= self.max_attempts:
+                raise DataLoss(f"weightsync {self.address}: subscription keeps ending early ({reason})")
+            self.stats.reconnects += 1
+            delay = min(2.0, 0.1 * 2 ** (failures - 1))
+            log.info("weightsync %s: %s; reconnecting in %.1fs", self.address, reason, delay)
+            await asyncio.sleep(delay)
+
+    async def _take_chunk(self, receiving: _Receiving, chunk: pb.ChunkData) -> VersionUpdate | None:
+        manifest = receiving.manifest
+        if manifest is None or chunk.version != manifest.version:
+            raise DataLoss(f"chunk of version {chunk.version} without its manifest")
+        if chunk.index != receiving.next_chunk:
+            raise DataLoss(f"version {manifest.version}: chunk {chunk.index} arrived, {receiving.next_chunk} expected")
+        data = chunk.data
+        await self._bucket.take(len(data))
+        try:
+            await asyncio.to_thread(self.decoder.verify, chunk.index, data)
+        except ChunkChecksumError:
+            data = await self._refetch(manifest, chunk.index)
+        self.stats.chunks += 1
+        self.stats.chunk_bytes += len(data)
+        if self._on_chunk is not None:
+            self._on_chunk(manifest, chunk.index, data)
+        receiving.add(chunk.index, data, asyncio.wrap_future(self._pool.submit(self.decoder.add_chunk, chunk.index, data, True)))
+        if receiving.next_chunk < len(manifest.chunks):
+            await receiving.bound(2 * self._threads)
+            return None
+        await receiving.drain()
+        version = await asyncio.to_thread(self.decoder.finish)
+        return VersionUpdate(version, self.decoder.weights, manifest, receiving.encoded())
+
+    async def _refetch(self, manifest: pb.Manifest, index: int, attempts: int = 3) -> bytes:
+        """Fetches chunk ``index`` again until it passes its checksum."""
         stub = pb_grpc.WeightSyncStub(self._channel)
-        call = stub.Subscribe(pb.SubscribeRequest(from_version=self.decoder.version, follow=follow))
-        encoded: Encoded | None = None
-        async for item in call:
-            if item.HasField("manifest"):
-                self.decoder.begin(item.manifest)
-                encoded = Encoded(item.manifest, [])
-            else:
-                # Decoding is CPU-bound; keep the event loop (and the server it hosts) responsive.
-                await asyncio.to_thread(self.decoder.add_chunk, item.chunk.index, item.chunk.data)
-                assert encoded is not None
-                if keep_encoded:
-                    encoded.chunks.append(item.chunk.data)
-                if item.chunk.index == len(encoded.manifest.chunks) - 1:
-                    version = await asyncio.to_thread(self.decoder.finish)
-                    yield VersionUpdate(version, self.decoder.weights, encoded.manifest, encoded if keep_encoded else None)
+        for attempt in range(attempts):
+            self.stats.refetched += 1
+            reply = await stub.FetchChunk(pb.FetchChunkRequest(version=manifest.version, base_version=manifest.base_version, index=index))
+            await self._bucket.take(len(reply.data))
+            try:
+                await asyncio.to_thread(self.decoder.verify, index, reply.data)
+                return reply.data
+            except ChunkChecksumError:
+                log.warning("chunk %d of version %d corrupt again (attempt %d)", index, manifest.version, attempt + 1)
+        raise DataLoss(f"chunk {index} of version {manifest.version} failed its checksum {attempts + 1} times")
+
+
+class _Receiving:
+    """The version being received: the manifest, chunks taken so far, decodes in flight."""
+
+    def __init__(self, manifest: pb.Manifest | None, keep_encoded: bool) -> None:
+        self.manifest = manifest
+        self.next_chunk = 0
+        self.keep = keep_encoded
+        self.chunks: list[bytes] = []
+        self.pending: list[asyncio.Future[None]] = []
+
+    def add(self, index: int, data: bytes, decoding: asyncio.Future[None]) -> None:
+        self.next_chunk = index + 1
+        if self.keep:
+            self.chunks.append(data)
+        self.pending.append(decoding)
+
+    async def bound(self, limit: int) -> None:
+        """Waits while more than ``limit`` decodes are in flight (bounds memory)."""
+        self.pending = [f for f in self.pending if not f.done() or f.exception() is not None]
+        for f in [f for f in self.pending if f.done()]:
+            f.result()  # raises the decode error
+        while len(self.pending) > limit:
+            await self.pending.pop(0)
+
+    async def drain(self) -> None:
+        while self.pending:
+            await self.pending.pop(0)
+
+    def encoded(self) -> Encoded | None:
+        assert self.manifest is not None
+        return Encoded(self.manifest, self.chunks) if self.keep else None

@@ -13,11 +13,16 @@ class WeightSyncConfig:
     upstream: str = opt("", "relay only: address of the weightsync this relay mirrors")
     keep_versions: int = opt(16, "published versions kept; older ones are deleted")
     chunk_mb: float = opt(4.0, "largest encoded chunk, MiB (bounds memory and re-fetch cost)")
+    keyframe_every: int = opt(8, "a keyframe is stored beside every Nth version (recovery starts there)")
+    send_mib_s: float = opt(0.0, "cap on what this server sends to subscribers, MiB/s in total (0: none)")
+    upstream_mib_s: float = opt(0.0, "relay only: cap on what it reads from its upstream, MiB/s (0: none)")
 
     def __post_init__(self) -> None:
         if self.role not in ("origin", "relay"):
             raise ValueError(f"role must be origin or relay, got {self.role!r}")
         if self.role == "relay" and not self.upstream:
             raise ValueError("a relay needs --upstream")
-        if self.keep_versions < 2 or self.chunk_mb <= 0:
-            raise ValueError("keep_versions must be >= 2 and chunk_mb > 0")
+        if self.keep_versions < 2 or self.chunk_mb <= 0 or self.keyframe_every < 1:
+            raise ValueError("keep_versions must be >= 2, chunk_mb > 0 and keyframe_every >= 1")
+        if self.send_mib_s < 0 or self.upstream_mib_s < 0:
+            raise ValueError("send_mib_s and upstream_mib_s must be >= 0 (0: no cap)")

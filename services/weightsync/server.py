@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,11 +14,12 @@ import grpc
 import numpy as np
 
 from meridian import telemetry
-from meridian.errors import FailedPrecondition, InvalidArgument
+from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync.client import WeightSubscriber
 from services.weightsync.config import WeightSyncConfig
+from services.weightsync.ratelimit import TokenBucket
 from services.weightsync.store import Encoded, VersionStore
 from services.weightsync.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count
 
@@ -70,7 +72,13 @@ class _Assembly:
 
 
 class WeightSyncService(pb_grpc.WeightSyncServicer):
-    """Versions in, versions out."""
+    """Versions in, versions out.
+
+    An origin encodes what the trainer publishes; a relay mirrors its upstream with one
+    subscription and re-serves the same encoded chunks, passing each chunk on to its own
+    subscribers as soon as it arrived and passed its checksum (cut-through), so a fan-out
+    tree adds little more than one hop of latency per level.
+    """
 
     service_names = (pb.DESCRIPTOR.services_by_name["WeightSync"].full_name,)
 
@@ -78,12 +86,23 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self.config = config
         self._tmp = None if config.data_dir else tempfile.TemporaryDirectory(prefix="meridian-weightsync-")
         data_dir = Path(config.data_dir or self._tmp.name)  # type: ignore[union-attr]
-        self.store = VersionStore(data_dir, keep=config.keep_versions, chunk_bytes=int(config.chunk_mb * (1 << 20)))
+        self.store = VersionStore(
+            data_dir, keep=config.keep_versions, chunk_bytes=int(config.chunk_mb * (1 << 20)), keyframe_every=config.keyframe_every
+        )
         self._changed = asyncio.Condition()
         # The store is mutated in worker threads (encoding is CPU-bound); every access
         # that reads or changes its state goes through this lock.
         self._store_lock = asyncio.Lock()
         self._mirror: asyncio.Task[None] | None = None
+        self._send = TokenBucket.mib_per_s(config.send_mib_s)
+        # Relay: the version arriving from upstream, re-served chunk by chunk as it comes.
+        self._incoming: Encoded | None = None
+        # When each version became available here (monotonic): stored by Publish, or its
+        # manifest arrived from upstream. Benches measure propagation from it.
+        self.available_at: dict[int, float] = {}
+        self.counters = dict.fromkeys(
+            ("chunks_sent", "chunk_bytes_sent", "resumed_streams", "chunk_fetches", "upstream_versions", "upstream_bytes"), 0
+        )
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_WeightSyncServicer_to_server(self, server)
@@ -104,19 +123,50 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         async with self._changed:
             self._changed.notify_all()
 
+    # ------------------------------------------------------------ relay
+
+    def _stamp(self, version: int) -> None:
+        self.available_at[version] = time.monotonic()
+        while len(self.available_at) > 64:
+            self.available_at.pop(next(iter(self.available_at)))
+
+    def _upstream_manifest(self, manifest: pb.Manifest) -> None:
+        self._stamp(manifest.version)
+        self._incoming = Encoded(manifest, [])
+        self._notify_soon()
+
+    def _upstream_chunk(self, manifest: pb.Manifest, index: int, payload: bytes) -> None:
+        if self._incoming is not None and self._incoming.manifest.version == manifest.version and index == len(self._incoming.chunks):
+            self._incoming.chunks.append(payload)
+        self.counters["upstream_bytes"] += len(payload)
+        self._notify_soon()
+
+    def _notify_soon(self) -> None:
+        asyncio.get_running_loop().create_task(self._announce())
+
     async def _mirror_upstream(self) -> None:
         """Relay: one subscription upstream, re-serving the same encoded chunks locally."""
         while True:
-            subscriber = WeightSubscriber(self.config.upstream, self.store.weights, self.store.latest)
+            subscriber = WeightSubscriber(
+                self.config.upstream,
+                self.store.weights,
+                self.store.latest,
+                max_mib_s=self.config.upstream_mib_s,
+                on_manifest=self._upstream_manifest,
+                on_chunk=self._upstream_chunk,
+            )
             try:
                 async for update in subscriber.updates(follow=True, keep_encoded=True):
                     assert update.encoded is not None
                     async with self._store_lock:
                         await asyncio.to_thread(self.store.add_encoded, update.encoded, update.weights)
+                    self._incoming = None
+                    self.counters["upstream_versions"] += 1
                     await self._announce()
-            except grpc.aio.AioRpcError as exc:
-                log.warning("upstream %s: %s; retrying", self.config.upstream, exc.code().name)
+            except (grpc.aio.AioRpcError, DataLoss, FailedPrecondition) as exc:
+                log.warning("upstream %s: %s; retrying", self.config.upstream, exc)
             finally:
+                self._incoming = None
                 await subscriber.close()
             await asyncio.sleep(1.0)
 
@@ -149,26 +199,89 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                     self.store.publish, header.version, assembly.tensors, header.weights_hash, dict(header.trace_context)
                 )
                 span.set_attribute("meridian.encoded_bytes", enc.size)
+        self._stamp(header.version)
         await self._announce()
         log.info("version %d stored: %d raw bytes -> %d encoded", header.version, enc.manifest.raw_bytes, enc.size)
         return pb.PublishResponse(version=header.version, raw_bytes=enc.manifest.raw_bytes, encoded_bytes=enc.size)
+
+    def _find(self, version: int, base: int) -> Encoded | None:
+        incoming = self._incoming
+        if incoming is not None and (incoming.manifest.version, incoming.manifest.base_version) == (version, base):
+            return incoming
+        return self.store.find(version, base)
+
+    async def _send_chunks(self, enc: Encoded, start: int) -> AsyncIterator[pb.WeightChunk]:
+        """Chunks ``start..`` of ``enc``; for a version still arriving from upstream, each
+        chunk as soon as it is here. Ends early (None) if the arrival was abandoned."""
+        total = len(enc.manifest.chunks)
+        version, base = enc.manifest.version, enc.manifest.base_version
+        for index in range(start, total):
+            while index >= len(enc.chunks):
+                async with self._changed:
+                    await self._changed.wait_for(lambda: index < len(enc.chunks) or self._find(version, base) is not enc)
+                if index >= len(enc.chunks):
+                    # Upstream restarted this version (same bytes: encoding is deterministic),
+                    # or it is now stored whole; continue from whichever copy is held.
+                    replacement = self._find(version, base)
+                    if replacement is None:
+                        raise Unavailable(f"version {version} was abandoned mid-transfer upstream; subscribe again")
+                    enc = replacement
+            payload = enc.chunks[index]
+            await self._send.take(len(payload))
+            self.counters["chunks_sent"] += 1
+            self.counters["chunk_bytes_sent"] += len(payload)
+            yield pb.WeightChunk(chunk=pb.ChunkData(version=version, index=index, data=payload))
+
+    async def _plan(self, held: int) -> list[Encoded]:
+        async with self._store_lock:
+            plan = await asyncio.to_thread(self.store.plan_compacted, held)
+        incoming = self._incoming
+        if not plan and incoming is not None and incoming.manifest.base_version == held and held >= 0:
+            return [incoming]
+        if not plan and incoming is not None and held < 0 and self.store.latest < 0 and incoming.is_keyframe:
+            return [incoming]
+        return plan
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WeightChunk]:
         held = request.from_version
         if held < -1:
             raise InvalidArgument(f"from_version must be >= -1, got {held}")
+        if request.resume:
+            enc = self._find(request.resume_version, request.resume_base)
+            if enc is not None and request.resume_chunk <= len(enc.manifest.chunks) and request.resume_base in (held, -1):
+                # Continue the version the subscriber was receiving: no manifest, the next chunk.
+                self.counters["resumed_streams"] += 1
+                async for item in self._send_chunks(enc, request.resume_chunk):
+                    yield item
+                held = request.resume_version
         while True:
-            async with self._store_lock:
-                plan = await asyncio.to_thread(self.store.plan, held)
-            for enc in plan:
+            for enc in await self._plan(held):
                 yield pb.WeightChunk(manifest=enc.manifest)
-                for index, payload in enumerate(enc.chunks):
-                    yield pb.WeightChunk(chunk=pb.ChunkData(version=enc.manifest.version, index=index, data=payload))
+                async for item in self._send_chunks(enc, 0):
+                    yield item
                 held = enc.manifest.version
             if not request.follow:
                 return
             async with self._changed:
-                await self._changed.wait_for(lambda: self.store.latest > held)
+                await self._changed.wait_for(lambda: self._has_news(held))
+
+    def _has_news(self, held: int) -> bool:
+        incoming = self._incoming
+        return self.store.latest > held or (incoming is not None and incoming.manifest.base_version == held and incoming.manifest.version > held)
+
+    async def FetchChunk(self, request: pb.FetchChunkRequest, context: grpc.aio.ServicerContext) -> pb.ChunkData:
+        enc = self._find(request.version, request.base_version)
+        if enc is None:
+            raise NotFound(f"version {request.version} on base {request.base_version} is not held (latest {self.store.latest})")
+        if not 0 <= request.index < len(enc.manifest.chunks):
+            raise InvalidArgument(f"chunk {request.index} is outside version {request.version}'s {len(enc.manifest.chunks)} chunks")
+        if request.index >= len(enc.chunks):
+            raise NotFound(f"chunk {request.index} of version {request.version} has not arrived here yet")
+        payload = enc.chunks[request.index]
+        await self._send.take(len(payload))
+        self.counters["chunk_fetches"] += 1
+        self.counters["chunk_bytes_sent"] += len(payload)
+        return pb.ChunkData(version=request.version, index=request.index, data=payload)
 
     async def GetManifest(self, request: pb.GetManifestRequest, context: grpc.aio.ServicerContext) -> pb.Manifest:
         return self.store.manifest(request.version)
@@ -179,4 +292,6 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             versions=self.store.versions(),
             stored_bytes=self.store.stored_bytes(),
             role=self.config.role,
+            compacted_built=self.store.compacted_built,
+            **self.counters,
         )

@@ -29,6 +29,7 @@ from services.weightsync.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, W
 log = logging.getLogger(__name__)
 
 CODEC_NAME = "meridian-ctx-rice-v1"
+MAX_COMPACTED = 4
 COMPLETE = "COMPLETE"
 
 
@@ -46,6 +47,10 @@ class Encoded:
     @property
     def is_keyframe(self) -> bool:
         return self.manifest.base_version < 0
+
+
+class ChunkChecksumError(DataLoss):
+    """A chunk's bytes differ from its manifest entry (re-fetching it can help)."""
 
 
 def encode_version(
@@ -112,14 +117,32 @@ class Decoder:
                 raise InvalidArgument(f"tensor {meta.name}: {exc}") from None
             self._pending[meta.name] = RawTensor(dtype, tuple(meta.shape), np.empty(numel, dtype=RAW_DTYPES[dtype]))
 
-    def add_chunk(self, index: int, payload: bytes) -> None:
-        """Checks one chunk against the manifest and decodes it."""
+    @property
+    def manifest(self) -> pb.Manifest | None:
+        """The manifest of the version being received, if any."""
+        return self._manifest
+
+    def verify(self, index: int, payload: bytes) -> None:
+        """Checks one chunk against the manifest (index, size, sha256) without decoding it.
+
+        Raises :class:`ChunkChecksumError` (a DataLoss) when the bytes are not the ones
+        the manifest lists: a transport fault that fetching the chunk again can cure."""
         manifest = self._require_manifest()
         if not 0 <= index < len(manifest.chunks):
             raise InvalidArgument(f"chunk {index} is outside version {manifest.version}'s {len(manifest.chunks)} chunks")
         ref = manifest.chunks[index]
         if len(payload) != ref.size or hashlib.sha256(payload).hexdigest() != ref.sha256:
-            raise DataLoss(f"chunk {index} of version {manifest.version} fails its checksum")
+            raise ChunkChecksumError(f"chunk {index} of version {manifest.version} fails its checksum")
+
+    def add_chunk(self, index: int, payload: bytes, verified: bool = False) -> None:
+        """Checks one chunk against the manifest (unless ``verified``) and decodes it.
+
+        Chunks of one version may be decoded concurrently from several threads: each
+        writes its own element range, and the codec kernels release the GIL."""
+        manifest = self._require_manifest()
+        if not verified:
+            self.verify(index, payload)
+        ref = manifest.chunks[index]
         base = self.weights.get(ref.tensor) if manifest.base_version >= 0 else None
         try:
             codec.decode_chunk_into(payload, self._pending[ref.tensor].bits, base.bits if base is not None else None)
@@ -170,6 +193,9 @@ class VersionStore:
         self.keyframes: dict[int, Encoded] = {}
         self.latest = -1
         self.weights: dict[str, RawTensor] = {}
+        # (version, base) -> compacted delta for late joiners; memory only, a few at most.
+        self.compacted: dict[tuple[int, int], Encoded] = {}
+        self.compacted_built = 0
         self._recover()
 
     # ------------------------------------------------------------ publishing
@@ -197,6 +223,7 @@ class VersionStore:
         if version % self.keyframe_every == 0 and not enc.is_keyframe:
             self.keyframes[version] = self._persist(encode_version(version, weights, None, -1, self.chunk_bytes, enc.manifest.trace_context))
         self.weights, self.latest = dict(weights), version
+        self.compacted = {k: e for k, e in self.compacted.items() if k[0] == version}
         self._retain()
         return enc
 
@@ -225,6 +252,52 @@ class VersionStore:
             if self.latest not in self.keyframes or sum(e.size for e in chain) <= self.keyframes[self.latest].size:
                 return chain
         return [self.keyframe_of_latest()]
+
+    def plan_compacted(self, from_version: int) -> list[Encoded]:
+        """Like :meth:`plan`, but also considers one *compacted* delta (the latest encoded
+        directly against ``from_version``) and returns whichever of chain, keyframe and
+        compacted delta is smallest. The compacted delta is built on demand when the chain
+        has two or more links and ``from_version``'s weights can be rebuilt from a held
+        keyframe and deltas; it is cached (a few at most) for other late joiners."""
+        plan = self.plan(from_version)
+        if len(plan) < 2 or plan[0].is_keyframe:
+            return plan
+        key = (self.latest, from_version)
+        compacted = self.compacted.get(key)
+        if compacted is None:
+            base = self.weights_at(from_version)
+            if base is None:
+                return plan
+            compacted = encode_version(self.latest, self.weights, base, from_version, self.chunk_bytes, self.manifest(self.latest).trace_context)
+            self.compacted[key] = compacted
+            self.compacted_built += 1
+            while len(self.compacted) > MAX_COMPACTED:
+                self.compacted.pop(next(iter(self.compacted)))
+        if compacted.size < sum(e.size for e in plan):
+            return [compacted]
+        return plan
+
+    def find(self, version: int, base_version: int) -> Encoded | None:
+        """The held encoding of ``version`` against ``base_version`` (-1: keyframe), if any."""
+        for enc in (self.deltas.get(version), self.keyframes.get(version), self.compacted.get((version, base_version))):
+            if enc is not None and enc.manifest.base_version == base_version:
+                return enc
+        return None
+
+    def weights_at(self, version: int) -> dict[str, RawTensor] | None:
+        """Rebuilds the weights of a held ``version`` from the newest keyframe at or before it
+        and the deltas after that keyframe; None when the store cannot."""
+        if version == self.latest:
+            return dict(self.weights)
+        starts = [k for k in self.keyframes if k <= version]
+        for start in sorted(starts, reverse=True):
+            chain, v = [], version
+            while v != start and v in self.deltas:
+                chain.append(self.deltas[v])
+                v = self.deltas[v].manifest.base_version
+            if v == start:
+                return decode_all([self.keyframes[start], *reversed(chain)]).weights
+        return None
 
     def keyframe_of_latest(self) -> Encoded:
         if self.latest not in self.keyframes:

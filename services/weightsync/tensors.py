@@ -2,9 +2,11 @@
 name and a shape, and the hash every party checks the full weights against."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import math
+import os
 from collections.abc import Mapping
 
 import numpy as np
@@ -59,13 +61,29 @@ def element_count(shape: tuple[int, ...] | list[int]) -> int:
     return numel
 
 
+#: Hashing threads for large weight sets (hashlib releases the GIL on large buffers).
+_HASH_THREADS = min(8, os.cpu_count() or 1)
+_PARALLEL_HASH_BYTES = 32 << 20
+
+
+def _tensor_digest(t: RawTensor) -> bytes:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(t.bits)).cast("B")).digest()
+
+
 def weights_hash(weights: Weights) -> str:
-    """sha256 over (name, dtype, shape, raw bits) of every tensor, in name order."""
+    """sha256 over (name, dtype, shape, sha256 of the raw bits) of every tensor, in name
+    order. Hashing each tensor separately lets large models hash on several cores."""
+    names = sorted(weights)
+    if _HASH_THREADS > 1 and sum(weights[n].nbytes for n in names) >= _PARALLEL_HASH_BYTES:
+        with concurrent.futures.ThreadPoolExecutor(_HASH_THREADS) as pool:
+            digests = list(pool.map(_tensor_digest, (weights[n] for n in names)))
+    else:
+        digests = [_tensor_digest(weights[n]) for n in names]
     h = hashlib.sha256()
-    for name in sorted(weights):
+    for name, digest in zip(names, digests):
         t = weights[name]
         h.update(f"{name}\0{t.dtype}\0{','.join(map(str, t.shape))}\0".encode())
-        h.update(memoryview(np.ascontiguousarray(t.bits)).cast("B"))
+        h.update(digest)
     return h.hexdigest()
 
 

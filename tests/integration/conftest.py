@@ -21,3 +21,32 @@ def tiny_model() -> Path:
 def otlp() -> Iterator[OtlpReceiver]:
     with OtlpReceiver() as receiver:
         yield receiver
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, otlp: OtlpReceiver):  # type: ignore[no-untyped-def]
+    """The whole local stack on free ports with the tiny model, shared by the tests that
+    need it (starting vLLM costs most of a minute). Its teardown checks that stopping
+    leaves no process of any service's group behind."""
+    import os
+
+    from meridian import stack as stack_mod
+
+    config = stack_mod.StackConfig(run_dir=str(tmp_path_factory.mktemp("stack")), model=str(tiny_model), ports="auto", ready_timeout_s=600)
+    # A large step size so one update visibly moves the tiny model's outputs.
+    extra = {"trainer": ["--lr", "1e-2", "--max-grad-norm", "0"]}
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    running = stack_mod.start(config, extra_args=extra, env=env)
+    pids = dict(running.pids)
+    try:
+        yield running
+    finally:
+        running.stop(config.stop_timeout_s)
+    survivors = []
+    for name, pid in pids.items():
+        try:
+            os.killpg(pid, 0)
+            survivors.append(name)
+        except ProcessLookupError:
+            pass
+    assert not survivors, f"processes left behind after stop: {survivors}"

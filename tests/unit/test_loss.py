@@ -309,3 +309,135 @@ def test_trajectory_with_empty_prompt_is_rejected_before_batching() -> None:
 
     no_prompt = _traj("a", "g", [], [5, 6], 1.0)
     assert "prompt" in validate(no_prompt)
+
+
+# ---------------------------------------------------------------- truncated importance sampling, KL, weights
+
+
+def test_tis_value_and_gradient_by_hand() -> None:
+    # Decoupled objective: ratio against the trainer's own log-probs is exactly 1, so the
+    # loss is -mean(w * A) with w = min(pi / mu, cap), and d loss / d logp = -w * A / N.
+    logprobs = torch.tensor([[math.log(0.5), math.log(0.9)], [math.log(0.2), math.log(0.6)]], dtype=F64, requires_grad=True)
+    behaviour = torch.tensor([[math.log(0.25), math.log(0.9)], [math.log(0.4), math.log(0.1)]], dtype=F64)
+    adv = torch.tensor([[1.0], [-2.0]], dtype=F64)
+    cap = 3.0
+    # weights: 0.5/0.25 = 2; 1; 0.2/0.4 = 0.5; 0.6/0.1 = 6 -> truncated to 3
+    w = [[2.0, 1.0], [0.5, 3.0]]
+    loss, stats = clipped_pg_loss(logprobs, behaviour, adv, torch.ones(2, 2), LossConfig(tis_cap=cap))
+    want = -(2.0 * 1 + 1.0 * 1 + 0.5 * -2 + 3.0 * -2) / 4
+    assert loss.item() == pytest.approx(want, abs=1e-12)
+    assert stats["is_truncated_frac"] == pytest.approx(0.25)
+    assert stats["is_weight_mean"] == pytest.approx((2 + 1 + 0.5 + 3) / 4)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-w[0][0] / 4, -w[0][1] / 4], [2 * w[1][0] / 4, 2 * w[1][1] / 4]], dtype=F64))
+
+
+def test_tis_weights_do_not_carry_gradient() -> None:
+    # With every weight truncated, the gradient is -cap * A / N whatever the ratio.
+    logprobs = torch.full((1, 3), -0.1, dtype=F64, requires_grad=True)
+    behaviour = torch.full((1, 3), -5.0, dtype=F64)
+    loss, _ = clipped_pg_loss(logprobs, behaviour, torch.ones(1, 1, dtype=F64), torch.ones(1, 3), LossConfig(tis_cap=2.0))
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.full((1, 3), -2.0 / 3, dtype=F64))
+
+
+def test_kl_penalty_value_and_gradient() -> None:
+    # k3 estimator: exp(d) - d - 1 with d = ref - logp; derivative w.r.t. logp is 1 - exp(d).
+    logprobs = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]], dtype=F64)
+    coef = 0.1
+    adv = torch.zeros(1, 1, dtype=F64)  # isolate the KL term
+    loss, stats = clipped_pg_loss(logprobs, logprobs.detach(), adv, torch.ones(1, 2), LossConfig(kl_coef=coef), ref_logprobs=ref)
+    d = [-0.5, 1.0]
+    kl = [math.exp(x) - x - 1 for x in d]
+    assert loss.item() == pytest.approx(coef * sum(kl) / 2, abs=1e-12)
+    assert stats["kl"] == pytest.approx(sum(kl) / 2)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[coef * (1 - math.exp(x)) / 2 for x in d]], dtype=F64))
+
+
+def test_token_weights_and_global_token_count() -> None:
+    logprobs, behaviour, adv, mask = _loss_inputs()
+    weights = torch.tensor([[1.0], [0.0]], dtype=F64)  # the second sequence contributes nothing
+    loss, _ = clipped_pg_loss(logprobs, behaviour, adv, mask, LossConfig(), token_weights=weights)
+    assert loss.item() == pytest.approx((-2.2 - 2.56 - 1.0) / N_TOKENS, abs=1e-12)
+    # A shard divides by the whole batch's token count, so shard losses add up.
+    rows = [clipped_pg_loss(logprobs[i : i + 1], behaviour[i : i + 1], adv[i : i + 1], mask[i : i + 1], LossConfig(), num_tokens=N_TOKENS)[0] for i in range(2)]
+    assert sum(r.item() for r in rows) == pytest.approx(EXPECTED_LOSS, abs=1e-12)
+
+
+# ---------------------------------------------------------------- staleness and group filtering
+
+
+def test_staleness_weight_modes() -> None:
+    from services.trainer.loss import staleness_weight
+
+    assert staleness_weight(2, 2, "drop", 0.25) == 1.0
+    assert staleness_weight(3, 2, "drop", 0.25) == 0.0
+    assert staleness_weight(3, 2, "downweight", 0.25) == 0.25
+    with pytest.raises(ValueError):
+        staleness_weight(0, 2, "ignore", 0.25)
+
+
+def test_has_reward_signal() -> None:
+    from services.trainer.loss import has_reward_signal
+
+    assert has_reward_signal([0.0, 1.0]) and not has_reward_signal([0.5, 0.5]) and not has_reward_signal([1.0])
+
+
+def _versioned(tid: str, group: str, version: int, reward: float) -> common_pb2.Trajectory:
+    t = _traj(tid, group, [1], [2, 3, 4], reward, mask=[1, 0, 1])
+    t.policy_versions[:] = [version, -1, version + 1]
+    return t
+
+
+def test_policy_lag_uses_the_oldest_trained_token() -> None:
+    from services.trainer.batch import policy_lag
+
+    assert policy_lag(_versioned("a", "g", 3, 1.0), 7) == 4  # tool token (-1) is not trained
+    assert policy_lag(_versioned("a", "g", 9, 1.0), 7) == 0
+
+
+def _config(**kw: object):  # type: ignore[no-untyped-def]
+    from services.trainer.config import TrainerConfig
+
+    return TrainerConfig(**{"max_policy_lag": 2, **kw})  # type: ignore[arg-type]
+
+
+def test_prepare_groups_drop_mode_counts() -> None:
+    from services.trainer.learner import prepare_groups
+
+    fresh = [_versioned("a1", "A", 5, 1.0), _versioned("a2", "A", 5, 0.0)]
+    mixed = [_versioned("b1", "B", 5, 1.0), _versioned("b2", "B", 1, 0.0), _versioned("b3", "B", 5, 0.0)]
+    lone = [_versioned("c1", "C", 5, 1.0), _versioned("c2", "C", 0, 0.0)]
+    flat = [_versioned("d1", "D", 5, 0.5), _versioned("d2", "D", 5, 0.5)]
+    out = prepare_groups([fresh, mixed, lone, flat], version=6, config=_config())
+    assert [[t.trajectory_id for t in g] for g in out.groups] == [["a1", "a2"], ["b1", "b3"]]
+    assert out.dropped_stale == 1 + 2  # b2; c2 and then c1, left alone
+    assert out.dropped_groups == 1 and out.downweighted_stale == 0
+    assert out.lags == [1, 1, 1, 5, 1, 1, 6, 1, 1]
+
+
+def test_prepare_groups_downweight_mode_and_equal_rewards_kept_when_asked() -> None:
+    from services.trainer.learner import prepare_groups
+
+    group = [_versioned("a1", "A", 5, 1.0), _versioned("a2", "A", 0, 0.0)]
+    flat = [_versioned("d1", "D", 5, 0.5), _versioned("d2", "D", 5, 0.5)]
+    out = prepare_groups([group, flat], version=6, config=_config(stale_mode="downweight", stale_weight=0.5, drop_equal_reward_groups=False))
+    assert out.weights == [[1.0, 0.5], [1.0, 1.0]]
+    assert out.downweighted_stale == 1 and out.dropped_stale == 0 and out.dropped_groups == 0
+
+
+def test_build_batch_carries_sequence_weights() -> None:
+    batch = build_batch([_two_trajectories()], pad_id=PAD, weights=[[1.0, 0.25]])
+    assert batch.token_weights.squeeze(1).tolist() == [1.0, 0.25]
+    assert build_batch([_two_trajectories()], pad_id=PAD).token_weights.squeeze(1).tolist() == [1.0, 1.0]
+
+
+def test_group_buffer_holds_reports_entry_until_popped() -> None:
+    buf = GroupBuffer()
+    buf.add("1-0", _traj("a", "g", [1], [2], 1.0))
+    assert buf.holds("a") == "1-0" and buf.holds("b") is None
+    buf.add("2-0", _traj("b", "g", [1], [2], 0.0))
+    buf.pop_complete(1)
+    assert buf.holds("a") is None

@@ -14,6 +14,7 @@ import pytest
 
 from meridian.errors import InvalidArgument
 from services.envsandbox import tasks as tasks_mod
+from services.envsandbox.process_backend import ProcessBackend
 from services.envsandbox.sandbox import SandboxManager
 from services.envsandbox.swebench import PatchError, apply_unified_diff, instance_to_task, load_swebench_jsonl
 
@@ -24,7 +25,7 @@ BATCH = 8
 
 async def _reward(manager: SandboxManager, task: tasks_mod.Task, files: dict[str, str]) -> tuple[float, str]:
     """Reward and test output of ``task`` in a fresh sandbox holding its files plus ``files``."""
-    box = manager.create(task=task, files={p: c.encode() for p, c in files.items()})
+    box = await manager.create(task=task, files={p: c.encode() for p, c in files.items()})
     try:
         outcome, _result, output = await manager.run_tests(box.sandbox_id)
         return outcome.reward, output.decode(errors="replace")
@@ -34,7 +35,7 @@ async def _reward(manager: SandboxManager, task: tasks_mod.Task, files: dict[str
 
 async def _rewards(root: Path, jobs: list[tuple[tasks_mod.Task, dict[str, str]]]) -> list[tuple[float, str]]:
     """Runs the jobs in batches: enough overlap to hide process start-up, little enough for 2 cores."""
-    manager = SandboxManager(root=root)
+    manager = SandboxManager(ProcessBackend(root))
     try:
         results: list[tuple[float, str]] = []
         for start in range(0, len(jobs), BATCH):
@@ -98,12 +99,45 @@ def test_every_builtin_task_reference_passes_and_empty_attempt_fails(tmp_path: P
     assert not problems, "\n".join(problems)
 
 
+FORGE = (
+    "import os, sys\n"
+    "LINES = ''.join(f'PASS {n}\\n' for n in ['case0', 'case1', 'case2', 'case3', 'case4', 'deposit', 'transfer_moves_money'])\n"
+    "for fd in range(1, 64):\n"
+    "    try:\n"
+    "        os.write(fd, LINES.encode())\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "for pid in range(1, 64):\n"
+    "    for fd in range(0, 8):\n"
+    "        try:\n"
+    "            with open(f'/proc/{pid}/fd/{fd}', 'w') as fh:\n"
+    "                fh.write(LINES)\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "sys.stdout.write(LINES)\n"
+    "sys.stdout.flush()\n"
+)
+
+
 def test_forged_pass_lines_do_not_count(tmp_path: Path) -> None:
-    """A solution that prints PASS lines itself must not earn reward from them."""
-    task = tasks_mod.TaskSuite.builtin().get("python/count_vowels")
-    forged = {"solution.py": "print('PASS case0')\nprint('PASS case1')\ndef count_vowels(s):\n    print('PASS x')\n    return -1\n"}
-    [(reward, output)] = asyncio.run(_rewards(tmp_path, [(task, forged)]))
-    assert reward == 0.0, output
+    """Code under test that writes PASS lines to every descriptor it can reach, its own and
+    its parents' (through /proc), earns nothing from them; nor does exiting early."""
+    suite = tasks_mod.TaskSuite.builtin()
+    vowels = suite.get("python/count_vowels")
+    bank = suite.get("bugfix/bank_transfer")
+    jobs = [
+        (vowels, {"solution.py": FORGE + "def count_vowels(s):\n    return -1\n"}),
+        (vowels, {"solution.py": FORGE + "os._exit(0)\n"}),
+        (bank, {"bank/account.py": FORGE + "os._exit(0)\n"}),
+        (bank, {"bank/account.py": FORGE + bank.files["bank/account.py"]}),
+        (bank, {}),
+    ]
+    results = asyncio.run(_rewards(tmp_path, jobs))
+    for (task, _), (reward, output) in zip(jobs[:3], results[:3]):
+        assert reward == 0.0, f"{task.id}\n{output}"
+    # Forging on top of the buggy module earns exactly what the buggy module earns.
+    (forged, forged_out), (plain, _) = results[3], results[4]
+    assert forged == plain < 1.0, forged_out
 
 
 # ------------------------------------------------------------------ (c) score_output

@@ -425,3 +425,85 @@ def test_from_torch_handles_non_contiguous_and_rejects_other_dtypes() -> None:
     assert torch.equal(to_torch(raw), t)
     with pytest.raises(ValueError):
         from_torch(torch.zeros(2, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------- late joiners: compaction
+
+
+def _sparse_versions(n: int) -> list[Weights]:
+    """Versions where each step moves 1 % of elements by one grid step (Adam-like)."""
+    rng = np.random.default_rng(5)
+    versions = [{"w": _bf16(rng, (4000,)), "b": _bf16(rng, (64,))}]
+    for _ in range(n - 1):
+        out = {}
+        for name, t in versions[-1].items():
+            bits = t.bits.copy()
+            idx = rng.choice(bits.size, size=max(1, bits.size // 100), replace=False)
+            bits[idx] += 1
+            out[name] = RawTensor(t.dtype, t.shape, bits)
+        versions.append(out)
+    return versions
+
+
+def test_plan_compacted_sends_one_delta_when_smaller(tmp_path: Path) -> None:
+    versions = _sparse_versions(6)
+    store = VersionStore(tmp_path, chunk_bytes=1024, keyframe_every=100)
+    for v, w in enumerate(versions):
+        store.publish(v, w)
+    chain = store.plan(1)
+    (compacted,) = store.plan_compacted(1)
+    assert (compacted.manifest.version, compacted.manifest.base_version) == (5, 1)
+    assert compacted.size < sum(e.size for e in chain)
+    _assert_same(decode_all([compacted], versions[1], 1).weights, versions[5])
+    # Built once, then served from the cache; find() locates it for resumes and re-fetches.
+    assert store.plan_compacted(1)[0] is compacted and store.compacted_built == 1
+    assert store.find(5, 1) is compacted
+    assert store.find(5, 4) is store.deltas[5] and store.find(5, 3) is None
+    # One link behind: the plain delta; nothing held: a keyframe; up to date: nothing.
+    assert [e.manifest.base_version for e in store.plan_compacted(4)] == [4]
+    assert store.plan_compacted(-1)[0].is_keyframe
+    assert store.plan_compacted(5) == []
+    # A new version makes the cached compacted delta useless.
+    nxt = _sparse_versions(7)[6]
+    store.publish(6, nxt)
+    assert store.compacted == {}
+
+
+def test_weights_at_rebuilds_held_versions(tmp_path: Path) -> None:
+    versions = _sparse_versions(5)
+    store = VersionStore(tmp_path, chunk_bytes=1024, keyframe_every=2, keep=3)
+    for v, w in enumerate(versions):
+        store.publish(v, w)
+    assert store.versions() == [2, 3, 4]
+    for v in store.versions():
+        rebuilt = store.weights_at(v)
+        assert rebuilt is not None
+        _assert_same(rebuilt, versions[v])
+    assert store.weights_at(1) is None  # dropped by retention
+
+
+def test_token_bucket_paces_to_its_rate() -> None:
+    import asyncio
+    import time as _time
+
+    from services.weightsync.ratelimit import TokenBucket
+
+    async def main() -> float:
+        bucket = TokenBucket(rate=1_000_000, burst=10_000)
+        start = _time.monotonic()
+        for _ in range(20):
+            await bucket.take(10_000)
+        return _time.monotonic() - start
+
+    # 200 kB at 1 MB/s with a 10 kB burst needs at least 0.19 s (a lower bound only).
+    assert asyncio.run(main()) >= 0.5 * 0.19
+    assert not TokenBucket(0).enabled
+
+
+def test_config_rejects_bad_caps() -> None:
+    from services.weightsync.config import WeightSyncConfig
+
+    with pytest.raises(ValueError):
+        WeightSyncConfig(send_mib_s=-1)
+    with pytest.raises(ValueError):
+        WeightSyncConfig(keyframe_every=0)

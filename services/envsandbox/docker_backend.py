@@ -1,0 +1,402 @@
+"""The Docker backend: one container per sandbox through the Docker SDK.
+
+Each container: no network, read-only root, tmpfs workspace and /tmp (the disk cap),
+memory (no swap), pids and CPU limits, every capability dropped, no-new-privileges, an
+unprivileged user, and a label naming this service instance. A restarted service removes
+every container labelled by an instance that no longer runs.
+
+The workspace is a tmpfs, which ``docker cp`` cannot reach, so file operations run
+``workspace_files`` inside the container (python3 is in the image) over an exec's stdin.
+The SDK is synchronous: blocking calls run in worker threads.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from meridian.errors import FailedPrecondition, NotFound, Unavailable
+from services.envsandbox import workspace_files
+from services.envsandbox.cgroups import instance_name, process_start_time
+from services.envsandbox.sandbox import SANDBOX_UID, Backend, ExecItem, ExecResult, Limits
+
+log = logging.getLogger(__name__)
+
+LABEL = "meridian.envsandbox.instance"
+SANDBOX_LABEL = "meridian.envsandbox.sandbox"
+FILES_SOURCE = (Path(__file__).parent / "workspace_files.py").read_text()
+FILES_MAIN = r'''
+import base64 as _b64, json as _json, sys as _sys
+_req = _json.loads(_sys.stdin.buffer.read())
+_root = os.open("/workspace", os.O_RDONLY | os.O_DIRECTORY)
+try:
+    if _req["op"] == "write":
+        for _f in _req["files"]:
+            write_file(_root, _f["path"], _b64.b64decode(_f["content"]), _f.get("mode", 0o644))
+        _out = {}
+    elif _req["op"] == "read":
+        _out = {"files": {p: _b64.b64encode(read_file(_root, p, _req["max_bytes"])).decode() for p in _req["paths"]}}
+    elif _req["op"] == "remove":
+        remove_tree(_root, _req["path"])
+        _out = {}
+    else:
+        _out = {"error": ["invalid", "unknown op"]}
+except PathError as _exc:
+    _out = {"error": [_exc.kind, str(_exc)]}
+except OSError as _exc:
+    _out = {"error": ["os", "%s: %s" % (type(_exc).__name__, _exc)]}
+_sys.stdout.write(_json.dumps(_out))
+'''
+
+
+def _instance_alive(name: str) -> bool:
+    pid, _, start = name.partition("-")
+    return pid.isdigit() and process_start_time(int(pid)) == start
+
+
+class DockerBackend(Backend):
+    name = "docker"
+
+    def __init__(self, root: Path, base_url: str = "", image: str = "") -> None:
+        self.root = Path(root)
+        self.base_url = base_url
+        self.image = image
+        self.instance = instance_name()
+        self._client = None
+        self._containers: dict[str, str] = {}
+        self._keep: dict[str, set[int]] = {}
+        self._active: dict[str, int] = {}
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        try:
+            import docker
+        except ImportError as exc:
+            raise FailedPrecondition("the docker backend needs the Docker SDK (pip package docker)") from exc
+        try:
+            self._client = await asyncio.to_thread(
+                lambda: docker.DockerClient(base_url=self.base_url, timeout=60) if self.base_url else docker.from_env(timeout=60)
+            )
+            await asyncio.to_thread(self._client.ping)
+        except Exception as exc:
+            raise Unavailable(f"cannot reach the Docker daemon at {self.base_url or 'the default address'}: {exc}") from exc
+        removed = await asyncio.to_thread(self._remove_stale)
+        if removed:
+            log.info("removed %d containers of stale service instances", removed)
+        if not self.image:
+            from services.envsandbox.docker_image import ensure_image
+
+            self.image = await asyncio.to_thread(ensure_image, self._client)
+
+    def _remove_stale(self) -> int:
+        removed = 0
+        for container in self._client.containers.list(all=True, filters={"label": LABEL}):
+            owner = container.labels.get(LABEL, "")
+            if owner != self.instance and not _instance_alive(owner):
+                with contextlib.suppress(Exception):
+                    container.remove(force=True, v=True)
+                    removed += 1
+        return removed
+
+    async def stop(self) -> None:
+        for sandbox_id in list(self._containers):
+            await self.destroy(sandbox_id)
+        if self._client is not None:
+            await asyncio.to_thread(self._client.close)
+            self._client = None
+
+    async def create(self, sandbox_id: str, limits: Limits) -> None:
+        tmp_bytes = max(16 << 20, limits.disk_bytes // 4)
+
+        def run() -> str:
+            container = self._client.containers.run(
+                self.image,
+                ["/bin/busybox", "sleep", "2147483647"],
+                detach=True,
+                name=f"meridian-{sandbox_id}",
+                hostname="sandbox",
+                network_mode="none",
+                read_only=True,
+                tmpfs={
+                    "/workspace": f"size={limits.disk_bytes},mode=0755,uid={SANDBOX_UID},gid={SANDBOX_UID}",
+                    "/tmp": f"size={tmp_bytes},mode=1777",
+                },
+                mem_limit=limits.memory_bytes,
+                memswap_limit=limits.memory_bytes,
+                pids_limit=limits.max_pids,
+                nano_cpus=int(limits.cpus * 1e9),
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                user=f"{SANDBOX_UID}:{SANDBOX_UID}",
+                working_dir="/workspace",
+                labels={LABEL: self.instance, SANDBOX_LABEL: sandbox_id},
+                stop_signal="SIGKILL",
+                # tini as pid 1 reaps orphans: zombies would otherwise hold pids.max slots.
+                init=True,
+            )
+            container.reload()
+            init = int(container.attrs["State"]["Pid"])
+            keep = {init}
+            for _ in range(200):
+                keep = set(_descendants(init))
+                if len(keep) > 1:
+                    break
+                time.sleep(0.005)
+            self._keep[sandbox_id] = keep
+            return container.id
+
+        self._containers[sandbox_id] = ""
+        try:
+            self._containers[sandbox_id] = await asyncio.to_thread(run)
+        except BaseException:
+            self._containers.pop(sandbox_id, None)
+            await asyncio.to_thread(self._remove_by_name, sandbox_id)
+            raise
+
+    def _remove_by_name(self, sandbox_id: str) -> None:
+        with contextlib.suppress(Exception):
+            self._client.api.remove_container(f"meridian-{sandbox_id}", force=True, v=True)
+
+    async def destroy(self, sandbox_id: str) -> None:
+        self._containers.pop(sandbox_id, None)
+        self._keep.pop(sandbox_id, None)
+        if self._client is not None:
+            await asyncio.to_thread(self._remove_by_name, sandbox_id)
+
+    async def leftovers(self) -> list[str]:
+        found = await asyncio.to_thread(lambda: self._client.containers.list(all=True, filters={"label": f"{LABEL}={self.instance}"}))
+        return [f"container:{c.labels.get(SANDBOX_LABEL)}" for c in found if c.labels.get(SANDBOX_LABEL) not in self._containers]
+
+    def _container(self, sandbox_id: str) -> str:
+        cid = self._containers.get(sandbox_id)
+        if not cid:
+            raise NotFound(f"no live sandbox {sandbox_id!r}")
+        return cid
+
+    # ------------------------------------------------------------ files
+
+    async def _files_op(self, sandbox_id: str, request: dict) -> dict:
+        source = FILES_SOURCE + FILES_MAIN
+        out, err, result = await self._run_collect(sandbox_id, ["python3", "-I", "-S", "-c", source], json.dumps(request).encode(), 30.0, 1 << 26)
+        if result.exit_code != 0 or result.timed_out:
+            raise Unavailable(f"file operation in sandbox {sandbox_id} failed (exit {result.exit_code}): {err[-300:].decode(errors='replace')}")
+        reply = json.loads(out or b"{}")
+        if "error" in reply:
+            kind, message = reply["error"]
+            if kind == "os":
+                raise OSError(message)
+            raise workspace_files.PathError(kind, message)
+        return reply
+
+    async def write_files(self, sandbox_id: str, files: dict[str, bytes], mode: int = 0o644) -> None:
+        encoded = [{"path": p, "content": base64.b64encode(c).decode(), "mode": mode} for p, c in files.items()]
+        await self._files_op(sandbox_id, {"op": "write", "files": encoded})
+
+    async def read_files(self, sandbox_id: str, paths: list[str], max_bytes: int) -> dict[str, bytes]:
+        reply = await self._files_op(sandbox_id, {"op": "read", "paths": paths, "max_bytes": max_bytes})
+        return {p: base64.b64decode(c) for p, c in reply["files"].items()}
+
+    async def remove(self, sandbox_id: str, path: str) -> None:
+        await self._files_op(sandbox_id, {"op": "remove", "path": path})
+
+    async def copy_workspace(self, src_id: str, dst_id: str) -> None:
+        # tar streams the workspace out of one container and into the other.
+        archive, err, result = await self._run_collect(src_id, ["tar", "-C", "/workspace", "-cf", "-", "."], b"", 60.0, 1 << 30)
+        if result.exit_code != 0:
+            raise Unavailable(f"cannot archive the workspace of {src_id}: {err[-300:].decode(errors='replace')}")
+        _, err, result = await self._run_collect(dst_id, ["tar", "-C", "/workspace", "-xf", "-"], archive, 60.0, 1 << 20)
+        if result.exit_code != 0:
+            raise Unavailable(f"cannot unpack the workspace into {dst_id}: {err[-300:].decode(errors='replace')}")
+
+    async def _run_collect(self, sandbox_id: str, argv: list[str], stdin: bytes, wall_s: float, max_output: int) -> tuple[bytes, bytes, ExecResult]:
+        out, err = bytearray(), bytearray()
+        result = None
+        async for item in self._exec(sandbox_id, argv, stdin, {}, "", wall_s, max_output):
+            if isinstance(item, ExecResult):
+                result = item
+            elif item[0] == "stdout":
+                out += item[1]
+            else:
+                err += item[1]
+        assert result is not None
+        return bytes(out), bytes(err), result
+
+    # ------------------------------------------------------------ exec
+
+    def exec(
+        self, sandbox_id: str, argv: list[str], stdin: bytes, env: dict[str, str], cwd: str, wall_s: float, limits: Limits
+    ) -> AsyncIterator[ExecItem]:
+        return self._exec(sandbox_id, argv, stdin, env, cwd, wall_s, limits.max_output_bytes)
+
+    async def _exec(
+        self, sandbox_id: str, argv: list[str], stdin: bytes, env: dict[str, str], cwd: str, wall_s: float, max_output: int
+    ) -> AsyncIterator[ExecItem]:
+        cid = self._container(sandbox_id)
+        workdir = "/workspace/" + "/".join(workspace_files.split_relative(cwd)) if cwd else "/workspace"
+        start = time.monotonic()
+        api = self._client.api
+        try:
+            exec_id = (await asyncio.to_thread(
+                api.exec_create, cid, argv, stdin=True, environment=env, workdir=workdir, user=f"{SANDBOX_UID}:{SANDBOX_UID}"
+            ))["Id"]
+            sock = await asyncio.to_thread(api.exec_start, exec_id, socket=True)
+        except Exception as exc:
+            if sandbox_id not in self._containers:
+                raise NotFound(f"no live sandbox {sandbox_id!r}") from None
+            raise Unavailable(f"docker exec in sandbox {sandbox_id} failed: {exc}") from exc
+        raw: socket.socket = getattr(sock, "_sock", sock)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+        budget = {"stdout": max_output, "stderr": max_output}
+        truncated = {"stdout": False, "stderr": False}
+        stop = threading.Event()
+
+        def reader() -> None:
+            try:
+                if stdin:
+                    raw.sendall(stdin)
+                with contextlib.suppress(OSError):
+                    raw.shutdown(socket.SHUT_WR)
+                buf = b""
+                while not stop.is_set():
+                    chunk = raw.recv(65536)
+                    if not chunk:
+                        break
+                    buf += chunk
+                    while len(buf) >= 8:
+                        kind, size = buf[0], struct.unpack(">I", buf[4:8])[0]
+                        if len(buf) < 8 + size:
+                            break
+                        payload, buf = buf[8:8 + size], buf[8 + size:]
+                        name = "stderr" if kind == 2 else "stdout"
+                        keep = payload[: max(0, budget[name])]
+                        budget[name] -= len(payload)
+                        if len(keep) < len(payload):
+                            truncated[name] = True
+                        if keep:
+                            loop.call_soon_threadsafe(queue.put_nowait, (name, keep))
+            except OSError:
+                pass
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        thread = threading.Thread(target=reader, daemon=True, name=f"exec-{sandbox_id}")
+        thread.start()
+        timed_out = False
+        deadline = start + wall_s
+        self._active[sandbox_id] = self._active.get(sandbox_id, 0) + 1
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout=remaining)
+                except TimeoutError:
+                    timed_out = True
+                    break
+                if item is None:
+                    break
+                yield item
+        finally:
+            if timed_out or thread.is_alive():
+                await asyncio.to_thread(self._kill_exec, exec_id)
+            stop.set()
+            with contextlib.suppress(OSError):
+                raw.close()
+            self._active[sandbox_id] -= 1
+            if not self._active[sandbox_id]:
+                del self._active[sandbox_id]
+                # As in the process backend, nothing an exec started outlives it (when no
+                # other exec runs in the sandbox): sweep all but the container's init.
+                await asyncio.to_thread(self._sweep, sandbox_id)
+        info = await asyncio.to_thread(self._wait_exec, exec_id)
+        code = info.get("ExitCode")
+        code = -1 if code is None else int(code)
+        killed = timed_out or code > 128
+        yield ExecResult(
+            exit_code=-1 if killed and code > 128 else code,
+            signal=code - 128 if code > 128 else (signal.SIGKILL if timed_out else 0),
+            timed_out=timed_out,
+            stdout_truncated=truncated["stdout"],
+            stderr_truncated=truncated["stderr"],
+            wall_seconds=time.monotonic() - start,
+        )
+
+    def _sweep(self, sandbox_id: str) -> None:
+        keep = self._keep.get(sandbox_id)
+        if not keep:
+            return
+        procs = _cgroup_procs_file(min(keep))
+        if procs is None:
+            return
+        for _ in range(20):
+            try:
+                pids = [int(p) for p in procs.read_text().split() if int(p) not in keep]
+            except OSError:
+                return
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.005)
+
+    def _kill_exec(self, exec_id: str) -> None:
+        """Kills the exec's process tree on the host (the daemon is local; Docker has no
+        API to kill an exec). Processes that daemonised away live until Close."""
+        with contextlib.suppress(Exception):
+            pid = self._client.api.exec_inspect(exec_id).get("Pid") or 0
+            if pid > 0:
+                for victim in _descendants(pid):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(victim, signal.SIGKILL)
+
+    def _wait_exec(self, exec_id: str) -> dict:
+        for _ in range(200):
+            info = self._client.api.exec_inspect(exec_id)
+            if not info.get("Running"):
+                return info
+            time.sleep(0.01)
+        return self._client.api.exec_inspect(exec_id)
+
+
+def _cgroup_procs_file(pid: int) -> Path | None:
+    """The cgroup.procs file of ``pid``'s pids cgroup (v1) or unified cgroup (v2)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, names, path = line.split(":", 2)
+        if "pids" in names.split(","):
+            return Path("/sys/fs/cgroup/pids") / path.lstrip("/") / "cgroup.procs"
+    for line in lines:
+        if line.startswith("0::"):
+            return Path("/sys/fs/cgroup") / line[3:].lstrip("/") / "cgroup.procs"
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, from /proc's children lists."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as fh:
+                    todo += [int(c) for c in fh.read().split()]
+    return found

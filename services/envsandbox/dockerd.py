@@ -1,0 +1,91 @@
+"""A private Docker daemon for tests and benchmarks: its own data, exec root and socket
+under one folder, no iptables, no bridge, the vfs storage driver; stopped by its exact PID.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class DockerdUnavailable(RuntimeError):
+    """dockerd is not installed (callers skip) — any other start failure is an error."""
+
+
+class PrivateDockerd:
+    def __init__(self, folder: Path | None = None) -> None:
+        # Unix socket paths are limited to 108 bytes: keep the folder short.
+        self.folder = Path(folder or tempfile.mkdtemp(prefix="mdk-", dir="/tmp"))
+        self.socket = self.folder / "d.sock"
+        self.base_url = f"unix://{self.socket}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> "PrivateDockerd":
+        binary = shutil.which("dockerd")
+        if binary is None:
+            raise DockerdUnavailable("dockerd is not installed (apt package docker.io)")
+        for name in ("data", "exec"):
+            (self.folder / name).mkdir(parents=True, exist_ok=True)
+        log = open(self.folder / "dockerd.log", "wb")
+        self.proc = subprocess.Popen(
+            [
+                binary, "--iptables=false", "--ip6tables=false", "--bridge=none", "--storage-driver=vfs",
+                "--data-root", str(self.folder / "data"), "--exec-root", str(self.folder / "exec"),
+                "--pidfile", str(self.folder / "dockerd.pid"), "-H", self.base_url,
+                "--userland-proxy=false", "--log-level=warn",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        import docker  # the SDK is only needed here and in the docker backend
+
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dockerd exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.socket.exists():
+                with contextlib.suppress(Exception):
+                    client = docker.DockerClient(base_url=self.base_url, timeout=10)
+                    client.ping()
+                    client.close()
+                    return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"dockerd did not answer within {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return (self.folder / "dockerd.log").read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+        # vfs layers may hold read-only bits; the daemon's own mounts are gone with it.
+        subprocess.run(["rm", "-rf", str(self.folder)], check=False)
+
+
+@contextlib.contextmanager
+def private_dockerd(folder: Path | None = None) -> Iterator[PrivateDockerd]:
+    daemon = PrivateDockerd(folder)
+    try:
+        yield daemon.start()
+    finally:
+        daemon.stop()

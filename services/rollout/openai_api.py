@@ -1,0 +1,210 @@
+"""An OpenAI-compatible HTTP front door on the rollout engine (``/v1/chat/completions``,
+``/v1/completions``, ``/v1/models``; streaming and not), so existing agent scaffolds and
+the official ``openai`` client work unchanged. Requests here are production traffic."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.rollout.engine import PRIORITY_PRODUCTION, Engine, Sampling
+
+MAX_STOP = 16
+
+
+class RequestError(ValueError):
+    """A request the API rejects with HTTP 400 and an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise RequestError(f"'{key}' must be a number in [{lo}, {hi}], got {value!r}", key)
+    return float(value)
+
+
+def parse_sampling(body: dict[str, Any], max_model_len: int, default_max_tokens: int) -> Sampling:
+    """Sampling parameters from an OpenAI request body, validated."""
+    if body.get("n", 1) not in (1, None):
+        raise RequestError("only n=1 is supported", "n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens < max_model_len:
+        raise RequestError(f"'max_tokens' must be an integer in [1, {max_model_len - 1}], got {max_tokens!r}", "max_tokens")
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError("'seed' must be an integer", "seed")
+    return Sampling(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        max_tokens=max_tokens,
+        stop=tuple(stop),
+        seed=seed,
+    )
+
+
+def chat_prompt_ids(engine: Engine, messages: Any) -> list[int]:
+    """Token ids of a chat through the model's own template."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") or not isinstance(m.get("content"), str):
+            raise RequestError(f"messages[{i}] needs a role (system, user, assistant, tool) and string content", "messages")
+        clean.append({"role": m["role"], "content": m["content"]})
+    assert engine.tokenizer is not None
+    ids = engine.tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def completion_prompt_ids(engine: Engine, prompt: Any) -> list[int]:
+    assert engine.tokenizer is not None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return list(engine.tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise RequestError("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
+
+
+def _check_ids(engine: Engine, ids: list[int], max_model_len: int) -> None:
+    if any(not 0 <= t < engine.vocab_size for t in ids):
+        raise RequestError(f"prompt has token ids outside the vocabulary (size {engine.vocab_size})", "prompt")
+    if len(ids) >= max_model_len:
+        raise RequestError(f"prompt is {len(ids)} tokens; this model takes at most {max_model_len - 1}", "prompt")
+
+
+def create_app(engine: Engine, model_name: str, max_model_len: int, default_max_tokens: int) -> FastAPI:
+    """The ASGI app; ``model_name`` is what ``/v1/models`` lists and responses echo."""
+    app = FastAPI(title="Meridian rollout (OpenAI-compatible)")
+
+    def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RequestError("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        if body.get("model") not in (None, model_name):
+            raise LookupError(f"model {body.get('model')!r} is not served here (serving {model_name!r})")
+        return body
+
+    @app.exception_handler(RequestError)
+    async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
+        return error(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(LookupError)
+    async def not_found(_: Request, exc: LookupError) -> JSONResponse:
+        return error(404, str(exc), "not_found_error", "model")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "meridian"}]}
+
+    async def run(ids: list[int], sampling: Sampling) -> AsyncIterator[tuple[str, str, int]]:
+        """(text delta, finish reason, tokens) per engine delta."""
+        async for delta in engine.generate(ids, sampling, PRIORITY_PRODUCTION):
+            yield delta.text, (delta.finish_reason if delta.finished else ""), len(delta.token_ids)
+
+    async def respond(request: Request, chat: bool) -> Any:
+        body = await body_of(request)
+        ids = chat_prompt_ids(engine, body.get("messages")) if chat else completion_prompt_ids(engine, body.get("prompt"))
+        _check_ids(engine, ids, max_model_len)
+        sampling = parse_sampling(body, max_model_len, default_max_tokens)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if body.get("stream"):
+            return StreamingResponse(_stream(rid, created, kind, ids, sampling, chat), media_type="text/event-stream")
+        text, reason, tokens = "", "", 0
+        async for piece, finish, n in run(ids, sampling):
+            text, reason, tokens = text + piece, finish or reason, tokens + n
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason or "stop", "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        usage = {"prompt_tokens": len(ids), "completion_tokens": tokens, "total_tokens": len(ids) + tokens}
+        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice], "usage": usage}
+
+    async def _stream(rid: str, created: int, kind: str, ids: list[int], sampling: Sampling, chat: bool) -> AsyncIterator[bytes]:
+        def event(choice: dict[str, Any]) -> bytes:
+            chunk = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created, "model": model_name, "choices": [choice]}
+            return f"data: {json.dumps(chunk)}\n\n".encode()
+
+        if chat:
+            yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        async for piece, finish, _ in run(ids, sampling):
+            if chat:
+                yield event({"index": 0, "delta": {"content": piece} if piece else {}, "finish_reason": finish or None})
+            else:
+                yield event({"index": 0, "text": piece, "finish_reason": finish or None, "logprobs": None})
+        yield b"data: [DONE]\n\n"
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await respond(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await respond(request, chat=False)
+
+    return app
+
+
+class HttpFrontDoor:
+    """uvicorn serving the app on the already running event loop.
+
+    Started piecewise (startup, then its tick loop as a task) rather than through
+    ``Server.serve``, which would take over SIGTERM from the gRPC runtime that owns
+    the ordered shutdown.
+    """
+
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        import uvicorn
+
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+        self._ticks: Any = None
+        self.port = 0
+
+    async def start(self) -> int:
+        import asyncio
+
+        config = self._server.config
+        if not config.loaded:
+            config.load()
+        self._server.lifespan = config.lifespan_class(config)
+        await self._server.startup()
+        if not self._server.started:
+            raise RuntimeError("the HTTP API could not start listening")
+        self.port = int(self._server.servers[0].sockets[0].getsockname()[1])
+        self._ticks = asyncio.create_task(self._server.main_loop())
+        return self.port
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._ticks is not None:
+            await self._ticks
+        if self._server.started:
+            await self._server.shutdown()

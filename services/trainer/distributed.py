@@ -1,0 +1,174 @@
+"""The trainer under ``torchrun``: data-parallel training over several processes.
+
+    python -m torch.distributed.run --nproc-per-node 2 -m services.trainer.distributed [trainer flags]
+
+Rank 0 is the ordinary trainer service (consumer group, checkpoints, weightsync,
+``Status`` over gRPC); it broadcasts every batch of complete groups to the other
+ranks, and each rank trains on its shard of the trajectories under
+DistributedDataParallel (gloo on CPU, NCCL on GPU). The weights stay identical on
+every rank because DDP all-reduces the gradients before each optimizer step, so only
+rank 0 checkpoints and publishes. ``--replay FILE --out DIR`` runs saved batches
+instead of the stream (tests and benchmarks use it).
+
+``meridian serve trainer`` stays the single-process path; this entry only adds the
+process group and the broadcast.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from meridian.config import add_config_args, config_from_args
+from services.trainer.config import TrainerConfig
+
+
+def _init() -> tuple[int, int, str]:
+    """Joins the process group torchrun describes; returns (rank, world, device)."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    # Followers wait in a broadcast for as long as the stream is empty: no short timeout.
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(days=7))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = f"cuda:{local}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(local)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _serialize(groups: list[list[Any]]) -> list[list[bytes]]:
+    return [[t.SerializeToString() for t in g] for g in groups]
+
+
+def _parse(groups: list[list[bytes]]) -> list[list[Any]]:
+    from meridian.v1 import common_pb2
+
+    return [[common_pb2.Trajectory.FromString(b) for b in g] for g in groups]
+
+
+class BroadcastLearner:
+    """Rank 0's learner: every state-changing call is first broadcast to the followers.
+
+    Reads (policy_weights, master_hash, state) are local: the ranks' weights are equal.
+    """
+
+    def __init__(self, learner: Any) -> None:
+        self.inner = learner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @staticmethod
+    def _send(command: str, payload: Any) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([command, payload], src=0)
+
+    def step(self, groups: list[list[Any]]) -> Any:
+        self._send("step", _serialize(groups))
+        return self.inner.step(groups)
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._send("load_state", state)
+        self.inner.load_state(state)
+
+    def load_policy_weights(self, weights: Any, version: int) -> None:
+        self._send("load_policy_weights", (weights, version))
+        self.inner.load_policy_weights(weights, version)
+
+    def close(self) -> None:
+        self._send("stop", None)
+
+
+def follow(learner: Any) -> None:
+    """A follower rank: applies rank 0's commands until it says stop."""
+    import torch.distributed as dist
+
+    while True:
+        box: list[Any] = [None, None]
+        dist.broadcast_object_list(box, src=0)
+        command, payload = box
+        if command == "stop":
+            return
+        if command == "step":
+            learner.step(_parse(payload))
+        elif command == "load_state":
+            learner.load_state(payload)
+        elif command == "load_policy_weights":
+            learner.load_policy_weights(*payload)
+        else:
+            raise RuntimeError(f"unknown command from rank 0: {command!r}")
+
+
+def save_batches(path: Path, batches: list[list[list[Any]]]) -> None:
+    """Writes batches of groups for ``--replay``."""
+    import torch
+
+    torch.save([_serialize(b) for b in batches], path)
+
+
+def replay(learner: Any, path: Path, out: Path, rank: int) -> None:
+    """Steps through saved batches; every rank writes its master-weight hash, rank 0 the weights."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    batches = torch.load(path, weights_only=False)
+    losses = []
+    for batch in batches:
+        losses.append(learner.step(_parse(batch)).loss)
+    (out / f"rank-{rank}.hash").write_text(learner.master_hash())
+    if rank == 0:
+        torch.save({"weights": {k: v.detach().cpu() for k, v in learner.module.state_dict().items()}, "losses": losses}, out / "result.pt")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from meridian.grpc_runtime import ServerConfig
+
+    parser = argparse.ArgumentParser(prog="python -m services.trainer.distributed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser, ServerConfig, "trainer")
+    add_config_args(parser, TrainerConfig, "trainer")
+    parser.add_argument("--replay", type=Path, help="train on batches saved with save_batches instead of the stream")
+    parser.add_argument("--out", type=Path, help="with --replay: folder for hashes and final weights")
+    ns = parser.parse_args(argv)
+    try:
+        server_config = config_from_args(ServerConfig, ns, "trainer")
+        config = config_from_args(TrainerConfig, ns, "trainer")
+    except ValueError as exc:
+        parser.error(str(exc))
+    if ns.replay and not ns.out:
+        parser.error("--replay needs --out")
+
+    import torch.distributed as dist
+
+    from meridian.model_store import resolve_model
+    from services.trainer.learner import Learner
+
+    rank, _, device = _init()
+    try:
+        learner = Learner(resolve_model(config.model), config, device=device)
+        if ns.replay:
+            replay(learner, ns.replay, ns.out, rank)
+        elif rank != 0:
+            follow(learner)
+        else:
+            from meridian.grpc_runtime import serve_forever
+            from services.trainer.server import TrainerService
+
+            lead = BroadcastLearner(learner)
+            try:
+                serve_forever("trainer", lambda: TrainerService(config, learner=lead), server_config)
+            finally:
+                lead.close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""``meridian bench weightsync [--steps K] [--json] [--no-cache]``.
+
+1. Records K+1 consecutive policy versions from real RL optimizer steps on the built-in
+   SmolLM2-135M: the trainer's own :class:`Learner` (fp32 master weights, AdamW at
+   lr 1e-6, the GRPO clipped policy-gradient loss) on fixed recorded trajectories
+   (completions sampled once from the model for built-in task prompts, behaviour
+   log-probs from a forward pass, rewards from a fixed deterministic rule with
+   variance inside every group). A few warm-up steps first, so the Adam moments are
+   warmed up as in a running job. Versions are the bf16 view the trainer publishes;
+   they are cached under ``<cache>/bench/weightsync/`` so re-runs skip this part.
+2. Codec, per step: our encoded size against the full bf16 size, zstd-3 of the full
+   version and XOR of bf16 bits + zstd-3 (the common industry codec, the baseline),
+   and encode/decode speed on one core; decode also on a thread pool.
+3. Propagation: origin -> emulated WAN link (100 Mbit/s, 50 ms one way) -> relay ->
+   subscriber, all real gRPC servers in this process; per version, the time from the
+   origin holding it to the subscriber holding it verified, against the link bound
+   (encoded bytes / bandwidth + latency).
+
+Prints one JSON object (``--json``) or a short human summary.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.weightsync.tensors import RawTensor
+
+LINK_BANDWIDTH = 100e6 / 8  # 100 Mbit/s, bytes/s
+LINK_LATENCY_S = 0.050
+WARMUP_STEPS = 3
+GROUP_SIZE = 4
+COMPLETION_TOKENS = 32
+CHUNK_ELEMS = 2 << 20  # 4 MiB of bf16 per chunk, the service default (chunk_mb = 4)
+RECORDING_FORMAT = 1
+
+
+# ---------------------------------------------------------------- recording real RL steps
+
+
+def _trajectories(model_dir: Path, prompts: list[str], seed: int) -> list[list[Any]]:
+    """One GRPO group per prompt: sampled completions with behaviour log-probs and rewards."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from meridian.v1 import common_pb2
+    from services.trainer.batch import token_logprobs
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    groups = []
+    for g, prompt in enumerate(prompts):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        prompt_ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        inp = torch.tensor([prompt_ids] * GROUP_SIZE)
+        with torch.no_grad():
+            out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=True, temperature=1.0,
+                                 max_new_tokens=COMPLETION_TOKENS, min_new_tokens=COMPLETION_TOKENS,
+                                 pad_token_id=tok.eos_token_id)
+            logp = token_logprobs(model(input_ids=out).logits, out)
+        group = []
+        for i in range(GROUP_SIZE):
+            completion = out[i, len(prompt_ids):].tolist()
+            behaviour = logp[i, len(prompt_ids) - 1 :].tolist()
+            # A fixed, arbitrary rule with spread inside the group: how much of the
+            # completion is code-ish punctuation.
+            text = tok.decode(completion)
+            reward = sum(ch in "():=[]" for ch in text) / max(len(text), 1) * 10 + 0.1 * i
+            group.append(common_pb2.Trajectory(
+                trajectory_id=f"bench-{g}-{i}", task_id=f"bench-{g}", group_id=f"bench-{g}", group_size=GROUP_SIZE,
+                prompt_token_ids=prompt_ids, completion_token_ids=completion, logprobs=behaviour,
+                loss_mask=[1] * len(completion), policy_versions=[0] * len(completion), reward=reward,
+            ))
+        groups.append(group)
+    return groups
+
+
+def _record(steps: int, folder: Path, log: Any) -> None:
+    """Runs WARMUP_STEPS + ``steps`` real optimizer steps and saves steps + 1 bf16 versions."""
+    from meridian.model_store import prepare_builtin
+    from services.envsandbox.tasks import TaskSuite
+    from services.trainer.config import TrainerConfig
+    from services.trainer.learner import Learner
+
+    model_dir = prepare_builtin()
+    prompts = [t.instruction for t in TaskSuite.builtin().select()[:2]]
+    t0 = time.perf_counter()
+    groups = _trajectories(model_dir, prompts, seed=0)
+    log(f"sampled {len(groups)} groups of {GROUP_SIZE} in {time.perf_counter() - t0:.1f}s")
+    learner = Learner(model_dir, TrainerConfig(lr=1e-6, threads=max(1, os.cpu_count() or 1), max_policy_lag=10**6))
+    folder.mkdir(parents=True, exist_ok=True)
+    for step in range(WARMUP_STEPS + steps):
+        if step >= WARMUP_STEPS:
+            _save(folder / f"v{step - WARMUP_STEPS}.npz", learner.policy_weights())
+        result = learner.step(groups)
+        log(f"step {step}: loss {result.loss:+.4f} grad_norm {result.grad_norm:.3f} ({result.seconds:.1f}s)")
+    _save(folder / f"v{steps}.npz", learner.policy_weights())
+    (folder / "COMPLETE").write_text("ok\n")
+
+
+def _save(path: Path, weights: dict[str, RawTensor]) -> None:
+    arrays = {f"{name}|{t.dtype}|{','.join(map(str, t.shape))}": t.bits for name, t in weights.items()}
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def _load(path: Path) -> dict[str, RawTensor]:
+    out = {}
+    with np.load(path) as data:
+        for key in data.files:
+            name, dtype, shape = key.split("|")
+            out[name] = RawTensor(dtype, tuple(int(d) for d in shape.split(",") if d), data[key])
+    return out
+
+
+def recorded_versions(steps: int, use_cache: bool, log: Any) -> tuple[list[dict[str, RawTensor]], bool]:
+    """``steps + 1`` consecutive versions; True when they came from the cache."""
+    from meridian.model_store import cache_dir
+
+    folder = cache_dir() / "bench" / "weightsync" / f"smollm2-135m-lr1e-6-f{RECORDING_FORMAT}-k{steps}"
+    cached = use_cache and (folder / "COMPLETE").exists()
+    if not cached:
+        if folder.exists():
+            for f in folder.iterdir():
+                f.unlink()
+        _record(steps, folder, log)
+    return [_load(folder / f"v{i}.npz") for i in range(steps + 1)], cached
+
+
+# ---------------------------------------------------------------- codec figures
+
+
+def _decode_all(encoded: dict[str, list[Any]], old: dict[str, RawTensor], threads: int) -> tuple[dict[str, np.ndarray], float]:
+    from services.weightsync import codec
+
+    outs = {k: np.empty_like(old[k].bits) for k in encoded}
+    for arr in outs.values():
+        arr.fill(0)  # fault the pages in: allocation is not decode work
+    jobs = [(k, c.payload) for k in sorted(encoded) for c in encoded[k]]
+    t0 = time.perf_counter()
+    if threads == 1:
+        for k, payload in jobs:
+            codec.decode_chunk_into(payload, outs[k], old[k].bits)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda job: codec.decode_chunk_into(job[1], outs[job[0]], old[job[0]].bits), jobs))
+    return outs, time.perf_counter() - t0
+
+
+def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[list[dict[str, Any]], bool]:
+    """Per-step sizes and speeds; True when every step decoded bit-exactly."""
+    import zstandard
+
+    from services.weightsync import codec
+
+    cctx = zstandard.ZstdCompressor(level=3)
+    steps, exact = [], True
+    warm = {k: versions[0][k] for k in list(versions[0])[:2]}
+    for k, t in warm.items():  # JIT compile / cache load outside the timed region
+        enc = codec.encode_tensor(k, versions[1][k].bits, t.bits, t.dtype, chunk_elems=CHUNK_ELEMS)
+        _decode_all({k: enc}, warm, 1)
+    for old, new in zip(versions, versions[1:]):
+        names = sorted(new)
+        raw = sum(new[k].nbytes for k in names)
+        t0 = time.perf_counter()
+        encoded = {k: codec.encode_tensor(k, new[k].bits, old[k].bits, new[k].dtype, chunk_elems=CHUNK_ELEMS) for k in names}
+        t_enc = time.perf_counter() - t0
+        outs, t_dec = _decode_all(encoded, old, 1)
+        outs_mt, t_dec_mt = _decode_all(encoded, old, threads)
+        exact = exact and all(np.array_equal(outs[k], new[k].bits) and np.array_equal(outs_mt[k], new[k].bits) for k in names)
+        steps.append({
+            "changed_fraction": sum(int(np.count_nonzero(new[k].bits != old[k].bits)) for k in names) / sum(new[k].bits.size for k in names),
+            "ours_bytes": sum(len(c.payload) for k in names for c in encoded[k]),
+            "full_bf16_bytes": raw,
+            "zstd_full_bytes": sum(len(cctx.compress(new[k].bits.tobytes())) for k in names),
+            "xor_zstd_bytes": sum(len(cctx.compress((new[k].bits ^ old[k].bits).tobytes())) for k in names),
+            "encode_gbps": raw / t_enc / 1e9,
+            "decode_gbps": raw / t_dec / 1e9,
+            "decode_gbps_threads": raw / t_dec_mt / 1e9,
+        })
+    return steps, exact
+
+
+# ---------------------------------------------------------------- propagation
+
+
+@contextlib.asynccontextmanager
+async def _serving(service: Any) -> AsyncIterator[str]:
+    """A service on a free loopback port in this loop, with the production error boundary."""
+    import grpc
+
+    from meridian.grpc_runtime import ErrorBoundary, channel_options
+
+    server = grpc.aio.server(interceptors=[ErrorBoundary()], options=channel_options())
+    service.register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        await service.start()
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace=None)
+        await service.stop()
+
+
+async def _propagation(versions: list[dict[str, RawTensor]], workdir: Path) -> list[dict[str, Any]]:
+    from services.weightsync import client
+    from services.weightsync.client import WeightSubscriber
+    from services.weightsync.config import WeightSyncConfig
+    from services.weightsync.linkemu import LinkEmulator
+    from services.weightsync.server import WeightSyncService
+
+    origin_svc = WeightSyncService(WeightSyncConfig(data_dir=str(workdir / "origin")))
+    out = []
+    async with _serving(origin_svc) as origin:
+        await client.publish(origin, 0, versions[0])
+        # Bootstrap v0 over an unlimited link; measure the deltas over the WAN link.
+        async with LinkEmulator(origin) as link:
+            relay_svc = WeightSyncService(WeightSyncConfig(role="relay", upstream=link.address, data_dir=str(workdir / "relay")))
+            async with _serving(relay_svc) as relay:
+                sub = WeightSubscriber(relay, None, -1)
+                stream = sub.updates(follow=True)
+                try:
+                    first = await anext(stream)
+                    assert first.version == 0
+                    while relay_svc.store.latest < 0:
+                        await asyncio.sleep(0.05)
+                    link.set_link(bandwidth=LINK_BANDWIDTH, latency_s=LINK_LATENCY_S)
+                    await asyncio.sleep(0.5)
+                    for v in range(1, len(versions)):
+                        reply = await client.publish(origin, v, versions[v])
+                        update = await anext(stream)
+                        got_at = time.monotonic()
+                        if update.version != v:
+                            raise RuntimeError(f"subscriber got version {update.version}, expected {v}")
+                        exact = _same_bits(update.weights, versions[v]) 
+                        propagation = got_at - origin_svc.available_at[v]
+                        bound = update.manifest.encoded_bytes / LINK_BANDWIDTH + LINK_LATENCY_S
+                        out.append({
+                            "version": v, "encoded_bytes": int(update.manifest.encoded_bytes), "propagation_s": propagation,
+                            "link_bound_s": bound, "propagation_vs_bound": propagation / bound, "bit_exact": exact,
+                        })
+                        # Let the relay finish storing before the next version.
+                        while relay_svc.store.latest < v:
+                            await asyncio.sleep(0.01)
+                finally:
+                    await stream.aclose()
+                    await sub.close()
+    return out
+
+
+def _same_bits(a: dict[str, RawTensor], b: dict[str, RawTensor]) -> bool:
+    return set(a) == set(b) and all(np.array_equal(a[k].bits, b[k].bits) for k in a)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="meridian bench weightsync")
+    parser.add_argument("--steps", type=int, default=5, help="consecutive RL optimizer steps to record (>= 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--no-cache", action="store_true", help="record the versions again")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="decode threads for the multi-thread figure")
+    ns = parser.parse_args(argv)
+    if ns.steps < 1:
+        parser.error("--steps must be >= 1")
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    versions, cached = recorded_versions(ns.steps, not ns.no_cache, log)
+    record_s = time.perf_counter() - t0
+    steps, exact = codec_figures(versions, ns.threads)
+    with tempfile.TemporaryDirectory(prefix="meridian-ws-bench-") as tmp:
+        propagation = asyncio.run(_propagation(versions, Path(tmp)))
+    med = statistics.median
+    result = {
+        "model": "SmolLM2-135M-Instruct (built-in)",
+        "versions": {"steps": ns.steps, "lr": 1e-6, "warmup_steps": WARMUP_STEPS, "cached": cached, "record_s": record_s,
+                     "params": sum(t.bits.size for t in versions[0].values())},
+        "steps": steps,
+        "summary": {
+            "ours_pct_of_full": med(100 * s["ours_bytes"] / s["full_bf16_bytes"] for s in steps),
+            "ours_vs_xor_zstd": med(s["ours_bytes"] / s["xor_zstd_bytes"] for s in steps),
+            "xor_zstd_pct_of_full": med(100 * s["xor_zstd_bytes"] / s["full_bf16_bytes"] for s in steps),
+            "changed_fraction": med(s["changed_fraction"] for s in steps),
+            "encode_gbps": med(s["encode_gbps"] for s in steps),
+            "decode_gbps": med(s["decode_gbps"] for s in steps),
+            "decode_gbps_threads": med(s["decode_gbps_threads"] for s in steps),
+            "decode_threads": ns.threads,
+            "bit_exact": exact and all(p["bit_exact"] for p in propagation),
+        },
+        "propagation": {
+            "link": {"bandwidth_mbit_s": LINK_BANDWIDTH * 8 / 1e6, "latency_ms": LINK_LATENCY_S * 1e3},
+            "per_version": propagation,
+            "propagation_vs_bound": med(p["propagation_vs_bound"] for p in propagation),
+        },
+        "targets": {"ours_pct_of_full": 0.20, "ours_vs_xor_zstd": 0.35, "decode_gbps": 1.0, "propagation_vs_bound": 1.25},
+    }
+    if ns.json:
+        print(json.dumps(result))
+    else:
+        s = result["summary"]
+        print(f"ours {s['ours_pct_of_full']:.3f}% of full bf16 ({s['ours_vs_xor_zstd']:.2f}x XOR+zstd), "
+              f"encode {s['encode_gbps']:.2f} GB/s, decode {s['decode_gbps']:.2f} GB/s "
+              f"({s['decode_gbps_threads']:.2f} on {ns.threads} threads), bit exact {s['bit_exact']}, "
+              f"propagation {result['propagation']['propagation_vs_bound']:.2f}x the link bound")
+    return 0

@@ -1,0 +1,73 @@
+"""A multi-turn agent episode against a real envsandbox (in-process gRPC, real sandboxes),
+driven by a scripted policy: the weak test model never emits tool calls, so a policy
+that does lets the loop's tool execution, observation tokens and masks be checked."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from transformers import AutoTokenizer
+
+from meridian.v1 import envsandbox_pb2 as sbx
+from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
+from services.envsandbox.config import EnvSandboxConfig
+from services.envsandbox.server import EnvSandboxService
+from services.rollout.engine import Delta, Sampling
+from services.rollout.episodes import EpisodeLimits, chat_prompt, run_episode
+from tests.conftest import serving
+
+SCRIPT = [
+    'I will write it. <tool_call>{"name": "write_file", "arguments": {"path": "solution.py", "content": "def add(a, b):\\n    return a + b\\n"}}</tool_call>',
+    'Check: <tool_call>{"name": "bash", "arguments": {"command": "python3 -c \\"import solution; print(solution.add(20, 22))\\""}}</tool_call>',
+    '<tool_call>{"name": "submit", "arguments": {}}</tool_call>',
+]
+
+
+class ScriptedPolicy:
+    """Stands in for the engine's policy with fixed replies, tokenised by the real tokenizer."""
+
+    version = 7
+
+    def __init__(self, tokenizer) -> None:  # type: ignore[no-untyped-def]
+        self.tokenizer = tokenizer
+        self.turn = 0
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, priority: int, request_id: str = "") -> AsyncIterator[Delta]:
+        self.prompts.append(list(prompt_ids))
+        text = SCRIPT[self.turn]
+        self.turn += 1
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        yield Delta(ids, [-0.25] * len(ids), self.version, text, True, "stop")
+
+
+def test_multi_turn_episode_runs_tools_and_masks_observations(tmp_path: Path, tiny_model: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    policy = ScriptedPolicy(tokenizer)
+
+    async def run():  # type: ignore[no-untyped-def]
+        service = EnvSandboxService(EnvSandboxConfig(root=str(tmp_path / "sandboxes")))
+        async with serving(service) as address:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = sbx_grpc.EnvSandboxStub(channel)
+                task = await stub.GetTask(sbx.GetTaskRequest(task_id="python/add"))
+                box = await stub.Create(sbx.CreateRequest(task_id=task.id))
+                prompt = chat_prompt(policy, task)  # type: ignore[arg-type]
+                result = await run_episode(policy, stub, box.sandbox_id, task, prompt, Sampling(max_tokens=64), EpisodeLimits(max_turns=6))  # type: ignore[arg-type]
+                await stub.Close(sbx.CloseRequest(sandbox_id=box.sandbox_id))
+                return prompt, result
+
+    prompt, result = asyncio.run(run())
+    assert result.turns == 3 and result.reward == 1.0
+    ledger = result.ledger
+    assert len(ledger.token_ids) == len(ledger.logprobs) == len(ledger.loss_mask) == len(ledger.policy_versions)
+    model_tokens = [t for t, m in zip(ledger.token_ids, ledger.loss_mask) if m]
+    observed = tokenizer.decode([t for t, m in zip(ledger.token_ids, ledger.loss_mask) if not m])
+    assert model_tokens == [t for text in SCRIPT for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    assert "42" in observed and "wrote" in observed, observed
+    assert set(v for v, m in zip(ledger.policy_versions, ledger.loss_mask) if m) == {7}
+    assert all(lp == 0.0 and v == -1 for lp, v, m in zip(ledger.logprobs, ledger.policy_versions, ledger.loss_mask) if not m)
+    # Each turn's prompt is exactly the previous prompt plus the ledger so far: no re-tokenisation.
+    assert policy.prompts[-1] == prompt + ledger.token_ids[: len(policy.prompts[-1]) - len(prompt)]

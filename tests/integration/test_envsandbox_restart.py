@@ -1,0 +1,169 @@
+"""A SIGKILLed envsandbox service leaves nothing behind once it is started again.
+
+The real service (``meridian serve envsandbox``) runs as a subprocess with live sandboxes
+and a command still running in one; it is killed with SIGKILL. Its sandboxed processes
+die with it (parent-death signals), its mounts with its mount helper, and the restarted
+service removes the stale cgroups (process backend) or labelled containers (docker).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from meridian.grpc_runtime import check_health
+from meridian.v1 import envsandbox_pb2 as es
+from meridian.v1 import envsandbox_pb2_grpc as es_grpc
+from services.envsandbox.cgroups import GROUP_NAME, Cgroups
+
+REPO = Path(__file__).resolve().parents[2]
+SERVE = "import sys; from meridian.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _start_service(root: Path, port: int, backend: str, docker_host: str = "") -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-c", SERVE, "serve", "envsandbox", "--port", str(port), "--root", str(root), "--backend", backend]
+    if docker_host:
+        argv += ["--docker-host", docker_host]
+    return subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+async def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the service exited with {proc.returncode}"
+        if await check_health(address, "meridian.v1.EnvSandbox", timeout_s=2.0) == "SERVING":
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError("the service did not become healthy")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def _instances(pid: int) -> list[Path]:
+    """Cgroup folders (any controller) of the service instance with this pid."""
+    cg = Cgroups.__new__(Cgroups)
+    cg.root = Path("/sys/fs/cgroup")
+    cg.version = 2 if (cg.root / "cgroup.controllers").exists() else 1
+    return [p for base in cg._bases().values() if base.is_dir() for p in base.iterdir() if p.name.startswith(f"{pid}-")]
+
+
+async def _populate(address: str, marker: str) -> list[str]:
+    """Three sandboxes, one of them running a long command; returns their ids."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = es_grpc.EnvSandboxStub(channel)
+        ids = [(await stub.Create(es.CreateRequest(task_id="python/add"))).sandbox_id for _ in range(3)]
+        call = stub.Exec(es.ExecRequest(sandbox_id=ids[0], argv=["sh", "-c", f"sleep 300 # {marker}"], timeout_seconds=300))
+        await asyncio.sleep(1.5)  # the command is running when the service dies
+        call.cancel()
+        return ids
+
+
+def _run_cycle(tmp_path: Path, pick_port: Any, backend: str, docker_host: str = "") -> tuple[subprocess.Popen[bytes], str, str]:
+    root = tmp_path / "state"
+    port = pick_port()
+    address = f"127.0.0.1:{port}"
+    marker = f"marker-{os.getpid()}-{backend}"
+    proc = _start_service(root, port, backend, docker_host)
+    try:
+        asyncio.run(_wait_serving(address, proc))
+        asyncio.run(_populate(address, marker)) if backend == "docker" else None
+        if backend == "process":
+            asyncio.run(_populate_while_running(address, marker))
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc, address, marker
+
+
+async def _populate_while_running(address: str, marker: str) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = es_grpc.EnvSandboxStub(channel)
+        ids = [(await stub.Create(es.CreateRequest(task_id="python/add"))).sandbox_id for _ in range(3)]
+        call = stub.Exec(es.ExecRequest(sandbox_id=ids[0], argv=["sh", "-c", f"sleep 300 # {marker}"], timeout_seconds=300))
+        for _ in range(50):
+            if _processes_with(marker):
+                break
+            await asyncio.sleep(0.1)
+        assert _processes_with(marker), "the long command did not start"
+        call.cancel()
+
+
+def test_sigkilled_process_backend_leaves_nothing_after_restart(tmp_path: Path, pick_port: Any) -> None:
+    proc, _, marker = _run_cycle(tmp_path, pick_port, "process")
+    old_pid = proc.pid
+    assert _instances(old_pid), "the service made no cgroups"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # Parent-death signals take the sandboxed command and the mount helper down at once.
+    for _ in range(100):
+        if not _processes_with(marker):
+            break
+        time.sleep(0.05)
+    assert not _processes_with(marker)
+    assert not _processes_with(str(tmp_path / "state" / "mnt"))
+    assert not any(str(tmp_path) in line for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+    port = pick_port()
+    again = _start_service(tmp_path / "state", port, "process")
+    try:
+        asyncio.run(_wait_serving(f"127.0.0.1:{port}", again))
+        assert _instances(old_pid) == [], "stale cgroups of the killed service remain"
+    finally:
+        _stop(again)
+    assert _instances(again.pid) == []
+    assert not any(GROUP_NAME in line and str(again.pid) in line for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+def test_sigkilled_docker_backend_leaves_no_container_after_restart(tmp_path: Path, pick_port: Any) -> None:
+    if shutil.which("dockerd") is None:
+        pytest.skip("dockerd is not installed (apt package docker.io): docker backend not tested")
+    import docker
+
+    from services.envsandbox.docker_backend import LABEL
+    from services.envsandbox.dockerd import private_dockerd
+
+    with private_dockerd() as daemon:
+        client = docker.DockerClient(base_url=daemon.base_url)
+        try:
+            proc, _, _ = _run_cycle(tmp_path, pick_port, "docker", daemon.base_url)
+            assert len(client.containers.list(all=True, filters={"label": LABEL})) == 3
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            port = pick_port()
+            again = _start_service(tmp_path / "state", port, "docker", daemon.base_url)
+            try:
+                asyncio.run(_wait_serving(f"127.0.0.1:{port}", again))
+                assert client.containers.list(all=True, filters={"label": LABEL}) == []
+            finally:
+                _stop(again)
+        finally:
+            client.close()

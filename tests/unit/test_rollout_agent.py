@@ -1,0 +1,66 @@
+"""The agent loop's pure core: tool-call parsing, the token ledger, answer extraction,
+and the OpenAI request validation."""
+from __future__ import annotations
+
+import pytest
+
+from services.rollout.agent import Ledger, ToolCall, extract_answer, format_observation, parse_tool_call
+from services.rollout.openai_api import RequestError, parse_sampling
+
+
+def test_parse_tool_call_variants() -> None:
+    assert parse_tool_call("just an answer") is None
+    call = parse_tool_call('thinking <tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>')
+    assert call == ToolCall("bash", {"command": "ls"})
+    assert parse_tool_call('<tool_call>{"name": "submit"}</tool_call>') == ToolCall("submit", {})
+    assert "not closed" in parse_tool_call('<tool_call>{"name": "bash"')  # type: ignore[operator]
+    assert "JSON" in parse_tool_call("<tool_call>{nope}</tool_call>")  # type: ignore[operator]
+    assert "one of" in parse_tool_call('<tool_call>{"name": "rm"}</tool_call>')  # type: ignore[operator]
+    assert "content" in parse_tool_call('<tool_call>{"name": "write_file", "arguments": {"path": "a"}}</tool_call>')  # type: ignore[operator]
+    assert "object" in parse_tool_call('<tool_call>{"name": "bash", "arguments": [1]}</tool_call>')  # type: ignore[operator]
+
+
+def test_ledger_masks_observations_and_keeps_model_tokens() -> None:
+    ledger = Ledger()
+    ledger.add_model([5, 6], [-0.1, -0.2], [3, 3])
+    ledger.add_observation([7, 8, 9])
+    ledger.add_model([10], [-1.0], [4])
+    assert ledger.token_ids == [5, 6, 7, 8, 9, 10]
+    assert ledger.loss_mask == [1, 1, 0, 0, 0, 1]
+    assert ledger.logprobs == [-0.1, -0.2, 0.0, 0.0, 0.0, -1.0]
+    assert ledger.policy_versions == [3, 3, -1, -1, -1, 4]
+    with pytest.raises(ValueError, match="2 tokens, 1 logprobs"):
+        ledger.add_model([1, 2], [-0.5], [0, 0])
+
+
+def test_extract_answer_and_observation_cap() -> None:
+    assert extract_answer("Here:\n```python\ndef f():\n    return 1\n```\nDone") == "def f():\n    return 1\n"
+    assert extract_answer("```\nunclosed") == "unclosed"
+    assert extract_answer("plain") == "plain"
+    capped = format_observation("x" * 5000)
+    assert len(capped) < 2100 and "more characters cut" in capped
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"n": 2}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 5000}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 2}, "top_p"),
+        ({"stop": [""]}, "stop"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_openai_sampling_validation(body: dict, param: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(RequestError) as info:
+        parse_sampling(body, max_model_len=2048, default_max_tokens=64)
+    assert info.value.param == param
+
+
+def test_openai_sampling_defaults_and_passthrough() -> None:
+    s = parse_sampling({"temperature": 0, "stop": "END", "seed": 7, "max_tokens": 12}, 2048, 64)
+    assert (s.temperature, s.stop, s.seed, s.max_tokens) == (0.0, ("END",), 7, 12)
+    assert parse_sampling({}, 2048, 64).max_tokens == 64

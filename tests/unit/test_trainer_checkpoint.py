@@ -1,0 +1,49 @@
+"""Atomic checkpoints: complete ones are found, half-written ones never count, old ones go."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.trainer import checkpoint as ckpt
+
+
+def _save(root: Path, step: int, keep: int = 3) -> Path:
+    return ckpt.save_checkpoint(root, step, {"w": torch.full((2,), float(step))}, {"step": step}, keep)
+
+
+def test_save_then_load_round_trip(tmp_path: Path) -> None:
+    path = _save(tmp_path, 7)
+    assert path.name == "step-000000007" and (path / ckpt.MARKER).is_file()
+    state, meta = ckpt.load_checkpoint(path)
+    assert torch.equal(state["w"], torch.full((2,), 7.0)) and meta == {"step": 7}
+
+
+def test_latest_ignores_incomplete_and_temporary_folders(tmp_path: Path) -> None:
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    # A crash mid-write leaves a temporary folder, or (never renamed) a folder without its marker.
+    (tmp_path / ".tmp-step-000000003-99").mkdir()
+    (tmp_path / "step-000000004").mkdir()
+    (tmp_path / "step-000000004" / ckpt.STATE_FILE).write_bytes(b"half")
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step-000000002"
+    ckpt.prune(tmp_path, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001", "step-000000002"]
+
+
+def test_keeps_the_newest_n(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        _save(tmp_path, step, keep=2)
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-000000004", "step-000000005"]
+
+
+def test_a_complete_step_is_never_overwritten(tmp_path: Path) -> None:
+    _save(tmp_path, 3)
+    ckpt.save_checkpoint(tmp_path, 3, {"w": torch.zeros(2)}, {"step": -1}, 3)
+    state, meta = ckpt.load_checkpoint(tmp_path / "step-000000003")
+    assert meta == {"step": 3} and torch.equal(state["w"], torch.full((2,), 3.0))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_missing_root_has_no_checkpoint(tmp_path: Path) -> None:
+    assert ckpt.latest_checkpoint(tmp_path / "absent") is None
