@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -62,6 +63,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         self.episodes_completed = 0
         self.updates_applied = 0
         self.latest_published = -1
+        self.last_apply_ms = 0.0
         self._follow: asyncio.Task[None] | None = None
         self._base: dict[str, RawTensor] = {}
         self._http = None
@@ -119,7 +121,9 @@ class RolloutService(pb_grpc.RolloutServicer):
             try:
                 async for update in subscriber.updates(follow=True):
                     self.latest_published = max(self.latest_published, update.version)
+                    t0 = time.perf_counter()
                     await self.engine.apply_weights(update.weights, update.version, update.manifest.weights_hash, previous=weights or None)
+                    self.last_apply_ms = (time.perf_counter() - t0) * 1000
                     weights, version = update.weights, update.version
                     self.weights_hash = update.manifest.weights_hash
                     self.updates_applied += 1
@@ -249,6 +253,7 @@ class RolloutService(pb_grpc.RolloutServicer):
             rl_state=self.workers.state,
             rl_trajectories_published=self.workers.published,
             http_port=self._http.port if self._http is not None else 0,
+            last_apply_ms=self.last_apply_ms,
         )
 
     def _engine(self) -> Engine:

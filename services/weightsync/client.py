@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 import grpc
@@ -16,7 +18,7 @@ from meridian.grpc_runtime import open_channel
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync.ratelimit import TokenBucket
-from services.weightsync.store import ChunkChecksumError, Decoder, Encoded
+from services.weightsync.store import ChunkChecksumError, Decoder, Encoded, UndoLog
 from services.weightsync.tensors import RawTensor, Weights, weights_hash
 
 log = logging.getLogger(__name__)
@@ -68,12 +70,17 @@ async def latest_version(address: str, timeout_s: float = 10.0) -> int:
 
 @dataclasses.dataclass
 class VersionUpdate:
-    """A verified version: the full weights, and the encoded form when asked for."""
+    """A verified version: the full weights, and the encoded form when asked for.
+
+    With an in-place subscriber ``weights`` are the subscriber's own buffers: they
+    change when the next version is applied, and ``undo`` (O(changed elements)) is how
+    to get the previous version back (``undo.previous_weights(weights)``)."""
 
     version: int
     weights: dict[str, RawTensor]
     manifest: pb.Manifest
     encoded: Encoded | None = None
+    undo: UndoLog | None = None
 
 
 @dataclasses.dataclass
@@ -98,6 +105,13 @@ class WeightSubscriber:
     chunk failing its checksum is fetched again with ``FetchChunk``; chunks are decoded on
     a thread pool while the next ones arrive. ``max_attempts`` consecutive failures
     without progress end the iteration with the last gRPC error.
+
+    ``in_place=True`` keeps one buffer per tensor and writes only the changed elements
+    of each delta into it (see :class:`Decoder`): the cheapest way to follow, for a
+    holder that only needs the latest version (or rolls back with ``update.undo``).
+    The default gives every version fresh buffers, so earlier updates stay valid.
+    ``decode_nice`` lowers the decode threads' CPU priority (a relay, whose decoding
+    is off its forwarding path).
     """
 
     def __init__(
@@ -111,15 +125,19 @@ class WeightSubscriber:
         max_mib_s: float = 0.0,
         on_manifest: Callable[[pb.Manifest], None] | None = None,
         on_chunk: ChunkHook | None = None,
+        in_place: bool = False,
+        decode_nice: int = 0,
     ) -> None:
         self.address = address
-        self.decoder = Decoder(weights, version if weights else -1)
+        self.decoder = Decoder(weights, version if weights else -1, in_place=in_place)
         self._channel = open_channel(address)
         self.max_attempts = max_attempts
         self.stats = SubscriberStats()
         self._bucket = TokenBucket.mib_per_s(max_mib_s)
         self._threads = decode_threads or min(4, os.cpu_count() or 1)
-        self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="ws-decode")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self._threads, thread_name_prefix="ws-decode", initializer=_lower_priority, initargs=(decode_nice,)
+        )
         self._on_manifest = on_manifest
         self._on_chunk = on_chunk
 
@@ -130,6 +148,17 @@ class WeightSubscriber:
     async def updates(self, follow: bool = True, keep_encoded: bool = False) -> AsyncIterator[VersionUpdate]:
         """Every version after the one held, verified; with ``follow`` new ones as published."""
         receiving = _Receiving(None, keep_encoded)
+        try:
+            async with contextlib.aclosing(self._follow(receiving, follow, keep_encoded)) as versions:
+                async for update in versions:
+                    yield update
+        finally:
+            # A version left half applied (error, or the caller stopped) must not stay
+            # in the held buffers: wait for its decodes, then revert it.
+            await receiving.settle()
+            self.decoder.abort()
+
+    async def _follow(self, receiving: _Receiving, follow: bool, keep_encoded: bool) -> AsyncIterator[VersionUpdate]:
         failures = 0
         while True:
             request = pb.SubscribeRequest(from_version=self.decoder.version, follow=follow)
@@ -149,13 +178,13 @@ class WeightSubscriber:
                     if item.HasField("manifest"):
                         await receiving.drain()
                         self.decoder.begin(item.manifest)
-                        receiving = _Receiving(item.manifest, keep_encoded)
+                        receiving.reset(item.manifest)
                         if self._on_manifest is not None:
                             self._on_manifest(item.manifest)
                         continue
                     update = await self._take_chunk(receiving, item.chunk)
                     if update is not None:
-                        receiving = _Receiving(None, keep_encoded)
+                        receiving.reset(None)
                         yield update
                 if not follow and receiving.manifest is None:
                     return
@@ -197,8 +226,9 @@ class WeightSubscriber:
             await receiving.bound(2 * self._threads)
             return None
         await receiving.drain()
+        encoded = receiving.encoded()
         version = await asyncio.to_thread(self.decoder.finish)
-        return VersionUpdate(version, self.decoder.weights, manifest, receiving.encoded())
+        return VersionUpdate(version, self.decoder.weights, manifest, encoded, self.decoder.last_undo)
 
     async def _refetch(self, manifest: pb.Manifest, index: int, attempts: int = 3) -> bytes:
         """Fetches chunk ``index`` again until it passes its checksum."""
@@ -219,11 +249,22 @@ class _Receiving:
     """The version being received: the manifest, chunks taken so far, decodes in flight."""
 
     def __init__(self, manifest: pb.Manifest | None, keep_encoded: bool) -> None:
+        self.keep = keep_encoded
+        self.reset(manifest)
+
+    def reset(self, manifest: pb.Manifest | None) -> None:
+        """Starts receiving ``manifest``'s version (None: between versions)."""
         self.manifest = manifest
         self.next_chunk = 0
-        self.keep = keep_encoded
         self.chunks: list[bytes] = []
         self.pending: list[asyncio.Future[None]] = []
+
+    async def settle(self) -> None:
+        """Waits for every decode in flight, ignoring their errors."""
+        for f in self.pending:
+            with contextlib.suppress(BaseException):
+                await f
+        self.pending = []
 
     def add(self, index: int, data: bytes, decoding: asyncio.Future[None]) -> None:
         self.next_chunk = index + 1
@@ -246,3 +287,10 @@ class _Receiving:
     def encoded(self) -> Encoded | None:
         assert self.manifest is not None
         return Encoded(self.manifest, self.chunks) if self.keep else None
+
+
+def _lower_priority(nice: int) -> None:
+    """Thread initializer: raises this thread's nice value (Linux applies it per thread)."""
+    if nice > 0:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)

@@ -97,6 +97,7 @@ __all__ = [
     "encode_keyframe_chunk",
     "encode_delta_chunk",
     "decode_chunk_into",
+    "ChunkChanges",
     "decode_tensor",
     "parse_header",
     "ChunkHeader",
@@ -753,13 +754,15 @@ def _decode_delta(old, old64, out, shift, emask, sign_bit, full, classes, k_gap_
     new values. Returns 0 on success or a negative error code (see
     _DELTA_ERRORS)."""
     st, gaps, gptr, mags, mptr, sign_pos = _read_sections(words, nbits, classes, k_gap_c, k_mag_c, nev_c)
+    no_pos = np.empty(0, dtype=np.int64)
+    no_old = np.empty(0, dtype=old.dtype)
     if st < 0:
-        return st
+        return st, no_pos, no_old
     ne = mags.shape[0]
     if sign_pos + ne > nbits:
-        return -1
+        return -1, no_pos, no_old
     if nbits - (sign_pos + ne) >= 8:
-        return -4
+        return -4, no_pos, no_old
     # Sized for the worst case; untouched pages of np.empty cost nothing.
     evs = np.empty(old.shape[0], dtype=np.int64)
     if old64.shape[0] > 0:
@@ -767,19 +770,21 @@ def _decode_delta(old, old64, out, shift, emask, sign_bit, full, classes, k_gap_
     else:
         found = _find_changes(old, shift, emask, classes, nev_c, gaps, gptr, evs)
     if found != ne:
-        return -2
+        return -2, no_pos, no_old
+    olds = np.empty(ne, dtype=old.dtype)
     for e in range(ne):
         i = evs[e]
         o = old[i]
+        olds[e] = o
         c = (np.int64(o) >> shift) & emask
         sbit = sign_pos + e
         neg = ((words[sbit >> 6] >> np.uint64(sbit & 63)) & np.uint64(1)) != 0
         val = _event_value(o, mags[mptr[c]], neg, sign_bit, full)
         if val < 0:
-            return -3
+            return -3, no_pos, no_old
         mptr[c] += 1
         out[i] = val
-    return 0
+    return 0, evs[:ne].copy(), olds
 
 
 _DELTA_ERRORS = {
@@ -928,8 +933,22 @@ def _words16(src: np.ndarray) -> np.ndarray:
     return src[: 4 * n4].view(np.uint64)
 
 
-def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None) -> None:
+@dataclass(frozen=True)
+class ChunkChanges:
+    """What a delta chunk changed: flat tensor positions (ascending) and the bits
+    there before and after. Lets receivers update hashes and undo logs in
+    O(changes) instead of a pass over the tensor."""
+
+    positions: np.ndarray  # int64
+    old: np.ndarray  # raw bits, the tensor's dtype
+    new: np.ndarray
+
+
+def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None) -> ChunkChanges | None:
     """Decode one chunk payload into ``out[start:start+count]``.
+
+    Returns the changed elements for a delta chunk, None for a keyframe chunk
+    (which rewrites its whole range).
 
     ``out`` is the full 1-D raw-bit destination tensor; ``old`` is the full
     previous tensor (needed for delta chunks, ignored for keyframes). Raises
@@ -946,7 +965,7 @@ def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None) -
     lo, hi = hdr.start, hdr.start + hdr.count
     if hdr.mode == MODE_KEYFRAME:
         _decode_keyframe(body, out[lo:hi], hdr.dtype, hdr.count)
-        return
+        return None
     if old is None:
         raise CodecError("delta chunk needs the previous version of the tensor (old is None)")
     _check_array(old, hdr.dtype, "old")
@@ -973,11 +992,12 @@ def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None) -
         # else: in-place update, out already holds old.
     else:
         np.copyto(dst, src)
-    rc = _decode_delta(
+    rc, positions, old_bits = _decode_delta(
         src, _words16(src), dst, shift, emask, sign_bit, full, classes, k_gap, k_mag, nev, words, 8 * len(stream)
     )
     if rc != 0:
         raise CodecError(f"{_DELTA_ERRORS.get(rc, f'delta decode error {rc}')} (chunk start {lo})")
+    return ChunkChanges(positions + lo, old_bits, dst[positions])
 
 
 def decode_tensor(chunks: list[EncodedChunk] | list[bytes], old: np.ndarray | None, dtype: str) -> np.ndarray:

@@ -154,6 +154,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 max_mib_s=self.config.upstream_mib_s,
                 on_manifest=self._upstream_manifest,
                 on_chunk=self._upstream_chunk,
+                # Chunks are passed on before they are decoded; decoding only feeds
+                # this relay's store, so it yields the CPU to forwarding and to others.
+                decode_nice=10,
             )
             try:
                 async for update in subscriber.updates(follow=True, keep_encoded=True):

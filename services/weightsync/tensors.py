@@ -2,11 +2,9 @@
 name and a shape, and the hash every party checks the full weights against."""
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
 import math
-import os
 from collections.abc import Mapping
 
 import numpy as np
@@ -61,30 +59,28 @@ def element_count(shape: tuple[int, ...] | list[int]) -> int:
     return numel
 
 
-#: Hashing threads for large weight sets (hashlib releases the GIL on large buffers).
-_HASH_THREADS = min(8, os.cpu_count() or 1)
-_PARALLEL_HASH_BYTES = 32 << 20
+def hash_of_sums(items: list[tuple[str, str, tuple[int, ...], tuple[int, int]]]) -> str:
+    """The weights hash from each tensor's (name, dtype, shape, element-hash sums).
 
-
-def _tensor_digest(t: RawTensor) -> bytes:
-    return hashlib.sha256(memoryview(np.ascontiguousarray(t.bits)).cast("B")).digest()
+    Lets a receiver that keeps the sums up to date incrementally (see
+    :mod:`services.weightsync.elementhash`) check a version without a full pass."""
+    h = hashlib.sha256(b"meridian-weights-v2\0")
+    for name, dtype, shape, (s0, s1) in sorted(items):
+        h.update(f"{name}\0{dtype}\0{','.join(map(str, shape))}\0".encode())
+        h.update(s0.to_bytes(8, "little") + s1.to_bytes(8, "little"))
+    return h.hexdigest()
 
 
 def weights_hash(weights: Weights) -> str:
-    """sha256 over (name, dtype, shape, sha256 of the raw bits) of every tensor, in name
-    order. Hashing each tensor separately lets large models hash on several cores."""
+    """sha256 over (name, dtype, shape, additive element hash) of every tensor, in name
+    order. The element hash is a sum of per-element terms (elementhash), so a receiver
+    that changes a few elements can update it without a full pass; computed in full
+    here, on several threads for large weight sets."""
+    from services.weightsync import elementhash  # numba: only where hashes are computed
+
     names = sorted(weights)
-    if _HASH_THREADS > 1 and sum(weights[n].nbytes for n in names) >= _PARALLEL_HASH_BYTES:
-        with concurrent.futures.ThreadPoolExecutor(_HASH_THREADS) as pool:
-            digests = list(pool.map(_tensor_digest, (weights[n] for n in names)))
-    else:
-        digests = [_tensor_digest(weights[n]) for n in names]
-    h = hashlib.sha256()
-    for name, digest in zip(names, digests):
-        t = weights[name]
-        h.update(f"{name}\0{t.dtype}\0{','.join(map(str, t.shape))}\0".encode())
-        h.update(digest)
-    return h.hexdigest()
+    sums = elementhash.many_tensor_sums([np.ascontiguousarray(weights[n].bits) for n in names])
+    return hash_of_sums([(n, weights[n].dtype, tuple(weights[n].shape), s) for n, s in zip(names, sums)])
 
 
 def from_torch(tensor) -> RawTensor:  # type: ignore[no-untyped-def]

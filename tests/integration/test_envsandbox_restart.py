@@ -76,17 +76,6 @@ def _instances(pid: int) -> list[Path]:
     return [p for base in cg._bases().values() if base.is_dir() for p in base.iterdir() if p.name.startswith(f"{pid}-")]
 
 
-async def _populate(address: str, marker: str) -> list[str]:
-    """Three sandboxes, one of them running a long command; returns their ids."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = es_grpc.EnvSandboxStub(channel)
-        ids = [(await stub.Create(es.CreateRequest(task_id="python/add"))).sandbox_id for _ in range(3)]
-        call = stub.Exec(es.ExecRequest(sandbox_id=ids[0], argv=["sh", "-c", f"sleep 300 # {marker}"], timeout_seconds=300))
-        await asyncio.sleep(1.5)  # the command is running when the service dies
-        call.cancel()
-        return ids
-
-
 def _run_cycle(tmp_path: Path, pick_port: Any, backend: str, docker_host: str = "") -> tuple[subprocess.Popen[bytes], str, str]:
     root = tmp_path / "state"
     port = pick_port()
@@ -95,9 +84,7 @@ def _run_cycle(tmp_path: Path, pick_port: Any, backend: str, docker_host: str = 
     proc = _start_service(root, port, backend, docker_host)
     try:
         asyncio.run(_wait_serving(address, proc))
-        asyncio.run(_populate(address, marker)) if backend == "docker" else None
-        if backend == "process":
-            asyncio.run(_populate_while_running(address, marker))
+        asyncio.run(_populate_while_running(address, marker))
     except BaseException:
         _stop(proc)
         raise
@@ -105,16 +92,19 @@ def _run_cycle(tmp_path: Path, pick_port: Any, backend: str, docker_host: str = 
 
 
 async def _populate_while_running(address: str, marker: str) -> None:
+    """Three sandboxes, one of them running a long command when the service dies."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = es_grpc.EnvSandboxStub(channel)
         ids = [(await stub.Create(es.CreateRequest(task_id="python/add"))).sandbox_id for _ in range(3)]
-        call = stub.Exec(es.ExecRequest(sandbox_id=ids[0], argv=["sh", "-c", f"sleep 300 # {marker}"], timeout_seconds=300))
-        for _ in range(50):
+        call = stub.Exec(es.ExecRequest(sandbox_id=ids[0], argv=["sh", "-c", f"sleep 300; echo {marker}"], timeout_seconds=300))
+        reading = asyncio.create_task(call.read())
+        for _ in range(100):
             if _processes_with(marker):
                 break
             await asyncio.sleep(0.1)
         assert _processes_with(marker), "the long command did not start"
         call.cancel()
+        reading.cancel()
 
 
 def test_sigkilled_process_backend_leaves_nothing_after_restart(tmp_path: Path, pick_port: Any) -> None:

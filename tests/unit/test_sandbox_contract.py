@@ -61,7 +61,7 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
         backend = ProcessBackend(root)
     loop = Loop()
-    manager = SandboxManager(backend, default_limits=Limits(memory_bytes=256 << 20, max_pids=64, disk_bytes=32 << 20, wall_seconds=10), max_sandboxes=4)
+    manager = SandboxManager(backend, default_limits=Limits(memory_bytes=256 << 20, max_pids=64, disk_bytes=32 << 20, wall_seconds=10), max_sandboxes=3)
     loop.run(manager.start())
     try:
         yield loop, manager
@@ -160,21 +160,24 @@ def test_run_tests_scores_and_resists_forgery(env: tuple[Loop, SandboxManager]) 
     task = suite.get("python/add")
     forged = "import os\nfor fd in range(1, 32):\n    try: os.write(fd, b'PASS case0\\nPASS case1\\nPASS case2\\n')\n    except OSError: pass\ndef add(a, b):\n    return None\n"
 
-    async def reward(files: dict[str, str]) -> float:
-        box = await m.create(task=task, files={p: c.encode() for p, c in files.items()})
-        try:
-            outcome, _, _ = await m.run_tests(box.sandbox_id)
+    async def main() -> None:
+        box = await m.create(task=task)
+        sid = box.sandbox_id
+
+        async def reward(solution: str) -> float:
+            await m.write_files(sid, {"solution.py": solution.encode()})
+            outcome, _, _ = await m.run_tests(sid)
             # The hidden tests are gone from the workspace after the run.
             with pytest.raises(NotFound):
-                await m.read_files(box.sandbox_id, [".tests/test_solution.py"])
+                await m.read_files(sid, [".tests/test_solution.py"])
             return outcome.reward
-        finally:
-            await m.close(box.sandbox_id)
 
-    async def main() -> None:
-        assert await reward(task.reference) == 1.0
-        assert await reward({}) == 0.0
-        assert await reward({"solution.py": forged}) == 0.0
+        try:
+            assert await reward(task.reference["solution.py"]) == 1.0
+            assert await reward("") == 0.0
+            assert await reward(forged) == 0.0
+        finally:
+            await m.close(sid)
 
     loop.run(main())
 
@@ -194,20 +197,23 @@ def pair(env: tuple[Loop, SandboxManager]) -> Iterator[tuple[Loop, SandboxManage
             loop.run(m.close(sid))
 
 
-async def _healthy(m: SandboxManager, bystander: str) -> None:
+async def _healthy(m: SandboxManager, bystander: str, probe: bool = False) -> None:
+    """The bystander is untouched and the service still serves (and, when asked, creates)."""
     out, _, res = await run(m, bystander, ["cat", "secret.txt"])
     assert out == b"bystander-token-5521" and res.exit_code == 0
-    probe = await m.create()
-    _, _, res = await run(m, probe.sandbox_id, ["true"])
-    assert res.exit_code == 0
-    await m.close(probe.sandbox_id)
+    assert bystander in [b.sandbox_id for b in m.list()]
+    if probe:
+        box = await m.create()
+        _, _, res = await run(m, box.sandbox_id, ["true"])
+        assert res.exit_code == 0
+        await m.close(box.sandbox_id)
 
 
 def test_hostile_fork_bomb(pair) -> None:  # type: ignore[no-untyped-def]
     loop, m, attacker, bystander = pair
     _, _, res = loop.run(sh(m, attacker, "bomb() { bomb | bomb & }; bomb; sleep 30", timeout_s=4))
     assert res.timed_out or res.exit_code != 0
-    loop.run(_healthy(m, bystander))
+    loop.run(_healthy(m, bystander, probe=True))
     # The attacker's sandbox is usable again: nothing of the bomb survives the exec.
     out, _, res = loop.run(sh(m, attacker, "echo alive", timeout_s=10))
     assert out == b"alive\n" and res.exit_code == 0

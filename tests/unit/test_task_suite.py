@@ -9,13 +9,19 @@ import asyncio
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from meridian.errors import InvalidArgument
+from meridian.v1 import envsandbox_pb2 as es
+from meridian.v1 import envsandbox_pb2_grpc as es_grpc
 from services.envsandbox import tasks as tasks_mod
+from services.envsandbox.config import EnvSandboxConfig
 from services.envsandbox.process_backend import ProcessBackend
 from services.envsandbox.sandbox import SandboxManager
+from services.envsandbox.server import EnvSandboxService
 from services.envsandbox.swebench import PatchError, apply_unified_diff, instance_to_task, load_swebench_jsonl
 
 SAMPLE_JSONL = Path(tasks_mod.__file__).parent / "suites" / "swebench_sample.jsonl"
@@ -80,13 +86,34 @@ def test_builtin_task_files_are_consistent() -> None:
             assert not rel_path.startswith(("/", tasks_mod.TESTS_DIR)) and ".." not in rel_path.split("/"), (task.id, rel_path)
 
 
+async def _rewards_over_grpc(serving: Any, root: Path, jobs: list[tuple[tasks_mod.Task, dict[str, str]]]) -> list[tuple[float, str]]:
+    """Like _rewards, through a real EnvSandbox gRPC server: Create, RunTests, Close."""
+    service = EnvSandboxService(EnvSandboxConfig(root=str(root)))
+    async with serving(service) as address:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = es_grpc.EnvSandboxStub(channel)
+
+            async def one(task: tasks_mod.Task, files: dict[str, str]) -> tuple[float, str]:
+                info = await stub.Create(es.CreateRequest(task_id=task.id, files=[es.File(path=p, content=c.encode()) for p, c in files.items()]))
+                try:
+                    reply = await stub.RunTests(es.RunTestsRequest(sandbox_id=info.sandbox_id))
+                    return reply.reward, reply.output.decode(errors="replace")
+                finally:
+                    await stub.Close(es.CloseRequest(sandbox_id=info.sandbox_id))
+
+            results: list[tuple[float, str]] = []
+            for start in range(0, len(jobs), BATCH):
+                results += await asyncio.gather(*(one(t, f) for t, f in jobs[start:start + BATCH]))
+            return results
+
+
 # ------------------------------------------------------------------ (b) every task in a sandbox
 
 
-def test_every_builtin_task_reference_passes_and_empty_attempt_fails(tmp_path: Path) -> None:
+def test_every_builtin_task_reference_passes_and_empty_attempt_fails(tmp_path: Path, grpc_serving: Any) -> None:
     all_tasks = sorted(tasks_mod.TaskSuite.builtin().select(), key=lambda t: t.id)
     jobs = [(t, t.reference) for t in all_tasks] + [(t, {}) for t in all_tasks]
-    results = asyncio.run(_rewards(tmp_path, jobs))
+    results = asyncio.run(_rewards_over_grpc(grpc_serving, tmp_path / "sandboxes", jobs))
     reference_results, empty_results = results[: len(all_tasks)], results[len(all_tasks):]
     problems = []
     for task, (ref_reward, ref_out), (empty_reward, empty_out) in zip(all_tasks, reference_results, empty_results):
