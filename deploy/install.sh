@@ -12,6 +12,10 @@ need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
 python3 -c "import ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
+# The envsandbox docker backend: the daemon (tests start a private one themselves) and
+# busybox-static for the locally built base image.
+command -v dockerd >/dev/null 2>&1 || need_apt+=(docker.io)
+command -v busybox >/dev/null 2>&1 || need_apt+=(busybox-static)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "install: apt packages: ${need_apt[*]}"
   if [ "$(id -u)" -ne 0 ]; then
@@ -23,6 +27,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   # Debian starts a system redis on 6379; Meridian runs its own per stack.
   if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
+  # Likewise no system dockerd: the envsandbox tests and benchmark run private daemons.
+  if command -v systemctl >/dev/null 2>&1; then systemctl disable --now docker.service docker.socket >/dev/null 2>&1 || true; fi
 fi
 
 want=$(sha256sum pyproject.toml deploy/install.sh | sha256sum | cut -c1-16)

@@ -41,6 +41,7 @@ class DemoConfig:
     lr: float = opt(1e-5, "trainer learning rate")
     train_tasks: str = opt(TRAIN_TASKS, "comma-separated training task ids (cycled through; empty: the server picks)")
     eval_tasks: str = opt(EVAL_TASKS, "comma-separated held-out task ids (split eval) evaluated before and after (empty: skip)")
+    temperature: float = opt(0.6, "sampling temperature of the training episodes (the rollout's RL default, 1.0, makes the 135M model fail nearly every task)")
     eval_samples: int = opt(2, "samples per held-out task")
     eval_temperature: float = opt(0.2, "sampling temperature of the evaluation (low: close to greedy)")
     step_timeout_s: float = opt(600.0, "seconds to wait for each new version to reach rollout")
@@ -50,7 +51,7 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.steps <= 0 or self.tasks_per_step <= 0 or self.group_size < 2:
             raise ValueError("steps and tasks_per_step must be positive, group_size >= 2")
-        if self.eval_samples < 2 or self.eval_temperature < 0:
+        if self.eval_samples < 2 or self.eval_temperature < 0 or self.temperature < 0:
             raise ValueError("eval_samples must be >= 2 (one group) and eval_temperature >= 0")
 
 
@@ -123,7 +124,7 @@ async def run_job(stack: stack_mod.Stack, config: DemoConfig, progress: bool = T
                     num_tasks=0 if picked else config.tasks_per_step,
                     group_size=config.group_size,
                     publish=True,
-                    sampling=rollout_pb2.SamplingParams(max_tokens=config.max_tokens),
+                    sampling=rollout_pb2.SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature),
                 )
             )
             produced += len(reply.trajectories)

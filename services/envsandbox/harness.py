@@ -1,7 +1,7 @@
 """The trusted test harness: the only code whose output becomes a reward.
 
 RunTests copies this file to ``.tests/_harness.py`` and runs
-``python3 -I .tests/_harness.py .tests/<test module>``. The harness process (P) never runs
+``python3 -I -S .tests/_harness.py .tests/<test module>``. The harness process (P) never runs
 code under test itself, so nothing the solution does can write P's standard output, the
 one channel the service scores:
 
@@ -146,7 +146,7 @@ class _Opaque:
 def run_child(source: str, argv: list, stdin: bytes, timeout_s: float) -> tuple:
     """Runs ``source`` in a fresh interpreter; returns (report lines, exit code, timed out)."""
     proc = subprocess.Popen(
-        [sys.executable, "-I", "-c", source, *argv],
+        [sys.executable, "-I", "-S", "-c", source, *argv],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

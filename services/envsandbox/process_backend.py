@@ -33,6 +33,7 @@ from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, Unava
 from services.envsandbox import workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
 from services.envsandbox.sandbox import SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, pump_process
+from services.envsandbox.spawn import SpawnedProcess, spawn
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,11 @@ class ProcessBackend(Backend):
         self.uid = uid
         self.mount_dir = self.root / "mnt"
         self._tools: dict[str, str] = {}
-        self._helper: asyncio.subprocess.Process | None = None
+        self._helper: SpawnedProcess | None = None
         self._helper_lock = asyncio.Lock()
         self._cgroups: Cgroups | None = None
         self._procs: dict[str, list[str]] = {}
-        self._running: dict[str, set[asyncio.subprocess.Process]] = {}
+        self._running: dict[str, set[SpawnedProcess]] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -82,13 +83,14 @@ class ProcessBackend(Backend):
             shutil.rmtree(self.mount_dir, ignore_errors=True)
 
     async def _start_helper(self) -> None:
-        self._helper = await asyncio.create_subprocess_exec(
-            self._tools["setpriv"], "--pdeathsig", "KILL", "--",
-            self._tools["unshare"], "--mount", "--propagation", "private", "--",
-            sys.executable, "-I", "-S", str(Path(__file__).parent / "mount_helper.py"), str(self.mount_dir), str(self.uid),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            start_new_session=True,
+        self._helper = await spawn(
+            [
+                self._tools["setpriv"], "--pdeathsig", "KILL", "--",
+                self._tools["unshare"], "--mount", "--propagation", "private", "--",
+                sys.executable, "-I", "-S", str(Path(__file__).parent / "mount_helper.py"), str(self.mount_dir), str(self.uid),
+            ],
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+            stderr=False,
         )
         ready = await self._read_reply()
         if not ready.get("ready"):
@@ -237,14 +239,7 @@ class ProcessBackend(Backend):
             finally:
                 os.close(fd)
         start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *self.command(sandbox_id, argv, cwd, limits),
-            env=env,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
+        proc = await spawn(self.command(sandbox_id, argv, cwd, limits), env=env)
         running = self._running.setdefault(sandbox_id, set())
         running.add(proc)
         done: PumpDone | None = None
@@ -272,7 +267,7 @@ class ProcessBackend(Backend):
         )
 
 
-def _kill(proc: asyncio.subprocess.Process) -> None:
+def _kill(proc: SpawnedProcess) -> None:
     """SIGKILL to the chain's process group; ``unshare --kill-child`` takes the namespace down."""
     if proc.returncode is None:
         for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), lambda: os.kill(proc.pid, signal.SIGKILL)):

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.envsandbox import workspace_files
@@ -369,7 +370,7 @@ class PumpDone:
 
 
 async def pump_process(
-    proc: asyncio.subprocess.Process, stdin: bytes, wall_s: float, max_output: int, kill: Callable[[], None]
+    proc: Any, stdin: bytes, wall_s: float, max_output: int, kill: Callable[[], None]
 ) -> AsyncIterator[tuple[str, bytes] | PumpDone]:
     """Streams a started process's output within ``wall_s`` and ``max_output`` bytes per stream.
 

@@ -332,7 +332,7 @@ def run_in_child(test_id):
     process's standard output, the only channel the service scores."""
     try:
         proc = subprocess.run(
-            [sys.executable, "-I", os.path.abspath(__file__), "--one", test_id],
+            [sys.executable, "-I", "-S", os.path.abspath(__file__), "--one", test_id],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             close_fds=True, timeout=CHILD_TIMEOUT_S,
         )
@@ -506,7 +506,7 @@ def instance_to_task(obj: dict[str, Any], split: str = "eval") -> Task:
         files=repo_files,
         answer_path=answer_path,
         tests=tests,
-        test_command=["python3", "-I", f"{TESTS_DIR}/{RUNNER_PATH}", f"{TESTS_DIR}/{TEST_LIST_PATH}"],
+        test_command=["python3", "-I", "-S", f"{TESTS_DIR}/{RUNNER_PATH}", f"{TESTS_DIR}/{TEST_LIST_PATH}"],
         reward="all_pass",
         reference=reference,
         limits=DEFAULT_LIMITS,

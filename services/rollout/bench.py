@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -159,6 +160,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--latency-requests", type=int, default=20)
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     ns = parser.parse_args(argv)
+    # vLLM and its engine processes log to stdout; keep stdout for the one JSON object.
+    json_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
 
     from transformers import AutoTokenizer
 
@@ -190,5 +194,5 @@ def main(argv: list[str]) -> int:
         "concurrency": ns.concurrency,
         "max_tokens": ns.max_tokens,
     }
-    print(json.dumps(result))
+    print(json.dumps(result), file=json_out, flush=True)
     return 0

@@ -45,6 +45,9 @@ class RLWorkers:
                     continue
                 self.state = "running"
                 self.published += await self._run_group()
+                # Yield every round, even when a group finished without awaiting anything,
+                # so one worker can never monopolise the event loop the servers share.
+                await asyncio.sleep(0)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - a failed group must not end the worker

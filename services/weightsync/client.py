@@ -223,7 +223,10 @@ class WeightSubscriber:
             self._on_chunk(manifest, chunk.index, data)
         receiving.add(chunk.index, data, asyncio.wrap_future(self._pool.submit(self.decoder.add_chunk, chunk.index, data, True)))
         if receiving.next_chunk < len(manifest.chunks):
-            await receiving.bound(2 * self._threads)
+            if not receiving.keep:
+                # Bounds the payloads waiting for a decode thread. Kept chunks are held
+                # anyway, and a relay must not slow its forwarding down to its decoding.
+                await receiving.bound(2 * self._threads)
             return None
         await receiving.drain()
         encoded = receiving.encoded()

@@ -28,7 +28,9 @@ from services.weightsync.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, W
 
 log = logging.getLogger(__name__)
 
-CODEC_NAME = "meridian-ctx-rice-v1"
+#: Chunk codec and weights-hash scheme of a manifest; versions stored under another
+#: name (e.g. by an older origin) are not recovered, and subscribers refuse them.
+CODEC_NAME = "meridian-ctx-rice-v1+ehash2"
 MAX_COMPACTED = 4
 COMPLETE = "COMPLETE"
 _MASK64 = (1 << 64) - 1
@@ -148,6 +150,7 @@ class Decoder:
         self.version = version
         self.in_place = in_place
         self.last_undo: UndoLog | None = None
+        self._base_state: tuple[int, dict[str, elementhash.Sums] | None] | None = None
         self._sums: dict[str, elementhash.Sums] | None = None
         self._pending: dict[str, RawTensor] = {}
         self._manifest: pb.Manifest | None = None
@@ -159,13 +162,12 @@ class Decoder:
         """Starts a version; a delta must be based on the version held now."""
         if manifest.base_version >= 0 and manifest.base_version != self.version:
             raise FailedPrecondition(f"version {manifest.version} is a delta on {manifest.base_version}, but {self.version} is held")
+        if manifest.codec != CODEC_NAME:
+            raise FailedPrecondition(f"version {manifest.version} uses codec {manifest.codec!r}; this decoder reads {CODEC_NAME!r}")
         self.abort()
         delta = manifest.base_version >= 0
-        if delta and self._sums is None:
-            # Once per decoder (it was handed weights): later versions move the sums.
-            names = sorted(self.weights)
-            sums = elementhash.many_tensor_sums([np.ascontiguousarray(self.weights[n].bits) for n in names])
-            self._sums = dict(zip(names, sums))
+        if delta:
+            self.prepare()
         undo = UndoLog(manifest.version, manifest.base_version) if self.in_place else None
         pending: dict[str, RawTensor] = {}
         for meta in manifest.tensors:
@@ -187,6 +189,15 @@ class Decoder:
             undo.replaced.update({n: t for n, t in self.weights.items() if n not in pending})
         self._manifest, self._pending, self._undo = manifest, pending, undo
         self._seen, self._moves = set(), []
+
+    def prepare(self) -> None:
+        """Computes the held weights' element-hash sums if not known yet: one full pass,
+        once per decoder handed weights (later versions only move the sums). Called by
+        the first delta's :meth:`begin`; call it earlier to keep it off that path."""
+        if self._sums is None:
+            names = sorted(self.weights)
+            sums = elementhash.many_tensor_sums([np.ascontiguousarray(self.weights[n].bits) for n in names])
+            self._sums = dict(zip(names, sums))
 
     def _base(self, name: str, dtype: str, shape: tuple[int, ...]) -> RawTensor | None:
         held = self.weights.get(name)
@@ -262,10 +273,22 @@ class Decoder:
         if got != manifest.weights_hash:
             self.abort()
             raise DataLoss(f"version {manifest.version}: decoded weights hash {got[:12]} != manifest {manifest.weights_hash[:12]}")
+        self._base_state = (self.version, self._sums) if self._undo is not None else None
         self.weights, self.version, self._sums = self._pending, manifest.version, sums
         self.last_undo = self._undo
         self._pending, self._manifest, self._undo, self._moves = {}, None, None, []
         return self.version
+
+    def revert_last(self) -> int:
+        """Undoes the last in-place version: the buffers hold the version before it again
+        (O(changed elements)), and so does the decoder. Returns that version."""
+        if self.last_undo is None or self._base_state is None or self._manifest is not None:
+            raise FailedPrecondition("no finished in-place version to revert")
+        version, sums = self._base_state
+        self.last_undo.revert(self.weights)
+        self.version, self._sums = version, sums
+        self.last_undo, self._base_state = None, None
+        return version
 
     def abort(self) -> None:
         """Drops a version being received; an in-place one is reverted, so the held
@@ -462,6 +485,9 @@ class VersionStore:
         for folder in sorted(self.data_dir.glob("*/*")):
             enc = self._load(folder)
             if enc is None:
+                continue
+            if enc.manifest.codec != CODEC_NAME:
+                log.warning("skipping %s: codec %r, this store reads %r", folder, enc.manifest.codec, CODEC_NAME)
                 continue
             (self.keyframes if enc.is_keyframe else self.deltas)[enc.manifest.version] = enc
         if not self.keyframes:

@@ -92,10 +92,10 @@ def _run_cycle(tmp_path: Path, pick_port: Any, backend: str, docker_host: str = 
 
 
 async def _populate_while_running(address: str, marker: str) -> None:
-    """Three sandboxes, one of them running a long command when the service dies."""
+    """Two sandboxes, one of them running a long command when the service dies."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = es_grpc.EnvSandboxStub(channel)
-        ids = [(await stub.Create(es.CreateRequest(task_id="python/add"))).sandbox_id for _ in range(3)]
+        ids = [(await stub.Create(es.CreateRequest(task_id="python/add"))).sandbox_id for _ in range(2)]
         call = stub.Exec(es.ExecRequest(sandbox_id=ids[0], argv=["sh", "-c", f"sleep 300; echo {marker}"], timeout_seconds=300))
         reading = asyncio.create_task(call.read())
         for _ in range(100):
@@ -145,7 +145,7 @@ def test_sigkilled_docker_backend_leaves_no_container_after_restart(tmp_path: Pa
         client = docker.DockerClient(base_url=daemon.base_url)
         try:
             proc, _, _ = _run_cycle(tmp_path, pick_port, "docker", daemon.base_url)
-            assert len(client.containers.list(all=True, filters={"label": LABEL})) == 3
+            assert len(client.containers.list(all=True, filters={"label": LABEL})) == 2
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             port = pick_port()

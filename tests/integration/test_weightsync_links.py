@@ -134,8 +134,10 @@ def test_cut_mid_transfer_resumes_from_last_good_chunk(tmp_path: Path, grpc_serv
     run(main())
 
 
-def test_corrupted_chunk_is_fetched_again(tmp_path: Path, grpc_serving: Any) -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_corrupted_chunk_is_fetched_again(tmp_path: Path, grpc_serving: Any, in_place: bool) -> None:
     v0, v1 = _chain(2, 300_000)
+    held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in v0.items()}
 
     async def main() -> None:
         service = _service(tmp_path)
@@ -148,13 +150,18 @@ def test_corrupted_chunk_is_fetched_again(tmp_path: Path, grpc_serving: Any) -> 
             assert [c.sha256 for c in manifest.chunks] == [c.sha256 for c in local.manifest.chunks]
             async with LinkEmulator(origin) as link:
                 rule = link.corrupt_once(local.chunks[3][:16], after=3)
-                sub = WeightSubscriber(link.address, v0, 0)
+                sub = WeightSubscriber(link.address, held, 0, in_place=in_place)
                 try:
                     (update,) = await _collect(sub, 1, follow=False)
                 finally:
                     await sub.close()
             assert rule.fired
             assert update.version == 1 and _same(update.weights, v1)
+            # In place: the held buffers became v1 and the undo log gives v0 back.
+            assert _same(held, v1 if in_place else v0)
+            assert (update.undo is not None) == in_place
+            if update.undo is not None:
+                assert _same(update.undo.previous_weights(update.weights), v0)
             assert sub.stats.refetched == 1
             assert (await _status(origin)).chunk_fetches == 1
 

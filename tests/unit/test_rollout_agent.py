@@ -64,3 +64,42 @@ def test_openai_sampling_defaults_and_passthrough() -> None:
     s = parse_sampling({"temperature": 0, "stop": "END", "seed": 7, "max_tokens": 12}, 2048, 64)
     assert (s.temperature, s.stop, s.seed, s.max_tokens) == (0.0, ("END",), 7, 12)
     assert parse_sampling({}, 2048, 64).max_tokens == 64
+
+
+def test_rl_workers_back_off_then_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from services.rollout import rl_workers
+    from services.rollout.rl_workers import RLWorkers
+
+    monkeypatch.setattr(rl_workers, "BACKOFF_S", 0.01)
+
+    async def scenario() -> tuple[list[str], int]:
+        reasons = ["policy lag 3 > 2", "stream backlog 9 > 5", ""]
+        seen: list[str] = []
+        ran = 0
+
+        async def backpressure() -> str:
+            seen.append(workers.state)
+            return reasons.pop(0) if reasons else ""
+
+        async def run_group() -> int:
+            nonlocal ran
+            ran += 1
+            if ran == 2:
+                raise RuntimeError("a failed group must not end the worker")
+            if ran > 3:
+                await asyncio.Event().wait()  # park until stop() cancels the worker
+            return 4
+
+        workers = RLWorkers(1, run_group, backpressure)
+        workers.start()
+        while ran < 3:
+            await asyncio.sleep(0.01)
+        await workers.stop()
+        return seen, workers.published
+
+    seen, published = asyncio.run(scenario())
+    # States as seen at each back-pressure check: backed off twice, then running.
+    assert seen[:4] == ["starting", "backoff: policy lag 3 > 2", "backoff: stream backlog 9 > 5", "running"]
+    assert "backoff: error" in seen and published == 8

@@ -26,7 +26,7 @@ from services.envsandbox.swebench import PatchError, apply_unified_diff, instanc
 
 SAMPLE_JSONL = Path(tasks_mod.__file__).parent / "suites" / "swebench_sample.jsonl"
 KINDS = ("python_function", "bugfix", "terminal")
-BATCH = 8
+BATCH = 12
 
 
 async def _reward(manager: SandboxManager, task: tasks_mod.Task, files: dict[str, str]) -> tuple[float, str]:
