@@ -213,7 +213,7 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
         launch("weightsync", ["--data-dir", str(run_dir / "weightsync")])
         _wait_serving(["envsandbox", "weightsync"], stack, procs, config.ready_timeout_s)
         common = ["--model", config.model, "--redis-url", stack.redis_url]
-        launch("trainer", [*common, "--weightsync", stack.addresses["weightsync"]])
+        launch("trainer", [*common, "--weightsync", stack.addresses["weightsync"], "--checkpoint-dir", str(run_dir / "trainer-checkpoints")])
         http_port = 0 if config.ports == "auto" else port("rollout_http")
         launch("rollout", [*common, "--weightsync", stack.addresses["weightsync"], "--envsandbox", stack.addresses["envsandbox"], "--http-host", config.host, "--http-port", str(http_port)])
         _wait_serving(["trainer", "rollout"], stack, procs, config.ready_timeout_s)

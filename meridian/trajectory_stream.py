@@ -117,10 +117,19 @@ class TrajectoryStream:
         return [decode_entry(eid, fields) for _, entries in reply or [] for eid, fields in entries if fields]
 
     async def claim_stale(self, group: str, consumer: str, min_idle_ms: int, count: int = 100) -> list[Entry]:
-        """Takes over entries another consumer left pending for ``min_idle_ms``."""
-        reply = await self.redis.xautoclaim(self.name, group, consumer, min_idle_ms, start_id="0-0", count=count)
-        claimed = reply[1] if reply else []
-        return [decode_entry(eid, fields) for eid, fields in claimed if fields]
+        """Takes over up to ``count`` entries other consumers left pending for ``min_idle_ms``,
+        walking XAUTOCLAIM's cursor through the whole pending list."""
+        claimed: list[Entry] = []
+        cursor: str | bytes = "0-0"
+        while len(claimed) < count:
+            reply = await self.redis.xautoclaim(self.name, group, consumer, min_idle_ms, start_id=cursor, count=count - len(claimed))
+            if not reply:
+                break
+            cursor, entries = reply[0], reply[1]
+            claimed += [decode_entry(eid, fields) for eid, fields in entries if fields]
+            if cursor in (b"0-0", "0-0"):
+                break
+        return claimed
 
     async def ack(self, group: str, entry_ids: list[str]) -> int:
         if not entry_ids:

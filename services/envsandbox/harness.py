@@ -184,6 +184,7 @@ def _kill(proc: subprocess.Popen) -> None:
 def run_cases(ns: dict, emit) -> None:
     name, cases = ns["NAME"], ns["CASES"]
     same = ns.get("same", default_same)
+    emit(f"TOTAL {len(cases)}")
     request = json.dumps([name, [repr(tuple(args)) for args, _ in cases]]).encode() + b"\n"
     reports, code, timed_out = run_child(CASES_CHILD, [], request, CHILD_TIMEOUT_S)
     results = {}
@@ -237,6 +238,7 @@ def run_checks(tree: ast.Module, ns: dict, emit) -> None:
         child_body.append(node)
     child_module = ast.fix_missing_locations(ast.Module(child_body, []))
     child_source = CHILD_PRELUDE + ast.unparse(child_module) + "\n" + CHECK_RUNNER
+    emit(f"TOTAL {len(wants_by_check)}")
     for name, want_nodes in wants_by_check.items():
         try:
             wants = [eval(compile(ast.Expression(w), "<want>", "eval"), ns) for w in want_nodes]

@@ -378,6 +378,7 @@ def main():
     with open(sys.argv[1]) as fh:
         test_ids = json.load(fh)
     out = sys.stdout
+    out.write(f"TOTAL {len(test_ids)}\\n")
     failed = 0
     for test_id in test_ids:
         ok, reason = run_in_child(test_id)

@@ -17,9 +17,16 @@ A task is one JSON file::
     }
 
 Test commands report one line per test case, ``PASS <name>`` or ``FAIL <name>: <why>``,
-and, for ``score`` tasks, a final ``SCORE <float in [0, 1]>``. The reward is the
-fraction of PASS lines (``pass_fraction``), 1 when every case passed and the command
-exited 0 (``all_pass``), or the SCORE value (``score``); no parsable line means 0.
+and, for ``score`` tasks, a final ``SCORE <float in [0, 1]>``. A ``TOTAL <n>`` line
+announces how many cases will follow, so that cases missing from the output (the run
+timed out or was killed) count as failed. The reward is the fraction of passed cases
+(``pass_fraction``), 1 when every case passed and the command exited 0 (``all_pass``),
+or the SCORE value (``score``); no parsable line means 0.
+
+Only the test command's standard output is scored, and the built-in tasks run their
+tests through the trusted harness (``harness.py``, copied to ``.tests/_harness.py``):
+code under test never runs in the process that writes that output, so it cannot forge
+results. Test modules take one of the harness's shapes (``cases``, ``checks``, ``script``).
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ REWARD_KINDS = ("pass_fraction", "all_pass", "score")
 
 _RESULT_LINE = re.compile(r"^(PASS|FAIL) (\S+)(?::\s?(.*))?$")
 _SCORE_LINE = re.compile(r"^SCORE (\S+)$")
+_TOTAL_LINE = re.compile(r"^TOTAL (\d{1,6})$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +106,12 @@ def score_output(reward_kind: str, output: str, exit_code: int) -> TestOutcome:
     """Maps a test command's output and exit code to a reward (see module docstring)."""
     cases: list[tuple[str, bool, str]] = []
     score: float | None = None
+    total = 0
     for line in output.splitlines():
         line = line.strip()
-        if m := _RESULT_LINE.match(line):
+        if m := _TOTAL_LINE.match(line):
+            total = max(total, int(m.group(1)))
+        elif m := _RESULT_LINE.match(line):
             cases.append((m.group(2), m.group(1) == "PASS", m.group(3) or ""))
         elif m := _SCORE_LINE.match(line):
             try:
@@ -108,12 +119,13 @@ def score_output(reward_kind: str, output: str, exit_code: int) -> TestOutcome:
             except ValueError:
                 score = None
     passed = sum(1 for _, ok, _ in cases if ok)
+    expected = max(total, len(cases))
     if reward_kind == "score":
         reward = score if score is not None else 0.0
     elif reward_kind == "all_pass":
-        reward = 1.0 if cases and passed == len(cases) and exit_code == 0 else 0.0
+        reward = 1.0 if cases and passed == expected and exit_code == 0 else 0.0
     else:
-        reward = passed / len(cases) if cases else 0.0
+        reward = passed / expected if expected else 0.0
     return TestOutcome(reward, cases)
 
 

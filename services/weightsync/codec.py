@@ -614,7 +614,9 @@ def _event_value(o, mag_minus_1, negative, sign_bit, full):
     return (~key) & full
 
 
-@njit(cache=True, nogil=True, inline="always")
+# Deliberately not inlined: the rare path out of the hot loops, which run ~10 %
+# faster when it does not take up their registers.
+@njit(cache=True, nogil=True)
 def _count_down(rem, s, gaps, gptr, gend, evs, ne, i):
     """Countdown of stream s went negative at element i: record the change
     and load the stream's next gap. Returns the new change count, or -1 if

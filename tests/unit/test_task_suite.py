@@ -26,7 +26,7 @@ from services.envsandbox.swebench import PatchError, apply_unified_diff, instanc
 
 SAMPLE_JSONL = Path(tasks_mod.__file__).parent / "suites" / "swebench_sample.jsonl"
 KINDS = ("python_function", "bugfix", "terminal")
-BATCH = 12
+BATCH = 8
 
 
 async def _reward(manager: SandboxManager, task: tasks_mod.Task, files: dict[str, str]) -> tuple[float, str]:
@@ -185,6 +185,9 @@ def test_forged_pass_lines_do_not_count(tmp_path: Path) -> None:
         ("score", "SCORE -1\n", 0, 0.0),
         ("score", "SCORE nan-ish\n", 0, 0.0),
         ("score", "PASS a\n", 0, 0.0),
+        ("pass_fraction", "TOTAL 4\nPASS a\nPASS b\n", 0, 0.5),  # cases missing after TOTAL failed
+        ("all_pass", "TOTAL 3\nPASS a\nPASS b\n", 0, 0.0),
+        ("all_pass", "TOTAL 2\nPASS a\nPASS b\n", 0, 1.0),
     ],
 )
 def test_score_output(kind: str, output: str, exit_code: int, reward: float) -> None:
