@@ -25,6 +25,7 @@ class RolloutConfig:
     rl_workers: int = opt(0, "background RL episode workers filling spare capacity (0: only on-demand RunEpisodes)")
     rl_high_water: int = opt(2000, "RL workers pause while the trajectory stream holds more unconsumed entries than this")
     max_policy_lag: int = opt(2, "RL workers pause while this rollout lags the newest published version by more")
+    rl_quiet_ms: float = opt(200.0, "RL model turns start only after production traffic has been quiet this long")
     max_turns: int = opt(4, "model turns per episode")
     episode_wall_s: float = opt(300.0, "wall-clock limit of one episode")
 
@@ -37,5 +38,7 @@ class RolloutConfig:
             raise ValueError(f"update_policy must be finish or pause, got {self.update_policy!r}")
         if self.http_port < -1 or self.http_port > 65535:
             raise ValueError(f"http_port must be -1 (off), 0 (free port) or a port, got {self.http_port}")
+        if self.rl_quiet_ms < 0:
+            raise ValueError(f"rl_quiet_ms must be >= 0, got {self.rl_quiet_ms}")
         if self.rl_workers < 0 or self.rl_high_water <= 0 or self.max_policy_lag < 0 or self.max_turns <= 0 or self.episode_wall_s <= 0:
             raise ValueError("rl_workers and max_policy_lag must be >= 0; rl_high_water, max_turns, episode_wall_s > 0")

@@ -4,8 +4,10 @@ requests in flight finish on the weights they started with."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import time
 import os
 import tempfile
 import uuid
@@ -47,10 +49,44 @@ class Delta:
     finish_reason: str
 
 
+class ProductionFirst:
+    """Admission for RL work: it starts (each model turn) only when no production request
+    is in flight and none ended within ``quiet_s``, so RL fills gaps instead of sharing
+    the engine's batches with production traffic. RL already running finishes its turn."""
+
+    def __init__(self, quiet_s: float) -> None:
+        self.quiet_s = quiet_s
+        self._active = 0
+        self._last_end = 0.0
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def production(self) -> AsyncIterator[None]:
+        self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            self._last_end = time.monotonic()
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def admit_rl(self) -> None:
+        while True:
+            if self._active == 0:
+                wait = self._last_end + self.quiet_s - time.monotonic()
+                if wait <= 0:
+                    return
+                await asyncio.sleep(wait)
+                continue
+            async with self._changed:
+                await self._changed.wait()
+
+
 class Engine:
     """vLLM behind a small async API; ``version`` is the policy version being served."""
 
-    def __init__(self, model_dir: Path, max_model_len: int, kv_cache_gib: float, seed: int, update_policy: str = "finish") -> None:
+    def __init__(self, model_dir: Path, max_model_len: int, kv_cache_gib: float, seed: int, update_policy: str = "finish", rl_quiet_s: float = 0.2) -> None:
         if update_policy not in UPDATE_POLICIES:
             raise InvalidArgument(f"update policy must be one of {UPDATE_POLICIES}, got {update_policy!r}")
         self.model_dir = model_dir
@@ -62,6 +98,7 @@ class Engine:
         self._llm = None
         self.tokenizer = None
         self._update_lock = asyncio.Lock()
+        self.admission = ProductionFirst(rl_quiet_s)
 
     async def start(self) -> None:
         # vLLM reads these at import and engine start; the CPU KV cache is sized in GiB here.
@@ -114,11 +151,17 @@ class Engine:
             output_kind=RequestOutputKind.DELTA,
         )
         request_id = request_id or uuid.uuid4().hex
-        async for out in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, priority=priority):
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)
-            logprobs = [entry[tok].logprob for tok, entry in zip(ids, completion.logprobs or [])]
-            yield Delta(ids, logprobs, self.version, completion.text, out.finished, completion.finish_reason or "")
+        if priority != PRIORITY_PRODUCTION:
+            await self.admission.admit_rl()
+            gate: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
+        else:
+            gate = self.admission.production()
+        async with gate:
+            async for out in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, priority=priority):
+                completion = out.outputs[0]
+                ids = list(completion.token_ids)
+                logprobs = [entry[tok].logprob for tok, entry in zip(ids, completion.logprobs or [])]
+                yield Delta(ids, logprobs, self.version, completion.text, out.finished, completion.finish_reason or "")
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token of ``token_ids`` given the ones before it (the first gets 0)."""

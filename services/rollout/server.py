@@ -74,7 +74,7 @@ class RolloutService(pb_grpc.RolloutServicer):
 
     async def start(self) -> None:
         model_dir = await asyncio.to_thread(resolve_model, self.config.model)
-        self.engine = Engine(model_dir, self.config.max_model_len, self.config.kv_cache_gib, self.config.seed, self.config.update_policy)
+        self.engine = Engine(model_dir, self.config.max_model_len, self.config.kv_cache_gib, self.config.seed, self.config.update_policy, self.config.rl_quiet_ms / 1000)
         await self.engine.start()
         self._base = await asyncio.to_thread(load_checkpoint_weights, model_dir)
         self.weights_hash = weights_hash(self._base)

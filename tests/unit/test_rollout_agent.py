@@ -103,3 +103,28 @@ def test_rl_workers_back_off_then_run(monkeypatch: pytest.MonkeyPatch) -> None:
     # States as seen at each back-pressure check: backed off twice, then running.
     assert seen[:4] == ["starting", "backoff: policy lag 3 > 2", "backoff: stream backlog 9 > 5", "running"]
     assert "backoff: error" in seen and published == 8
+
+
+def test_rl_waits_for_production_to_be_quiet() -> None:
+    import asyncio
+
+    from services.rollout.engine import ProductionFirst
+
+    async def scenario() -> list[str]:
+        gate = ProductionFirst(quiet_s=0.05)
+        events: list[str] = []
+
+        async def rl() -> None:
+            await gate.admit_rl()
+            events.append("rl admitted")
+
+        async with gate.production():
+            waiter = asyncio.create_task(rl())
+            await asyncio.sleep(0.02)
+            events.append("production done")
+        await asyncio.sleep(0.01)
+        events.append("quiet period running")
+        await waiter
+        return events
+
+    assert asyncio.run(scenario()) == ["production done", "quiet period running", "rl admitted"]
