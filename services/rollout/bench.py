@@ -140,11 +140,13 @@ async def _weight_apply_ms(stack, model_dir) -> float:  # type: ignore[no-untype
         bits[idx] ^= 1  # one step on the bf16 grid for ~0.3 % of elements, like an RL step
         changed[name] = RawTensor(t.dtype, t.shape, bits)
     version = await weightsync.latest_version(stack.addresses["weightsync"]) + 1
-    await weightsync.publish(stack.addresses["weightsync"], version, changed)
     async with open_channel(stack.addresses["rollout"]) as channel:
         stub = pb_grpc.RolloutStub(channel)
+        applied = (await stub.Status(pb.RolloutStatusRequest())).updates_applied
+        await weightsync.publish(stack.addresses["weightsync"], version, changed)
         deadline = time.monotonic() + 300
-        while (status := await stub.Status(pb.RolloutStatusRequest())).policy_version < version:
+        # updates_applied moves only after last_apply_ms is recorded (policy_version moves first).
+        while (status := await stub.Status(pb.RolloutStatusRequest())).updates_applied <= applied:
             if time.monotonic() > deadline:
                 raise TimeoutError("rollout did not apply the bench's version")
             await asyncio.sleep(0.2)
