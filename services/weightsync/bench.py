@@ -296,7 +296,7 @@ async def _propagation(versions: list[dict[str, RawTensor]], workdir: Path) -> l
                     link.set_link(bandwidth=LINK_BANDWIDTH, latency_s=LINK_LATENCY_S)
                     await asyncio.sleep(0.5)
                     for v in range(1, len(versions)):
-                        reply = await client.publish(origin, v, versions[v])
+                        await client.publish(origin, v, versions[v])
                         update = await anext(stream)
                         got_at = time.monotonic()
                         if update.version != v:
