@@ -28,7 +28,7 @@ from pathlib import Path
 from meridian.errors import FailedPrecondition, NotFound, Unavailable
 from services.envsandbox import workspace_files
 from services.envsandbox.cgroups import instance_name, process_start_time
-from services.envsandbox.sandbox import SANDBOX_UID, Backend, ExecItem, ExecResult, Limits
+from services.envsandbox.sandbox import SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, collect
 
 log = logging.getLogger(__name__)
 
@@ -220,17 +220,7 @@ class DockerBackend(Backend):
             raise Unavailable(f"cannot unpack the workspace into {dst_id}: {err[-300:].decode(errors='replace')}")
 
     async def _run_collect(self, sandbox_id: str, argv: list[str], stdin: bytes, wall_s: float, max_output: int) -> tuple[bytes, bytes, ExecResult]:
-        out, err = bytearray(), bytearray()
-        result = None
-        async for item in self._exec(sandbox_id, argv, stdin, {}, "", wall_s, max_output):
-            if isinstance(item, ExecResult):
-                result = item
-            elif item[0] == "stdout":
-                out += item[1]
-            else:
-                err += item[1]
-        assert result is not None
-        return bytes(out), bytes(err), result
+        return await collect(self._exec(sandbox_id, argv, stdin, {}, "", wall_s, max_output))
 
     # ------------------------------------------------------------ exec
 

@@ -342,24 +342,31 @@ class SandboxManager:
         hidden = {f"{TESTS_DIR}/{p}": c.encode() for p, c in task.tests.items()}
         hidden[HARNESS_PATH] = HARNESS_SOURCE.encode()
         await self._write(box, hidden)
-        stdout, stderr = bytearray(), bytearray()
-        result: ExecResult | None = None
         try:
-            async for item in self.exec(sandbox_id, task.test_command, timeout_s=task.limits.wall_seconds):
-                if isinstance(item, ExecResult):
-                    result = item
-                elif item[0] == "stdout":
-                    stdout += item[1]
-                else:
-                    stderr += item[1]
+            stdout, stderr, result = await collect(self.exec(sandbox_id, task.test_command, timeout_s=task.limits.wall_seconds))
         finally:
             await self.backend.remove(sandbox_id, TESTS_DIR)
-        assert result is not None
         outcome = score_output(task.reward, stdout.decode(errors="replace"), result.exit_code)
-        return outcome, result, bytes(stdout + stderr)
+        return outcome, result, stdout + stderr
 
 
 # ------------------------------------------------------------------ shared exec plumbing
+
+
+async def collect(items: AsyncIterator[ExecItem]) -> tuple[bytes, bytes, ExecResult]:
+    """Gathers an exec stream into (stdout, stderr, result)."""
+    out, err = bytearray(), bytearray()
+    result: ExecResult | None = None
+    async for item in items:
+        if isinstance(item, ExecResult):
+            result = item
+        elif item[0] == "stdout":
+            out += item[1]
+        else:
+            err += item[1]
+    if result is None:
+        raise RuntimeError("exec stream ended without a result")
+    return bytes(out), bytes(err), result
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from meridian.errors import InvalidArgument, NotFound, ResourceExhausted
-from services.envsandbox.sandbox import Backend, ExecResult, Limits, SandboxManager
+from services.envsandbox.sandbox import Backend, ExecResult, Limits, SandboxManager, collect
 from services.envsandbox.tasks import TaskSuite
 
 BACKENDS = ["process", "docker"]
@@ -71,16 +71,7 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 
 async def run(manager: SandboxManager, sid: str, argv: list[str], **kw: object) -> tuple[bytes, bytes, ExecResult]:
-    out, err, result = b"", b"", None
-    async for item in manager.exec(sid, argv, **kw):  # type: ignore[arg-type]
-        if isinstance(item, ExecResult):
-            result = item
-        elif item[0] == "stdout":
-            out += item[1]
-        else:
-            err += item[1]
-    assert result is not None
-    return out, err, result
+    return await collect(manager.exec(sid, argv, **kw))  # type: ignore[arg-type]
 
 
 def sh(manager: SandboxManager, sid: str, script: str, **kw: object):  # type: ignore[no-untyped-def]
