@@ -132,6 +132,15 @@ class Engine:
         assert self.tokenizer is not None
         return len(self.tokenizer)
 
+    def prompt_problem(self, ids: list[int]) -> str:
+        """Why the engine cannot take ``ids`` as a prompt ('' when it can); both front doors ask."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}"
+        if len(ids) >= self.max_model_len:
+            return f"prompt is {len(ids)} tokens; the model takes at most {self.max_model_len - 1}"
+        return ""
+
     async def generate(self, prompt_ids: list[int], sampling: Sampling, priority: int, request_id: str = "") -> AsyncIterator[Delta]:
         """Streams the completion of ``prompt_ids``; each delta carries the policy version
         that produced its tokens (the version changes only while the engine is paused, so

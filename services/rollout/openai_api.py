@@ -85,13 +85,6 @@ def completion_prompt_ids(engine: Engine, prompt: Any) -> list[int]:
     raise RequestError("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
 
 
-def _check_ids(engine: Engine, ids: list[int], max_model_len: int) -> None:
-    if any(not 0 <= t < engine.vocab_size for t in ids):
-        raise RequestError(f"prompt has token ids outside the vocabulary (size {engine.vocab_size})", "prompt")
-    if len(ids) >= max_model_len:
-        raise RequestError(f"prompt is {len(ids)} tokens; this model takes at most {max_model_len - 1}", "prompt")
-
-
 def create_app(engine: Engine, model_name: str, max_model_len: int, default_max_tokens: int) -> FastAPI:
     """The ASGI app; ``model_name`` is what ``/v1/models`` lists and responses echo."""
     app = FastAPI(title="Meridian rollout (OpenAI-compatible)")
@@ -130,7 +123,8 @@ def create_app(engine: Engine, model_name: str, max_model_len: int, default_max_
     async def respond(request: Request, chat: bool) -> Any:
         body = await body_of(request)
         ids = chat_prompt_ids(engine, body.get("messages")) if chat else completion_prompt_ids(engine, body.get("prompt"))
-        _check_ids(engine, ids, max_model_len)
+        if problem := engine.prompt_problem(ids):
+            raise RequestError(problem, "prompt")
         sampling = parse_sampling(body, max_model_len, default_max_tokens)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())

@@ -195,11 +195,8 @@ class RolloutService(pb_grpc.RolloutServicer):
         if bool(prompt) == bool(token_ids):
             raise InvalidArgument("give exactly one of prompt or prompt_token_ids")
         ids = token_ids or list(engine.tokenizer(prompt)["input_ids"])  # type: ignore[misc]
-        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token ids outside the vocabulary (size {engine.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.config.max_model_len:
-            raise InvalidArgument(f"prompt is {len(ids)} tokens; the model takes at most {self.config.max_model_len - 1}")
+        if problem := engine.prompt_problem(ids):
+            raise InvalidArgument(problem)
         return ids
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
