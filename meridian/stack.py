@@ -96,20 +96,63 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def group_members(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` that are still running (zombies are over:
+    they hold no resources but their PID, and only their parent can reap them)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
+def _reap(pid: int) -> None:
+    """Collects our own exited child so it does not linger as a zombie."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
 def _terminate(pid: int, timeout_s: float) -> bool:
-    """SIGTERM the process group led by ``pid``; SIGKILL it after ``timeout_s``. True if it exited in time."""
+    """Stops the process group led by ``pid``: SIGTERM to the group; once the leader has
+    exited (or after ``timeout_s``) SIGKILL to whatever the group still holds (engine
+    workers, helpers that ignore SIGTERM); returns only when no process of the group is
+    left. True if the leader exited in time by itself."""
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return True
     deadline = time.monotonic() + timeout_s
+    clean = False
     while time.monotonic() < deadline:
         if not _alive(pid):
-            _kill_group(pid)  # stragglers the leader left (engine workers)
-            return True
+            clean = True
+            break
         time.sleep(0.1)
     _kill_group(pid)
-    return False
+    _wait_group_empty(pid)
+    _reap(pid)
+    return clean
+
+
+def _wait_group_empty(pgid: int, timeout_s: float = 30.0) -> None:
+    """Waits until every member of ``pgid`` is gone, killing again as needed (a process
+    forked between the kill and now is in the group too)."""
+    deadline = time.monotonic() + timeout_s
+    while members := group_members(pgid):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process group {pgid} still has {members} after SIGKILL")
+        _kill_group(pgid)
+        time.sleep(0.05)
 
 
 def _kill_group(pid: int) -> None:
@@ -137,20 +180,35 @@ def _wait_for_listen(name: str, proc: subprocess.Popen[bytes], log_path: Path, t
     raise TimeoutError(f"{name} did not start listening in {timeout_s:.0f}s; see {log_path}")
 
 
-def _wait_serving(names: list[str], stack: Stack, procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
+def wait_serving(addresses: dict[str, str], procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, str], timeout_s: float) -> None:
+    """Waits until every named service reports SERVING on its health service."""
     from meridian.grpc_runtime import check_health
 
     deadline = time.monotonic() + timeout_s
-    pending = set(names)
+    pending = set(addresses)
     while pending:
         for name in list(pending):
             if procs[name].poll() is not None:
-                raise RuntimeError(f"{name} exited with {procs[name].returncode} during warm-up; see {stack.logs[name]}")
-            if asyncio.run(check_health(stack.addresses[name])) == "SERVING":
+                raise RuntimeError(f"{name} exited with {procs[name].returncode} during warm-up; see {logs[name]}")
+            if asyncio.run(check_health(addresses[name])) == "SERVING":
                 pending.discard(name)
         if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"not SERVING after {timeout_s:.0f}s: {sorted(pending)}; see {stack.run_dir}")
+            raise TimeoutError(f"not SERVING after {timeout_s:.0f}s: {sorted(pending)}; see {[logs[n] for n in sorted(pending)]}")
         time.sleep(0.5)
+
+
+def spawn_service(name: str, args: list[str], run_dir: Path, env: dict[str, str], host: str = "127.0.0.1", port: int = 0) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """Starts ``meridian serve NAME`` as the leader of its own process group, logging to
+    ``run_dir/NAME.log``; returns the process, its address once it listens, and the log."""
+    log = run_dir / f"{name}.log"
+    log.write_bytes(b"")
+    argv = [sys.executable, "-m", "meridian.cli", "serve", name, "--host", host, "--port", str(port), *args]
+    proc = _spawn(argv, log, env)
+    try:
+        return proc, _wait_for_listen(name, proc, log, 120), log
+    except BaseException:
+        _terminate(proc.pid, 5.0)
+        raise
 
 
 def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
@@ -198,25 +256,22 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
         stack.save()
 
         def launch(name: str, args: list[str]) -> None:
-            log = run_dir / f"{name}.log"
-            log.write_bytes(b"")
             svc_port = 0 if config.ports == "auto" else port(name)
-            argv = [sys.executable, "-m", "meridian.cli", "serve", name, "--host", config.host, "--port", str(svc_port), *args, *extra_args.get(name, [])]
-            procs[name] = _spawn(argv, log, child_env)
-            stack.pids[name] = procs[name].pid
-            stack.logs[name] = str(log)
+            procs[name], address, log = spawn_service(name, [*args, *extra_args.get(name, [])], run_dir, child_env, config.host, svc_port)
+            stack.pids[name], stack.logs[name], stack.addresses[name] = procs[name].pid, str(log), address
             stack.save()
-            stack.addresses[name] = _wait_for_listen(name, procs[name], log, 120)
-            stack.save()
+
+        def serving(names: list[str]) -> None:
+            wait_serving({n: stack.addresses[n] for n in names}, procs, stack.logs, config.ready_timeout_s)
 
         launch("envsandbox", ["--root", str(run_dir / "sandboxes")])
         launch("weightsync", ["--data-dir", str(run_dir / "weightsync")])
-        _wait_serving(["envsandbox", "weightsync"], stack, procs, config.ready_timeout_s)
+        serving(["envsandbox", "weightsync"])
         common = ["--model", config.model, "--redis-url", stack.redis_url]
         launch("trainer", [*common, "--weightsync", stack.addresses["weightsync"], "--checkpoint-dir", str(run_dir / "trainer-checkpoints")])
         http_port = 0 if config.ports == "auto" else port("rollout_http")
         launch("rollout", [*common, "--weightsync", stack.addresses["weightsync"], "--envsandbox", stack.addresses["envsandbox"], "--http-host", config.host, "--http-port", str(http_port)])
-        _wait_serving(["trainer", "rollout"], stack, procs, config.ready_timeout_s)
+        serving(["trainer", "rollout"])
         # The HTTP API starts during the rollout's warm-up, so its line is there by now.
         if m := _HTTP_LISTEN.search(Path(stack.logs["rollout"]).read_text(errors="replace")):
             stack.addresses["rollout_http"] = f"http://{m.group(1)}:{m.group(2)}/v1"

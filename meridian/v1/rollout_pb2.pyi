@@ -18,18 +18,20 @@ PRIORITY_PRODUCTION: Priority
 PRIORITY_RL: Priority
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "max_tokens", "stop", "seed")
+    __slots__ = ("temperature", "top_p", "max_tokens", "stop", "seed", "min_tokens")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     max_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
+    min_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "sampling", "priority", "request_id")
@@ -46,20 +48,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "policy_versions", "text", "finished", "finish_reason")
+    __slots__ = ("token_ids", "logprobs", "policy_versions", "text", "finished", "finish_reason", "completion_policy_versions")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     policy_versions: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished: bool
     finish_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    completion_policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., completion_policy_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RunEpisodesRequest(_message.Message):
     __slots__ = ("task_ids", "num_tasks", "group_size", "sampling", "publish")
@@ -100,7 +104,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("policy_version", "model", "weights_hash", "episodes_completed", "updates_applied", "weightsync_address", "latest_published_version", "rl_state", "rl_trajectories_published", "http_port", "last_apply_ms")
+    __slots__ = ("policy_version", "model", "weights_hash", "episodes_completed", "updates_applied", "weightsync_address", "latest_published_version", "rl_state", "rl_trajectories_published", "http_port", "last_apply_ms", "apply_path", "updates_rejected", "rejected_version", "last_update_error", "canary_mean_diff", "canary_max_diff", "readback_elements")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +116,13 @@ class RolloutStatus(_message.Message):
     RL_TRAJECTORIES_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
     LAST_APPLY_MS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_PATH_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_UPDATE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CANARY_MEAN_DIFF_FIELD_NUMBER: _ClassVar[int]
+    CANARY_MAX_DIFF_FIELD_NUMBER: _ClassVar[int]
+    READBACK_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     model: str
     weights_hash: str
@@ -123,4 +134,11 @@ class RolloutStatus(_message.Message):
     rl_trajectories_published: int
     http_port: int
     last_apply_ms: float
-    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., weights_hash: _Optional[str] = ..., episodes_completed: _Optional[int] = ..., updates_applied: _Optional[int] = ..., weightsync_address: _Optional[str] = ..., latest_published_version: _Optional[int] = ..., rl_state: _Optional[str] = ..., rl_trajectories_published: _Optional[int] = ..., http_port: _Optional[int] = ..., last_apply_ms: _Optional[float] = ...) -> None: ...
+    apply_path: str
+    updates_rejected: int
+    rejected_version: int
+    last_update_error: str
+    canary_mean_diff: float
+    canary_max_diff: float
+    readback_elements: int
+    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., weights_hash: _Optional[str] = ..., episodes_completed: _Optional[int] = ..., updates_applied: _Optional[int] = ..., weightsync_address: _Optional[str] = ..., latest_published_version: _Optional[int] = ..., rl_state: _Optional[str] = ..., rl_trajectories_published: _Optional[int] = ..., http_port: _Optional[int] = ..., last_apply_ms: _Optional[float] = ..., apply_path: _Optional[str] = ..., updates_rejected: _Optional[int] = ..., rejected_version: _Optional[int] = ..., last_update_error: _Optional[str] = ..., canary_mean_diff: _Optional[float] = ..., canary_max_diff: _Optional[float] = ..., readback_elements: _Optional[int] = ...) -> None: ...

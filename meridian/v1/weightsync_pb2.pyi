@@ -29,7 +29,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("version", "weights_hash", "trace_context", "metrics")
+    __slots__ = ("version", "weights_hash", "trace_context", "metrics", "canary")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,11 +48,27 @@ class PublishHeader(_message.Message):
     WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
     version: int
     weights_hash: str
     trace_context: _containers.ScalarMap[str, str]
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, version: _Optional[int] = ..., weights_hash: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    canary: Canary
+    def __init__(self, version: _Optional[int] = ..., weights_hash: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ...) -> None: ...
+
+class Canary(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[CanarySequence]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[CanarySequence, _Mapping]]] = ...) -> None: ...
+
+class CanarySequence(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TensorPiece(_message.Message):
     __slots__ = ("meta", "offset", "data")
@@ -95,7 +111,7 @@ class ChunkRef(_message.Message):
     def __init__(self, index: _Optional[int] = ..., tensor: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "base_version", "tensors", "chunks", "weights_hash", "codec", "raw_bytes", "encoded_bytes", "trace_context")
+    __slots__ = ("version", "base_version", "tensors", "chunks", "weights_hash", "codec", "raw_bytes", "encoded_bytes", "trace_context", "canary")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +128,7 @@ class Manifest(_message.Message):
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENCODED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
     version: int
     base_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
@@ -121,7 +138,8 @@ class Manifest(_message.Message):
     raw_bytes: int
     encoded_bytes: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., weights_hash: _Optional[str] = ..., codec: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    canary: Canary
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., weights_hash: _Optional[str] = ..., codec: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("from_version", "follow", "resume", "resume_version", "resume_base", "resume_chunk")

@@ -20,6 +20,9 @@ class RolloutConfig:
     kv_cache_gib: float = opt(1.0, "CPU KV cache size, GiB")
     seed: int = opt(0, "engine seed")
     update_policy: str = opt("finish", "requests in flight during a weight update: 'finish' on the old weights, or 'pause' and continue on the new")
+    weight_apply: str = opt("delta", "how a version reaches the engine: 'delta' (changed elements, in place; 'full' when the engine's loader cannot be followed element-wise) or 'full' (every tensor through vLLM's reload)")
+    canary_mean_tolerance: float = opt(0.15, "reject a version whose canary log-probs differ from the trainer's by more than this many nats per token on average")
+    canary_max_tolerance: float = opt(1.5, "... or by more than this many nats on any single token")
     http_host: str = opt("127.0.0.1", "OpenAI-compatible HTTP API address")
     http_port: int = opt(-1, "OpenAI-compatible HTTP API port (0: a free port; -1: off)")
     rl_workers: int = opt(0, "background RL episode workers filling spare capacity (0: only on-demand RunEpisodes)")
@@ -34,6 +37,10 @@ class RolloutConfig:
             raise ValueError("group_size, max_tokens and max_model_len must be positive")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")
+        if self.weight_apply not in ("delta", "full"):
+            raise ValueError(f"weight_apply must be delta or full, got {self.weight_apply!r}")
+        if not (self.canary_mean_tolerance > 0 and self.canary_max_tolerance > 0):
+            raise ValueError("canary tolerances must be positive")
         if self.update_policy not in ("finish", "pause"):
             raise ValueError(f"update_policy must be finish or pause, got {self.update_policy!r}")
         if self.http_port < -1 or self.http_port > 65535:

@@ -1,6 +1,7 @@
 """The inference engine: one vLLM AsyncLLM per rollout process, with generation that
-records the policy version of every token and in-place weight updates that let
-requests in flight finish on the weights they started with."""
+records the policy version of every token, and the primitives a weight update needs
+(a front gate, pause and resume, version labels, scoring past the gate); the update
+procedure itself is :mod:`services.rollout.weight_updates`."""
 from __future__ import annotations
 
 import asyncio
@@ -9,13 +10,11 @@ import dataclasses
 import logging
 import time
 import os
-import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from meridian.errors import DataLoss, InvalidArgument
-from services.weightsync.tensors import RawTensor, to_torch
+from meridian.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +25,10 @@ UPDATE_POLICIES = ("finish", "pause")
 PRIORITY_PRODUCTION = 0
 PRIORITY_RL = 1
 
+#: Per-token version of tokens sampled by weights that were then rejected and rolled back.
+REJECTED_VERSION = -2
+_CANDIDATE = "candidate:"
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -35,11 +38,17 @@ class Sampling:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     include_stop: bool = False  # keep a matched stop string in the output (tool-call close tags)
+    min_tokens: int = 0
 
 
 @dataclasses.dataclass
 class Delta:
-    """Tokens generated since the previous delta of one request."""
+    """Tokens generated since the previous delta of one request.
+
+    ``version`` is the version being served when the delta arrived. The last delta of a
+    request also carries ``all_versions``: the version of every token of the whole
+    completion as the engine labelled it at the step that sampled it, which stays exact
+    when an update lands in the middle of a request (the ``pause`` policy)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -47,6 +56,7 @@ class Delta:
     text: str
     finished: bool
     finish_reason: str
+    all_versions: list[int] | None = None
 
 
 class ProductionFirst:
@@ -97,8 +107,13 @@ class Engine:
         self.version = 0
         self._llm = None
         self.tokenizer = None
-        self._update_lock = asyncio.Lock()
+        self.update_lock = asyncio.Lock()
         self.admission = ProductionFirst(rl_quiet_s)
+        # Closed while a weight update is applied and verified: new requests wait here.
+        self._open = asyncio.Event()
+        self._open.set()
+        # Version labels the engine attached to tokens while a candidate was on trial.
+        self._trials: dict[str, int] = {}
 
     async def start(self) -> None:
         # vLLM reads these at import and engine start; the CPU KV cache is sized in GiB here.
@@ -121,6 +136,7 @@ class Engine:
         )
         self._llm = AsyncLLM.from_engine_args(args)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        await self._llm.update_weight_version(str(self.version))
 
     def shutdown(self) -> None:
         if self._llm is not None:
@@ -156,6 +172,7 @@ class Engine:
             stop=list(sampling.stop) or None,
             seed=sampling.seed,
             include_stop_str_in_output=sampling.include_stop,
+            min_tokens=sampling.min_tokens,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
         )
@@ -166,14 +183,34 @@ class Engine:
         else:
             gate = self.admission.production()
         async with gate:
+            await self._open.wait()
             async for out in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, priority=priority):
                 completion = out.outputs[0]
                 ids = list(completion.token_ids)
                 logprobs = [entry[tok].logprob for tok, entry in zip(ids, completion.logprobs or [])]
-                yield Delta(ids, logprobs, self.version, completion.text, out.finished, completion.finish_reason or "")
+                spans = completion.weight_versions if out.finished else None
+                yield Delta(ids, logprobs, self.version, completion.text, out.finished, completion.finish_reason or "", self._token_versions(spans))
+
+    def _token_versions(self, spans: list | None) -> list[int] | None:  # type: ignore[type-arg]
+        """Per-token versions of a finished completion from the engine's version spans."""
+        if spans is None:
+            return None
+        return [self.label_version(span.version) for span in spans for _ in range(span.start, span.end)]
+
+    def label_version(self, label: str) -> int:
+        """The policy version behind an engine label: a committed candidate is its
+        version, a rejected one :data:`REJECTED_VERSION`."""
+        if label.startswith(_CANDIDATE):
+            return self._trials.get(label, REJECTED_VERSION)
+        return int(label) if label.lstrip("-").isdigit() else 0
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token of ``token_ids`` given the ones before it (the first gets 0)."""
+        await self._open.wait()
+        return await self.score_now(token_ids)
+
+    async def score_now(self, token_ids: list[int]) -> list[float]:
+        """:meth:`score` past the update gate: for the canary of a version on trial."""
         from vllm import SamplingParams
 
         assert self._llm is not None, "engine not started"
@@ -184,52 +221,41 @@ class Engine:
         assert final is not None and final.prompt_logprobs is not None
         return [0.0 if entry is None else entry[tok].logprob for tok, entry in zip(token_ids, final.prompt_logprobs)]
 
-    async def apply_weights(self, weights: dict[str, RawTensor], version: int, expected_hash: str, previous: dict[str, RawTensor] | None) -> None:
-        """Loads ``weights`` in place, verifies what the workers loaded against
-        ``expected_hash``, resets the prefix cache, and only then serves ``version``.
+    # ------------------------------------------------------------ update primitives
 
-        On any failure the previous weights are loaded back (when given) and the engine
-        keeps serving the previous version; the error is re-raised.
-        """
+    @property
+    def llm(self):  # type: ignore[no-untyped-def]
+        """The vLLM AsyncLLM (for the update procedure's worker calls)."""
         assert self._llm is not None, "engine not started"
-        async with self._update_lock:
-            path = await asyncio.to_thread(_write_shared, weights)
-            # "wait": requests in flight finish on the old weights, new ones queue;
-            # "keep": they freeze and continue on the new weights after resume.
-            mode = "wait" if self.update_policy == "finish" else "keep"
-            await self._llm.pause_generation(mode=mode, clear_cache=False)
-            try:
-                try:
-                    loaded = await self._llm.collective_rpc("meridian_reload_weights", args=(path,))
-                    if any(h != expected_hash for h in loaded):
-                        raise DataLoss(f"version {version}: workers loaded weights with hash {loaded[0][:12]}, expected {expected_hash[:12]}")
-                except BaseException:
-                    if previous is not None:
-                        await self._restore(previous)
-                    raise
-                # Cached KV blocks were computed by the old weights.
-                await self._llm.reset_prefix_cache()
-                self.version = version
-            finally:
-                os.unlink(path)
-                await self._llm.resume_generation()
+        return self._llm
 
-    async def _restore(self, previous: dict[str, RawTensor]) -> None:
-        assert self._llm is not None
-        path = await asyncio.to_thread(_write_shared, previous)
-        try:
-            await self._llm.collective_rpc("meridian_reload_weights", args=(path,))
-            log.warning("weight update failed; restored version %d", self.version)
-        finally:
-            os.unlink(path)
+    def close_gate(self) -> None:
+        """New requests wait until :meth:`open_gate` (requests in flight are not affected)."""
+        self._open.clear()
 
+    def open_gate(self) -> None:
+        self._open.set()
 
-def _write_shared(weights: dict[str, RawTensor]) -> str:
-    """Writes a safetensors file the engine's worker process can load (shared memory when available)."""
-    from safetensors.torch import save_file
+    async def pause(self) -> None:
+        """Stops the engine between steps: requests in flight finish first under the
+        ``finish`` policy, and freeze where they are under ``pause``."""
+        await self.llm.pause_generation(mode="wait" if self.update_policy == "finish" else "keep", clear_cache=False)
 
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    fd, path = tempfile.mkstemp(dir=folder, prefix="meridian-weights-", suffix=".safetensors")
-    os.close(fd)
-    save_file({n: to_torch(t) for n, t in weights.items()}, path)
-    return path
+    async def freeze(self) -> None:
+        """Stops the engine between steps at once, freezing requests in flight."""
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def label_trial(self, version: int) -> None:
+        """Tokens sampled from now on are labelled as coming from candidate ``version``."""
+        await self.llm.update_weight_version(f"{_CANDIDATE}{version}")
+
+    async def settle_trial(self, version: int, accepted: bool) -> None:
+        """Ends a trial: the candidate becomes the served version, or is marked rejected
+        (tokens it sampled then carry :data:`REJECTED_VERSION`)."""
+        self._trials[f"{_CANDIDATE}{version}"] = version if accepted else REJECTED_VERSION
+        if accepted:
+            self.version = version
+        await self.llm.update_weight_version(str(self.version))

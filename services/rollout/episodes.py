@@ -87,6 +87,8 @@ async def _model_turn(engine: Engine, ids: list[int], sampling: Sampling) -> tup
         versions += [delta.version] * len(delta.token_ids)
         text += delta.text
         reason = delta.finish_reason or reason
+        if delta.all_versions is not None and len(delta.all_versions) == len(out_ids):
+            versions = delta.all_versions  # the engine's own label of every token
     return out_ids, logprobs, versions, text, reason
 
 

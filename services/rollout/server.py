@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,10 +21,13 @@ from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
 from meridian.v1 import rollout_pb2 as pb
 from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from services.rollout.config import RolloutConfig
-from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, Engine, Sampling
+from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_VERSION, Engine, Sampling
 from services.rollout.episodes import EpisodeLimits, fetch_task, run_group
+from services.rollout.weight_changes import ChangeSet
+from services.rollout.weight_updates import Tolerance, UpdateReport, WeightUpdater
 from services.weightsync import client as weightsync
-from services.weightsync.tensors import RawTensor, from_torch, weights_hash
+from services.weightsync.store import UndoLog
+from services.weightsync.tensors import RawTensor, Weights, from_torch, weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,15 @@ def load_checkpoint_weights(model_dir: Path) -> dict[str, RawTensor]:
     return weights
 
 
+def _served_version(weights: Weights, pending: list[UndoLog]) -> dict[str, RawTensor]:
+    """The version the engine serves, rebuilt from the decoder's newer ``weights`` and the
+    undo logs of the versions after it (copies only the tensors they touched)."""
+    served = dict(weights)
+    for undo in reversed(pending):
+        served = undo.previous_weights(served)
+    return served
+
+
 class RolloutService(pb_grpc.RolloutServicer):
     """Production inference and RL rollouts on one engine."""
 
@@ -61,11 +72,16 @@ class RolloutService(pb_grpc.RolloutServicer):
         self.limits = EpisodeLimits(config.max_turns, config.episode_wall_s, config.max_model_len)
         self.weights_hash = ""
         self.episodes_completed = 0
+        self.episodes_discarded = 0
         self.updates_applied = 0
         self.latest_published = -1
-        self.last_apply_ms = 0.0
+        self.last_update: UpdateReport | None = None
+        self.updates_rejected = 0
+        self.rejected_version = -1
+        self.last_update_error = ""
+        self.updater: WeightUpdater | None = None
         self._follow: asyncio.Task[None] | None = None
-        self._base: dict[str, RawTensor] = {}
+        self._held: dict[str, RawTensor] = {}
         self._http = None
         self.workers = RLWorkers(config.rl_workers, self._background_group, self._backpressure)
 
@@ -76,8 +92,11 @@ class RolloutService(pb_grpc.RolloutServicer):
         model_dir = await asyncio.to_thread(resolve_model, self.config.model)
         self.engine = Engine(model_dir, self.config.max_model_len, self.config.kv_cache_gib, self.config.seed, self.config.update_policy, self.config.rl_quiet_ms / 1000)
         await self.engine.start()
-        self._base = await asyncio.to_thread(load_checkpoint_weights, model_dir)
-        self.weights_hash = weights_hash(self._base)
+        # Version 0 as loaded: the base the first delta decodes on (updated in place after).
+        self._held = await asyncio.to_thread(load_checkpoint_weights, model_dir)
+        self.weights_hash = weights_hash(self._held)
+        self.updater = WeightUpdater(self.engine, self.config.weight_apply, Tolerance(self.config.canary_mean_tolerance, self.config.canary_max_tolerance))
+        await self.updater.prepare(self._held, sorted(model_dir.glob("*.safetensors")))
         # Warm-up: one real generation before reporting SERVING.
         async for _ in self.engine.generate([self.engine.tokenizer.bos_token_id or 0], Sampling(max_tokens=2), PRIORITY_PRODUCTION):
             pass
@@ -113,31 +132,49 @@ class RolloutService(pb_grpc.RolloutServicer):
                     self.engine.shutdown()
 
     async def _follow_weights(self) -> None:
-        """Applies every new version from weightsync; a failed one is retried from a keyframe."""
-        assert self.engine is not None
-        weights, version = self._base, 0
+        """Applies every new version from weightsync; a rejected one leaves the previous
+        version served, and the next version is applied on top of both."""
+        updater = self.updater
+        assert updater is not None, "start() prepares the updater"
+        weights, version = self._held, 0
+        pending: list[UndoLog] = []  # versions decoded but not yet served, oldest first
         while True:
-            subscriber = weightsync.WeightSubscriber(self.config.weightsync, weights, version)
+            subscriber = weightsync.WeightSubscriber(self.config.weightsync, weights, version, in_place=True)
             try:
                 async for update in subscriber.updates(follow=True):
                     self.latest_published = max(self.latest_published, update.version)
-                    t0 = time.perf_counter()
-                    await self.engine.apply_weights(update.weights, update.version, update.manifest.weights_hash, previous=weights or None)
-                    self.last_apply_ms = (time.perf_counter() - t0) * 1000
                     weights, version = update.weights, update.version
-                    self.weights_hash = update.manifest.weights_hash
-                    self.updates_applied += 1
-                    log.info("serving policy version %d (%s)", version, self.weights_hash[:12])
+                    assert update.undo is not None, "an in-place subscriber records undo logs"
+                    pending.append(update.undo)
+                    changes = await asyncio.to_thread(ChangeSet.from_undos, weights, pending)
+                    report = await updater.update(changes, weights, update.manifest.canary, lambda: _served_version(weights, pending))
+                    self._record(report, update.manifest.weights_hash)
+                    if report.accepted:
+                        pending.clear()
             except asyncio.CancelledError:
                 raise
             except (DataLoss, FailedPrecondition) as exc:
                 log.warning("weight update failed (%s); asking for a keyframe", exc)
-                weights, version = {}, -1
+                weights, version, pending = {}, -1, []
             except grpc.aio.AioRpcError as exc:
                 log.warning("weightsync %s: %s; reconnecting", self.config.weightsync, exc.code().name)
             finally:
                 await subscriber.close()
             await asyncio.sleep(1.0)
+
+    def _record(self, report: UpdateReport, manifest_hash: str) -> None:
+        self.last_update = report
+        if report.accepted:
+            self.weights_hash = manifest_hash
+            self.updates_applied += 1
+            log.info(
+                "serving policy version %d (%s) via the %s path in %.0f ms; %d elements written, %d read back; canary %s",
+                report.version, manifest_hash[:12], report.path, report.apply_ms, report.elements, report.readback_elements,
+                f"mean {report.canary.mean_diff:.3f} max {report.canary.max_diff:.3f}" if report.canary else "absent",
+            )
+        else:
+            self.updates_rejected += 1
+            self.rejected_version, self.last_update_error = report.version, report.error
 
     # ------------------------------------------------------------ RL work
 
@@ -167,9 +204,13 @@ class RolloutService(pb_grpc.RolloutServicer):
         return random.sample(list(listed), k=min(len(listed), count))
 
     async def _run_groups(self, tasks: list[sbx.Task], group_size: int, sampling: Sampling) -> list:  # type: ignore[type-arg]
+        """Samples one group per task. A group with tokens from a version that was then
+        rejected is dropped whole: no policy produced those samples."""
         engine = self._engine()
         groups = await asyncio.gather(*(run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits) for t in tasks))
-        trajectories = [t for g in groups for t in g]
+        kept = [g for g in groups if not any(REJECTED_VERSION in t.policy_versions for t in g)]
+        self.episodes_discarded += sum(len(g) for g in groups) - sum(len(g) for g in kept)
+        trajectories = [t for g in kept for t in g]
         self.episodes_completed += len(trajectories)
         return trajectories
 
@@ -182,12 +223,15 @@ class RolloutService(pb_grpc.RolloutServicer):
             raise InvalidArgument(f"max_tokens must be in 0..{self.config.max_model_len - 1}, got {params.max_tokens}")
         if len(params.stop) > MAX_STOPS or any(not s for s in params.stop):
             raise InvalidArgument(f"at most {MAX_STOPS} non-empty stop sequences")
+        if not 0 <= params.min_tokens <= (params.max_tokens or self.config.max_tokens):
+            raise InvalidArgument(f"min_tokens must be in 0..max_tokens, got {params.min_tokens}")
         return Sampling(
             temperature=params.temperature if params.HasField("temperature") else default_temperature,
             top_p=params.top_p or 1.0,
             max_tokens=params.max_tokens or self.config.max_tokens,
             stop=tuple(params.stop),
             seed=params.seed if params.HasField("seed") else None,
+            min_tokens=params.min_tokens,
         )
 
     def _prompt_ids(self, prompt: str, token_ids: list[int]) -> list[int]:
@@ -211,6 +255,7 @@ class RolloutService(pb_grpc.RolloutServicer):
                 text=delta.text,
                 finished=delta.finished,
                 finish_reason=delta.finish_reason,
+                completion_policy_versions=delta.all_versions or [],
             )
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
@@ -239,6 +284,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         return pb.RunEpisodesResponse(trajectories=trajectories)
 
     async def Status(self, request: pb.RolloutStatusRequest, context: grpc.aio.ServicerContext) -> pb.RolloutStatus:
+        last = self.last_update
         return pb.RolloutStatus(
             policy_version=self.engine.version if self.engine else 0,
             model=self.config.model,
@@ -250,7 +296,14 @@ class RolloutService(pb_grpc.RolloutServicer):
             rl_state=self.workers.state,
             rl_trajectories_published=self.workers.published,
             http_port=self._http.port if self._http is not None else 0,
-            last_apply_ms=self.last_apply_ms,
+            last_apply_ms=last.apply_ms if last else 0.0,
+            apply_path=last.path if last else "",
+            updates_rejected=self.updates_rejected,
+            rejected_version=self.rejected_version,
+            last_update_error=self.last_update_error,
+            canary_mean_diff=last.canary.mean_diff if last and last.canary else 0.0,
+            canary_max_diff=last.canary.max_diff if last and last.canary else 0.0,
+            readback_elements=last.readback_elements if last else 0,
         )
 
     def _engine(self) -> Engine:

@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from meridian import canary
 from meridian.v1 import common_pb2
+from meridian.v1 import weightsync_pb2
 from services.trainer.batch import Batch, build_batch, policy_lag, token_logprobs
 from services.trainer.config import TrainerConfig
 from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal, staleness_weight
@@ -104,6 +106,22 @@ def _shard(batch: Batch, rank: int, world: int) -> Batch:
     return shard
 
 
+def canary_logprobs(module: torch.nn.Module, weights: dict[str, RawTensor], sequences: list[list[int]]) -> list[list[float]]:
+    """Per-token log-probs of ``sequences`` (first token 0) from ``module``'s forward pass
+    with its parameters replaced by ``weights`` (checkpoint names, any dtype): the numbers
+    a correct engine serving exactly these weights reproduces."""
+    device = next(module.parameters()).device
+    params = {name: to_torch(t).to(device) for name, t in weights.items()}
+    out = []
+    with torch.no_grad():
+        for ids in sequences:
+            x = torch.tensor([ids], device=device)
+            logits = torch.func.functional_call(module, params, (x,)).logits[0, :-1].float()
+            picked = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:].unsqueeze(-1)).squeeze(-1)
+            out.append([0.0, *picked.cpu().tolist()])
+    return out
+
+
 class Learner:
     """Owns the model and optimizer; knows nothing of Redis or gRPC."""
 
@@ -131,6 +149,7 @@ class Learner:
             self.model = DistributedDataParallel(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        self.canary_ids = canary.canary_token_ids(lambda text: tokenizer(text)["input_ids"])
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
@@ -146,6 +165,11 @@ class Learner:
         """The current policy as bf16, keyed by checkpoint (Hugging Face) names."""
         with torch.no_grad():
             return {name: from_torch(p.detach().to(torch.bfloat16)) for name, p in self.module.named_parameters()}
+
+    def canary(self, weights: dict[str, RawTensor]) -> weightsync_pb2.Canary:
+        """The canary for a version: log-probs of the fixed sequences from a forward pass
+        on exactly ``weights`` (the bf16 tensors being published, not the fp32 masters)."""
+        return canary.build(self.canary_ids, canary_logprobs(self.module, weights, self.canary_ids))
 
     def load_policy_weights(self, weights: dict[str, RawTensor], version: int) -> None:
         """Starts from a published version (e.g. after a restart without a checkpoint)."""

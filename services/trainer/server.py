@@ -31,11 +31,12 @@ from meridian.trajectory_stream import Entry, TrajectoryStream
 from meridian.v1 import common_pb2
 from meridian.v1 import trainer_pb2 as pb
 from meridian.v1 import trainer_pb2_grpc as pb_grpc
+from meridian.v1 import weightsync_pb2
 from services.trainer import checkpoint as ckpt
 from services.trainer.batch import GroupBuffer
 from services.trainer.config import TrainerConfig
 from services.weightsync import client as weightsync
-from services.weightsync.tensors import weights_hash
+from services.weightsync.tensors import RawTensor, weights_hash
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -144,7 +145,7 @@ class TrainerService(pb_grpc.TrainerServicer):
         if resumed:
             if latest < learner.version:
                 weights = await asyncio.to_thread(learner.policy_weights)
-                await weightsync.publish(self.config.weightsync, learner.version, weights)
+                await self._publish(learner.version, weights)
                 log.info("published version %d from the checkpoint", learner.version)
             elif latest > learner.version:
                 raise RuntimeError(
@@ -154,7 +155,7 @@ class TrainerService(pb_grpc.TrainerServicer):
             return
         weights = await asyncio.to_thread(learner.policy_weights)
         if latest < 0:
-            await weightsync.publish(self.config.weightsync, 0, weights)
+            await self._publish(0, weights)
             log.info("published initial version 0")
             return
         manifest_hash = (await self._manifest(latest)).weights_hash
@@ -167,6 +168,13 @@ class TrainerService(pb_grpc.TrainerServicer):
                 await asyncio.to_thread(learner.load_policy_weights, update.weights, update.version)
         finally:
             await subscriber.close()
+
+    async def _publish(
+        self, version: int, weights: dict[str, RawTensor], trace_context: dict[str, str] | None = None, metrics: dict[str, float] | None = None
+    ) -> weightsync_pb2.PublishResponse:
+        """Publishes ``version`` with its canary (what this trainer's forward pass computes with it)."""
+        probe = await asyncio.to_thread(self.learner.canary, weights)
+        return await weightsync.publish(self.config.weightsync, version, weights, trace_context, metrics, probe)
 
     async def _manifest(self, version: int):  # type: ignore[no-untyped-def]
         from meridian.grpc_runtime import open_channel
@@ -298,7 +306,7 @@ class TrainerService(pb_grpc.TrainerServicer):
             self.checkpoint_step = learner.step_count
         weights = await asyncio.to_thread(learner.policy_weights)
         values = {"loss": metrics.loss, "reward_mean": metrics.reward_mean, "grad_norm": metrics.grad_norm, "pass_rate": metrics.pass_rate}
-        reply = await weightsync.publish(self.config.weightsync, learner.version, weights, telemetry.inject(span), values)
+        reply = await self._publish(learner.version, weights, telemetry.inject(span), values)
         span.set_attribute("meridian.version", reply.version)
         span.set_attribute("meridian.encoded_bytes", reply.encoded_bytes)
         metrics.published = True

@@ -33,12 +33,20 @@ PIECE_BYTES = 2 << 20
 
 
 def publish_requests(
-    version: int, weights: Weights, trace_context: Mapping[str, str] | None = None, metrics: Mapping[str, float] | None = None
+    version: int,
+    weights: Weights,
+    trace_context: Mapping[str, str] | None = None,
+    metrics: Mapping[str, float] | None = None,
+    canary: pb.Canary | None = None,
 ) -> Iterator[pb.PublishRequest]:
     """The Publish stream for one version: header, then each tensor in pieces."""
     yield pb.PublishRequest(
         header=pb.PublishHeader(
-            version=version, weights_hash=weights_hash(weights), trace_context=dict(trace_context or {}), metrics=dict(metrics or {})
+            version=version,
+            weights_hash=weights_hash(weights),
+            trace_context=dict(trace_context or {}),
+            metrics=dict(metrics or {}),
+            canary=canary,
         )
     )
     for name in sorted(weights):
@@ -54,12 +62,17 @@ def publish_requests(
 
 
 async def publish(
-    address: str, version: int, weights: Weights, trace_context: Mapping[str, str] | None = None, metrics: Mapping[str, float] | None = None
+    address: str,
+    version: int,
+    weights: Weights,
+    trace_context: Mapping[str, str] | None = None,
+    metrics: Mapping[str, float] | None = None,
+    canary: pb.Canary | None = None,
 ) -> pb.PublishResponse:
-    """Publishes one version to a weightsync origin."""
+    """Publishes one version to a weightsync origin (``canary``: see :mod:`meridian.canary`)."""
     async with open_channel(address) as channel:
         stub = pb_grpc.WeightSyncStub(channel)
-        return await stub.Publish(publish_requests(version, weights, trace_context, metrics))
+        return await stub.Publish(publish_requests(version, weights, trace_context, metrics, canary))
 
 
 async def latest_version(address: str, timeout_s: float = 10.0) -> int:

@@ -199,7 +199,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             with tracer.start_as_current_span("weightsync.encode", context=telemetry.extract(dict(header.trace_context))) as span:
                 span.set_attribute("meridian.version", header.version)
                 enc: Encoded = await asyncio.to_thread(
-                    self.store.publish, header.version, assembly.tensors, header.weights_hash, dict(header.trace_context)
+                    self.store.publish, header.version, assembly.tensors, header.weights_hash, dict(header.trace_context), header.canary
                 )
                 span.set_attribute("meridian.encoded_bytes", enc.size)
         self._stamp(header.version)

@@ -63,8 +63,10 @@ def encode_version(
     base_version: int,
     chunk_bytes: int,
     trace_context: Mapping[str, str] | None = None,
+    canary: pb.Canary | None = None,
 ) -> Encoded:
-    """Encodes ``weights`` as a delta against ``base`` (or a keyframe when base is None)."""
+    """Encodes ``weights`` as a delta against ``base`` (or a keyframe when base is None);
+    ``trace_context`` and ``canary`` describe the version and go into its manifest as given."""
     if base is not None and set(base) != set(weights):
         missing, extra = sorted(set(base) - set(weights)), sorted(set(weights) - set(base))
         raise InvalidArgument(f"version {version} changes the tensor set (missing {missing[:3]}, new {extra[:3]})")
@@ -74,6 +76,7 @@ def encode_version(
         weights_hash=weights_hash(weights),
         codec=CODEC_NAME,
         trace_context=dict(trace_context or {}),
+        canary=canary,
     )
     chunks: list[bytes] = []
     for name in sorted(weights):
@@ -315,6 +318,11 @@ def decode_all(encoded: list[Encoded], weights: Weights | None = None, version: 
     return decoder
 
 
+def _version_meta(manifest: pb.Manifest) -> tuple[dict[str, str], pb.Canary]:
+    """What describes a version rather than its encoding: every encoding of it carries the same."""
+    return dict(manifest.trace_context), manifest.canary
+
+
 class VersionStore:
     """The versions an origin or relay holds, in memory and on disk."""
 
@@ -335,14 +343,21 @@ class VersionStore:
 
     # ------------------------------------------------------------ publishing
 
-    def publish(self, version: int, weights: Weights, expected_hash: str = "", trace_context: Mapping[str, str] | None = None) -> Encoded:
+    def publish(
+        self,
+        version: int,
+        weights: Weights,
+        expected_hash: str = "",
+        trace_context: Mapping[str, str] | None = None,
+        canary: pb.Canary | None = None,
+    ) -> Encoded:
         """Stores ``version`` (a delta on the latest, or a keyframe for the first)."""
         if version <= self.latest:
             raise FailedPrecondition(f"version {version} is not newer than the latest, {self.latest}")
         if not weights:
             raise InvalidArgument(f"version {version} has no tensors")
         base = self.weights if self.latest >= 0 else None
-        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context)
+        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary)
         if expected_hash and expected_hash != enc.manifest.weights_hash:
             raise DataLoss(f"version {version}: received weights hash {enc.manifest.weights_hash[:12]} != publisher's {expected_hash[:12]}")
         return self.add_encoded(enc, weights)
@@ -356,7 +371,7 @@ class VersionStore:
         else:
             self.deltas[version] = enc
         if version % self.keyframe_every == 0 and not enc.is_keyframe:
-            self.keyframes[version] = self._persist(encode_version(version, weights, None, -1, self.chunk_bytes, enc.manifest.trace_context))
+            self.keyframes[version] = self._persist(encode_version(version, weights, None, -1, self.chunk_bytes, *_version_meta(enc.manifest)))
         self.weights, self.latest = dict(weights), version
         self.compacted = {k: e for k, e in self.compacted.items() if k[0] == version}
         self._retain()
@@ -403,7 +418,7 @@ class VersionStore:
             base = self.weights_at(from_version)
             if base is None:
                 return plan
-            compacted = encode_version(self.latest, self.weights, base, from_version, self.chunk_bytes, self.manifest(self.latest).trace_context)
+            compacted = encode_version(self.latest, self.weights, base, from_version, self.chunk_bytes, *_version_meta(self.manifest(self.latest)))
             self.compacted[key] = compacted
             self.compacted_built += 1
             while len(self.compacted) > MAX_COMPACTED:
@@ -436,7 +451,7 @@ class VersionStore:
 
     def keyframe_of_latest(self) -> Encoded:
         if self.latest not in self.keyframes:
-            self.keyframes[self.latest] = encode_version(self.latest, self.weights, None, -1, self.chunk_bytes, self.manifest(self.latest).trace_context)
+            self.keyframes[self.latest] = encode_version(self.latest, self.weights, None, -1, self.chunk_bytes, *_version_meta(self.manifest(self.latest)))
         return self.keyframes[self.latest]
 
     def versions(self) -> list[int]:

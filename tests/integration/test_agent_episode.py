@@ -25,8 +25,15 @@ SCRIPT = [
 ]
 
 
+def odd_tokens(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    """``text`` one character at a time: ids a real model can emit but that do not survive
+    a decode and re-encode (which merges them into the canonical tokens), so any
+    re-tokenisation of the model's turns shows up as different ids."""
+    return [t for ch in text for t in tokenizer(ch, add_special_tokens=False)["input_ids"]]
+
+
 class ScriptedPolicy:
-    """Stands in for the engine's policy with fixed replies, tokenised by the real tokenizer."""
+    """Stands in for the engine's policy with fixed replies, as non-canonical token ids."""
 
     version = 7
 
@@ -39,7 +46,7 @@ class ScriptedPolicy:
         self.prompts.append(list(prompt_ids))
         text = SCRIPT[self.turn]
         self.turn += 1
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = odd_tokens(self.tokenizer, text)
         yield Delta(ids, [-0.25] * len(ids), self.version, text, True, "stop")
 
 
@@ -65,7 +72,9 @@ def test_multi_turn_episode_runs_tools_and_masks_observations(tmp_path: Path, ti
     assert len(ledger.token_ids) == len(ledger.logprobs) == len(ledger.loss_mask) == len(ledger.policy_versions)
     model_tokens = [t for t, m in zip(ledger.token_ids, ledger.loss_mask) if m]
     observed = tokenizer.decode([t for t, m in zip(ledger.token_ids, ledger.loss_mask) if not m])
-    assert model_tokens == [t for text in SCRIPT for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    emitted = [t for text in SCRIPT for t in odd_tokens(tokenizer, text)]
+    assert tokenizer(tokenizer.decode(emitted), add_special_tokens=False)["input_ids"] != emitted, "the test's ids must not round-trip"
+    assert model_tokens == emitted
     assert "42" in observed and "wrote" in observed, observed
     assert set(v for v, m in zip(ledger.policy_versions, ledger.loss_mask) if m) == {7}
     assert all(lp == 0.0 and v == -1 for lp, v, m in zip(ledger.logprobs, ledger.policy_versions, ledger.loss_mask) if not m)

@@ -1,0 +1,76 @@
+"""Test-only hooks, loaded at start-up by every Python process of a rollout that a test
+launches with this folder on PYTHONPATH. Nothing here is imported by Meridian itself.
+
+MERIDIAN_TEST_CPU=avx2
+    The process sees a CPU without AVX-512, AVX512-BF16 or AMX, so vLLM loads its AVX2
+    kernel library and packs every linear layer with oneDNN (never with the AMX kernels):
+    the code path of a CPU like an AMD EPYC with AVX2, on whatever CPU runs the tests.
+
+MERIDIAN_TEST_SABOTAGE=<json file>
+    Breaks the update of one version in the engine's worker, as a bug would, so a test
+    can check that the update is caught and rolled back. The file holds
+    {"version": N, "kind": ..., "tensors": [...]}; kinds:
+      drop   -- the changes of tensors[0] are never written;
+      swap   -- tensors[0]'s changes are written into tensors[1] and the other way round;
+      stale-head -- modules sharing a tensor with another (the tied lm_head) are neither
+                    re-processed nor read back (on the full path: not re-processed after
+                    vLLM's reload, whatever the version): the mixed model of a stale head.
+"""
+import json
+import os
+
+
+def _pretend_avx2() -> None:
+    import torch
+
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        if hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda: False)
+
+
+def _sabotage(spec_path: str) -> None:
+    from services.rollout import served_weights, vllm_worker
+
+    def current() -> dict:
+        try:
+            with open(spec_path) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return {}
+
+    def spec(version: int) -> dict | None:
+        data = current()
+        return data if data.get("version") == version else None
+
+    apply = served_weights.ServedWeights.apply
+
+    def sabotaged_apply(self, changes, verify):  # type: ignore[no-untyped-def]
+        s = spec(changes["version"])
+        if s and s["kind"] == "drop":
+            changes = {**changes, "sparse": {n: v for n, v in changes["sparse"].items() if n != s["tensors"][0]}}
+        elif s and s["kind"] == "swap":
+            a, b = s["tensors"]
+            sparse = dict(changes["sparse"])
+            sparse[a], sparse[b] = changes["sparse"][b], changes["sparse"][a]
+            changes = {**changes, "sparse": sparse}
+        elif s and s["kind"] == "stale-head":
+            users = {name: target.users for name, target in self.targets.items()}
+            for target in self.targets.values():
+                target.users = target.users[:1]
+            try:
+                return apply(self, changes, verify)
+            finally:
+                for name, target in self.targets.items():
+                    target.users = users[name]
+        return apply(self, changes, verify)
+
+    served_weights.ServedWeights.apply = sabotaged_apply
+    reprocess = vllm_worker._reprocess_shared
+    # The full path (a whole reload) names no version: the file's kind alone decides.
+    vllm_worker._reprocess_shared = lambda model: 0 if current().get("kind") == "stale-head" else reprocess(model)
+
+
+if os.environ.get("MERIDIAN_TEST_CPU") == "avx2":
+    _pretend_avx2()
+if os.environ.get("MERIDIAN_TEST_SABOTAGE"):
+    _sabotage(os.environ["MERIDIAN_TEST_SABOTAGE"])
