@@ -29,7 +29,7 @@ CANARY_TEXTS = (
     "Write a function that reverses a string.\n\ndef reverse(s: str) -> str:\n    return s[::-1]\n",
     "import os\nfor root, dirs, files in os.walk('.'):\n    print(root, len(files))\n",
 )
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 
 #: Mean over all canary tokens of |served - expected| (nats) above which a version is rejected.
 DEFAULT_MEAN_TOLERANCE = 0.15

@@ -1,12 +1,16 @@
 """``meridian bench rollout --json``: the rollout service against bare vLLM on the same
-model and prompts, production latency with and without RL backfill, and the time of an
-in-place weight update. Prints one JSON object."""
+model and prompts, production latency with and without RL backfill, and real trainer
+updates reaching the engine: how long applying each took, by which path, and how far
+the served log-probs are from a transformers forward pass on the published weights
+(before any update, as the baseline of two bf16 implementations, and after).
+Prints one JSON object."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -120,37 +124,95 @@ async def _service_measurements(stack, prompt_ids: list[list[int]], max_tokens: 
         }
 
 
-async def _weight_apply_ms(stack, model_dir) -> float:  # type: ignore[no-untyped-def]
-    """Publishes a perturbed copy of the weights and reads how long rollout took to apply it."""
-    import numpy as np
-
+async def _served_weights(stack, model_dir, tokenizer, steps: int) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """Drives ``steps`` real trainer steps (fixed synthetic groups through the stream, the
+    stack's learner at its own learning rate) and measures each update's arrival."""
     from meridian.grpc_runtime import open_channel
+    from meridian.trajectory_stream import TrajectoryStream
     from meridian.v1 import rollout_pb2 as pb
     from meridian.v1 import rollout_pb2_grpc as pb_grpc
-    from services.rollout.server import load_checkpoint_weights
-    from services.weightsync import client as weightsync
-    from services.weightsync.tensors import RawTensor
+    from services.trainer.synthetic import fixed_groups
 
-    weights = load_checkpoint_weights(model_dir)
-    rng = np.random.default_rng(0)
-    changed = {}
-    for name, t in weights.items():
-        bits = t.bits.copy()
-        idx = rng.choice(bits.size, size=max(1, bits.size // 300), replace=False)
-        bits[idx] ^= 1  # one step on the bf16 grid for ~0.3 % of elements, like an RL step
-        changed[name] = RawTensor(t.dtype, t.shape, bits)
-    version = await weightsync.latest_version(stack.addresses["weightsync"]) + 1
+    sequences = [list(tokenizer(p + "\n" + c)["input_ids"]) for p, c in zip(PROMPTS, SCORED_COMPLETIONS)]
+    out: dict[str, object] = {}
     async with open_channel(stack.addresses["rollout"]) as channel:
         stub = pb_grpc.RolloutStub(channel)
-        applied = (await stub.Status(pb.RolloutStatusRequest())).updates_applied
-        await weightsync.publish(stack.addresses["weightsync"], version, changed)
-        deadline = time.monotonic() + 300
-        # updates_applied moves only after last_apply_ms is recorded (policy_version moves first).
-        while (status := await stub.Status(pb.RolloutStatusRequest())).updates_applied <= applied:
-            if time.monotonic() > deadline:
-                raise TimeoutError("rollout did not apply the bench's version")
-            await asyncio.sleep(0.2)
-    return status.last_apply_ms
+        base = await _served_vs_reference(stub, model_dir, stack.addresses["weightsync"], sequences)
+        out["served_logprob_max_diff_v0"], out["served_logprob_mean_diff_v0"] = base
+        stream = TrajectoryStream.from_url(stack.redis_url)
+        applies, paths, readback = [], set(), 0
+        try:
+            for step in range(1, steps + 1):
+                status = await stub.Status(pb.RolloutStatusRequest())
+                for group in fixed_groups(model_dir, 1, group_size=4, seed=step, versions=[status.policy_version]):
+                    for trajectory in group:
+                        await stream.publish(trajectory)
+                status = await _wait(stub, lambda s, v=status.policy_version: s.policy_version > v and s.updates_applied > 0)
+                applies.append(status.last_apply_ms)
+                paths.add(status.apply_path)
+                readback = status.readback_elements
+                out["canary_mean_diff"], out["canary_max_diff"] = round(status.canary_mean_diff, 4), round(status.canary_max_diff, 4)
+        finally:
+            await stream.close()
+        after = await _served_vs_reference(stub, model_dir, stack.addresses["weightsync"], sequences)
+        out["served_logprob_max_diff"], out["served_logprob_mean_diff"] = after
+        out["updates_rejected"] = (await stub.Status(pb.RolloutStatusRequest())).updates_rejected
+    out.update({
+        "weight_apply_ms": round(statistics.median(applies), 1),
+        "weight_apply_ms_each": [round(a, 1) for a in applies],
+        "apply_path": "/".join(sorted(paths)),
+        "readback_elements": readback,
+        "trainer_updates": steps,
+    })
+    return out
+
+
+SCORED_COMPLETIONS = [
+    "def factorial(n):\n    return 1 if n < 2 else n * factorial(n - 1)\n",
+    "A hash map stores values under keys and finds them in constant time on average.",
+    "find . -name '*.py' | xargs wc -l",
+    "It turns a function into a generator that produces values lazily.",
+]
+
+
+async def _wait(stub, done, timeout_s: float = 600):  # type: ignore[no-untyped-def]
+    from meridian.v1 import rollout_pb2 as pb
+
+    deadline = time.monotonic() + timeout_s
+    while not done(status := await stub.Status(pb.RolloutStatusRequest())):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rollout did not reach the awaited state: {status}")
+        await asyncio.sleep(0.2)
+    return status
+
+
+async def _served_vs_reference(stub, model_dir, weightsync_address: str, sequences: list[list[int]]) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """Max and mean |served - transformers| log-prob over ``sequences``, the reference on
+    the weights weightsync holds for the version rollout says it serves."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from meridian.v1 import rollout_pb2 as pb
+    from services.trainer.learner import canary_logprobs
+    from services.weightsync.client import WeightSubscriber
+
+    served, versions = [], set()
+    for ids in sequences:
+        reply = await stub.Score(pb.ScoreRequest(token_ids=ids))
+        served.append(torch.tensor(list(reply.logprobs)))
+        versions.add(reply.policy_version)
+    subscriber = WeightSubscriber(weightsync_address, None, -1)
+    try:
+        async for update in subscriber.updates(follow=False):
+            weights, version = update.weights, update.version
+    finally:
+        await subscriber.close()
+    if versions != {version}:
+        raise RuntimeError(f"rollout served versions {sorted(versions)} while weightsync holds {version}")
+    module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    reference = [torch.tensor(r) for r in canary_logprobs(module, weights, sequences)]
+    diffs = torch.cat([(a - b).abs()[1:] for a, b in zip(served, reference)])
+    return round(diffs.max().item(), 4), round(diffs.mean().item(), 4)
 
 
 def main(argv: list[str]) -> int:
@@ -160,6 +222,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeat-prompts", type=int, default=2, help="each prompt is sent this many times")
     parser.add_argument("--latency-requests", type=int, default=20)
+    parser.add_argument("--trainer-steps", type=int, default=3, help="real trainer updates whose arrival is measured")
+    parser.add_argument("--weight-apply", choices=("delta", "full"), default="delta", help="rollout's apply path")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     ns = parser.parse_args(argv)
     # vLLM and its engine processes log to stdout; keep stdout for the one JSON object.
@@ -180,19 +244,22 @@ def main(argv: list[str]) -> int:
     bare = asyncio.run(_bare_vllm_tokens_per_s(str(model_dir), prompt_ids, ns.max_tokens, ns.concurrency, 1.0))
     log("starting the stack ...")
     config = stack_mod.StackConfig(run_dir=tempfile.mkdtemp(prefix="meridian-bench-rollout-"), model=str(model_dir), ports="auto")
-    stack = stack_mod.start(config)
+    stack = stack_mod.start(config, extra_args={"rollout": ["--weight-apply", ns.weight_apply]})
     try:
         measured = asyncio.run(_service_measurements(stack, prompt_ids, ns.max_tokens, ns.concurrency, ns.latency_requests))
-        apply_ms = asyncio.run(_weight_apply_ms(stack, model_dir))
+        log("measuring trainer updates ...")
+        updates = asyncio.run(_served_weights(stack, model_dir, tokenizer, ns.trainer_steps))
     finally:
         stack.stop(config.stop_timeout_s)
+        shutil.rmtree(config.run_dir, ignore_errors=True)
     result = {
         "model": ns.model,
         "bare_vllm_tokens_per_s": round(bare, 2),
         **{k: round(v, 2) for k, v in measured.items()},
         "overhead_pct": round(100.0 * (1.0 - measured["service_tokens_per_s"] / bare), 2),
         "prod_p99_ratio": round(measured["prod_p99_ms_with_rl"] / measured["prod_p99_ms"], 3),
-        "weight_apply_ms": round(apply_ms, 1),
+        **updates,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "concurrency": ns.concurrency,
         "max_tokens": ns.max_tokens,
     }

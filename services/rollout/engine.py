@@ -214,7 +214,7 @@ class Engine:
         from vllm import SamplingParams
 
         assert self._llm is not None, "engine not started"
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
         final = None
         async for out in self._llm.generate({"prompt_token_ids": token_ids}, params, request_id=uuid.uuid4().hex, priority=0):
             final = out

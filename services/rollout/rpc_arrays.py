@@ -24,3 +24,15 @@ def unpack(packed: Any) -> np.ndarray:
     """The inverse of :func:`pack` (a read-only view of the bytes)."""
     dtype, shape, data = packed
     return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+
+
+def pack_positions(positions: np.ndarray) -> Packed:
+    """Element positions, as 32-bit integers when they fit (half the bytes to move)."""
+    if positions.size == 0 or int(positions.max()) < 1 << 32:
+        return pack(positions.astype(np.uint32, copy=False))
+    return pack(positions.astype(np.int64, copy=False))
+
+
+def unpack_positions(packed: Any) -> np.ndarray:
+    """The inverse of :func:`pack_positions`, as int64."""
+    return unpack(packed).astype(np.int64)

@@ -122,12 +122,12 @@ class Sample:
     via: str  # module path that computed them
 
     def as_plain(self) -> tuple[str, rpc_arrays.Packed, rpc_arrays.Packed, str, str]:
-        return self.target, rpc_arrays.pack(self.positions), rpc_arrays.pack(self.bits), self.dtype, self.via
+        return self.target, rpc_arrays.pack_positions(self.positions), rpc_arrays.pack(self.bits), self.dtype, self.via
 
     @classmethod
     def from_plain(cls, plain: Any) -> Sample:
         target, positions, bits, dtype, via = plain
-        return cls(target, rpc_arrays.unpack(positions), rpc_arrays.unpack(bits), dtype, via)
+        return cls(target, rpc_arrays.unpack_positions(positions), rpc_arrays.unpack(bits), dtype, via)
 
 
 class ServedWeights:
@@ -194,7 +194,7 @@ class ServedWeights:
         touched: set[str] = set()
         elements = 0
         for name, packed in changes["sparse"].items():
-            positions, values = rpc_arrays.unpack(packed[0]), rpc_arrays.unpack(packed[1])
+            positions, values = rpc_arrays.unpack_positions(packed[0]), rpc_arrays.unpack(packed[1])
             self._check_shape(name, meta[name])
             for placed in layout.place(name, positions):
                 self._write_sparse(placed.target, placed.positions, values[placed.index], meta[name][0])
@@ -211,7 +211,7 @@ class ServedWeights:
         self._touched = touched
         modules = self._reprocess(touched)
         t2 = time.perf_counter()
-        samples = self.readback({t: rpc_arrays.unpack(p) for t, p in verify.items()})
+        samples = self.readback({t: rpc_arrays.unpack_positions(p) for t, p in verify.items()})
         t3 = time.perf_counter()
         return {
             "samples": [s.as_plain() for s in samples],
@@ -278,7 +278,12 @@ class ServedWeights:
 
     def _reprocess(self, targets: set[str]) -> int:
         """Re-runs the backend's post-load processing for every module computing with a
-        touched tensor, each with its logical tensors installed first. Returns how many."""
+        touched tensor, each with its logical tensors installed first. Returns how many.
+
+        A module the CPU backend packs is re-packed on its next use (which the read-back
+        makes right away for every module that computes with the weight as a matrix):
+        a packed copy that nothing computes with -- the embedding's own matmul handle
+        when a separate, tied ``lm_head`` does the output projection -- costs nothing."""
         modules = dict(self.model.named_modules(remove_duplicate=False))
         paths = sorted({path for t in targets for path, _ in self.targets[t].users})
         own = {target.owner: target for target in self.targets.values()}
@@ -289,7 +294,11 @@ class ServedWeights:
                 if target is not None and not target.live:
                     module._parameters[pname] = target.logical
             method = getattr(module, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
+            if method is None or not hasattr(method, "process_weights_after_loading"):
+                continue
+            if callable(getattr(module, "cpu_linear", None)):
+                module.cpu_linear = _RepackOnUse(module)
+            else:
                 method.process_weights_after_loading(module)
         return len(paths)
 
@@ -332,12 +341,41 @@ class ServedWeights:
         if kind == "columns":
             x = torch.zeros(len(picks), cols, dtype=logical.dtype, device=logical.device)
             x[torch.arange(len(picks), device=logical.device), index] = 1
-            y = module.quant_method.apply(module, x)
-            flat = (np.arange(rows, dtype=np.int64)[None, :] * cols + picks[:, None]).reshape(-1)
+            y = module.quant_method.apply(module, x)[:, :rows].to(logical.dtype)
+            flat = np.arange(rows, dtype=np.int64)[None, :] * cols + picks[:, None]
+            keep = _verifiable_through_matmul(y, logical)
+            yield Sample(target.name, flat[keep.cpu().numpy()], to_numpy_bits(y[keep]), dtype, path)
         else:
-            y = module.quant_method.embedding(module, index)
+            y = module.quant_method.embedding(module, index)[:, :cols].to(logical.dtype)
             flat = (picks[:, None] * cols + np.arange(cols, dtype=np.int64)[None, :]).reshape(-1)
-        yield Sample(target.name, flat, to_numpy_bits(y[:, : (rows if kind == "columns" else cols)].to(logical.dtype)), dtype, path)
+            yield Sample(target.name, flat, to_numpy_bits(y), dtype, path)
+
+
+class _RepackOnUse:
+    """Stands in for a module's packed matmul until it is first called: then runs the
+    backend's post-load processing (which installs the freshly packed one) and computes."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def __call__(self, x: Any, weight: Any, bias: Any) -> Any:
+        module = self.module
+        module.quant_method.process_weights_after_loading(module)
+        return module.cpu_linear(x, module.weight, bias)
+
+
+def _verifiable_through_matmul(y: Any, logical: Any) -> Any:
+    """Mask of read-back outputs that show one weight: a row holding an infinity or NaN
+    elsewhere turns every one-hot product into NaN (0 * inf), so such rows say nothing
+    about the picked column and are left out (checked only where a NaN came back)."""
+    import torch
+
+    keep = torch.ones_like(y, dtype=torch.bool)
+    suspect = torch.nonzero(torch.isnan(y).any(dim=0)).flatten()
+    for row in suspect.tolist():
+        if not bool(torch.isfinite(logical[row]).all()):
+            keep[:, row] = False
+    return keep
 
 
 def _picks(along: np.ndarray, size: int, rotation: int) -> np.ndarray:

@@ -168,8 +168,9 @@ class RolloutService(pb_grpc.RolloutServicer):
             self.weights_hash = manifest_hash
             self.updates_applied += 1
             log.info(
-                "serving policy version %d (%s) via the %s path in %.0f ms; %d elements written, %d read back; canary %s",
-                report.version, manifest_hash[:12], report.path, report.apply_ms, report.elements, report.readback_elements,
+                "serving policy version %d (%s) via the %s path in %.0f ms (%s); %d elements written, %d read back; canary %s",
+                report.version, manifest_hash[:12], report.path, report.apply_ms,
+                ", ".join(f"{k} {v:.0f}" for k, v in report.timings.items()), report.elements, report.readback_elements,
                 f"mean {report.canary.mean_diff:.3f} max {report.canary.max_diff:.3f}" if report.canary else "absent",
             )
         else:

@@ -85,3 +85,4 @@ def _reprocess_shared(model: Any) -> int:
         if method is not None:
             method.process_weights_after_loading(module)
     return len(redo)
+

@@ -85,7 +85,7 @@ class ChangeSet:
         """Builtins and numpy only, for the engine's worker processes."""
         return {
             "version": self.version,
-            "sparse": {n: (rpc_arrays.pack(p), rpc_arrays.pack(v)) for n, (p, v) in self.sparse.items()},
+            "sparse": {n: (rpc_arrays.pack_positions(p), rpc_arrays.pack(v)) for n, (p, v) in self.sparse.items()},
             "dense": {n: rpc_arrays.pack(v) for n, v in self.dense.items()},
             "meta": {n: (d, list(s)) for n, (d, s) in self.meta.items()},
         }

@@ -47,7 +47,12 @@ class ScriptedPolicy:
         text = SCRIPT[self.turn]
         self.turn += 1
         ids = odd_tokens(self.tokenizer, text)
-        yield Delta(ids, [-0.25] * len(ids), self.version, text, True, "stop")
+        # Turn 2 is where an update lands mid-turn (pause policy): the engine's labels of
+        # the finished completion are what count, not the version when a delta arrived.
+        labels = [self.version] * len(ids) if self.turn != 2 else [self.version] * 5 + [self.version + 1] * (len(ids) - 5)
+        half = len(ids) // 2
+        yield Delta(ids[:half], [-0.25] * half, self.version, text, False, "")
+        yield Delta(ids[half:], [-0.25] * (len(ids) - half), self.version, "", True, "stop", all_versions=labels)
 
 
 def test_multi_turn_episode_runs_tools_and_masks_observations(tmp_path: Path, tiny_model: Path) -> None:
@@ -76,7 +81,8 @@ def test_multi_turn_episode_runs_tools_and_masks_observations(tmp_path: Path, ti
     assert tokenizer(tokenizer.decode(emitted), add_special_tokens=False)["input_ids"] != emitted, "the test's ids must not round-trip"
     assert model_tokens == emitted
     assert "42" in observed and "wrote" in observed, observed
-    assert set(v for v, m in zip(ledger.policy_versions, ledger.loss_mask) if m) == {7}
+    expected = [7] * len(odd_tokens(tokenizer, SCRIPT[0])) + [7] * 5 + [8] * (len(odd_tokens(tokenizer, SCRIPT[1])) - 5) + [7] * len(odd_tokens(tokenizer, SCRIPT[2]))
+    assert [v for v, m in zip(ledger.policy_versions, ledger.loss_mask) if m] == expected
     assert all(lp == 0.0 and v == -1 for lp, v, m in zip(ledger.logprobs, ledger.policy_versions, ledger.loss_mask) if not m)
     # Each turn's prompt is exactly the previous prompt plus the ledger so far: no re-tokenisation.
     assert policy.prompts[-1] == prompt + ledger.token_ids[: len(policy.prompts[-1]) - len(prompt)]

@@ -14,6 +14,8 @@ import asyncio
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +39,9 @@ PROBE = [1, 504, 2260, 314, 253, 1345, 30, 7, 1180, 42, 9, 88, 4021, 77, 913]
 # The tiny model's two bf16 implementations agree to ~0.003 nats: a tight canary.
 CANARY_FLAGS = ["--canary-mean-tolerance", "0.03", "--canary-max-tolerance", "0.3"]
 SAME = 0.05  # served vs reference on the same weights (bf16 noise is ~0.005 here)
-LONG = 2000  # tokens of the request an update lands in (the engine's context is 2048)
+LONG = 600  # tokens of each request an update lands in
+CONCURRENT = 3
+STEP_DELAY_S = 0.01  # each engine step sleeps this long first (see engine_hooks): LONG steps take >= 6 s
 
 VARIANTS = {
     "native-delta": ({}, "delta"),
@@ -60,10 +64,13 @@ class Served:
     path: str
     versions: dict[int, dict[str, RawTensor]] = dataclasses.field(default_factory=dict)
 
-    def publish(self, version: int, weights: dict[str, RawTensor]) -> None:
-        probe = canary.build(self.canary_ids, canary_logprobs(self.reference, weights, self.canary_ids))
+    def publish(self, version: int, weights: dict[str, RawTensor], probe: object = None) -> None:
+        probe = probe or self.canary_for(weights)
         asyncio.run(weightsync.publish(self.weightsync, version, weights, canary=probe))
         self.versions[version] = weights
+
+    def canary_for(self, weights: dict[str, RawTensor]) -> object:
+        return canary.build(self.canary_ids, canary_logprobs(self.reference, weights, self.canary_ids))
 
     def status(self) -> pb.RolloutStatus:
         return asyncio.run(_call(self.rollout, "Status", pb.RolloutStatusRequest()))
@@ -134,7 +141,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         weights = {n: from_torch(t) for p in sorted(tiny_model.glob("*.safetensors")) for n, t in load_file(p).items()}
         box = Served("", ws_address, sabotage, reference, canary.canary_token_ids(lambda t: tokenizer(t)["input_ids"]), path)
         box.publish(0, weights)
-        rollout_env = {**base_env, **cpu_env, "MERIDIAN_TEST_SABOTAGE": str(sabotage)}
+        rollout_env = {**base_env, **cpu_env, "MERIDIAN_TEST_SABOTAGE": str(sabotage), "MERIDIAN_TEST_STEP_DELAY_S": str(STEP_DELAY_S)}
         args = ["--model", str(tiny_model), "--weightsync", ws_address, "--redis-url", "redis://127.0.0.1:9/0", "--envsandbox", "127.0.0.1:9",
                 "--max-model-len", "2048", "--update-policy", "pause", "--weight-apply", path, *CANARY_FLAGS]
         procs["rollout"], box.rollout, log = stack_mod.spawn_service("rollout", args, run_dir, rollout_env)
@@ -198,43 +205,73 @@ def test_the_next_version_applies_on_top_of_rejected_ones(served: Served) -> Non
     served.assert_serves(5)
 
 
+GENERATOR = """
+import json, sys, threading
+import grpc
+from meridian.v1 import rollout_pb2 as pb
+from meridian.v1 import rollout_pb2_grpc as pb_grpc
+
+address, length, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+results = {}
+started = threading.Event()
+
+
+def generate(i):
+    request = pb.GenerateRequest(prompt_token_ids=prompts[i], priority=pb.PRIORITY_RL,
+                                 sampling=pb.SamplingParams(temperature=1.0, max_tokens=length, min_tokens=length, seed=7 + i))
+    ids, logprobs = [], []
+    with grpc.insecure_channel(address) as channel:
+        for chunk in pb_grpc.RolloutStub(channel).Generate(request):
+            ids += chunk.token_ids
+            logprobs += chunk.logprobs
+            if not started.is_set():
+                started.set()
+                print("started", flush=True)
+            if chunk.finished:
+                results[i] = [ids, logprobs, list(chunk.completion_policy_versions)]
+
+
+threads = [threading.Thread(target=generate, args=(i,)) for i in range(len(prompts))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(results), flush=True)
+"""
+
+
 def test_tokens_carry_the_version_that_sampled_them_across_a_pause(served: Served) -> None:
-    """An update lands in the middle of a request under the pause policy: the version
-    changes once, every token before the switch matches the old weights' log-probs and
-    every token after it the new weights' (the request's KV is recomputed on the switch)."""
+    """An update lands in the middle of requests under the pause policy: in each, the
+    version changes once, every token before the switch matches the old weights' log-probs
+    and every token after it the new weights' (the requests' KV is recomputed on the switch)."""
     if served.path != "delta":
         pytest.skip("labelling does not depend on the apply path, and a whole reload may outlast the request")
     old = served.status().policy_version
-    request = pb.GenerateRequest(
-        prompt_token_ids=PROBE[:6],
-        priority=pb.PRIORITY_RL,
-        sampling=pb.SamplingParams(temperature=1.0, max_tokens=LONG, min_tokens=LONG, seed=7),
+    upcoming = _perturb(served.versions[old], seed=6)
+    probe = served.canary_for(upcoming)  # before the requests: nothing slow while they run
+    prompts = [PROBE[: 4 + i] for i in range(CONCURRENT)]
+    # The requests stream from another process, so this one is free to publish meanwhile.
+    generator = subprocess.Popen(
+        [sys.executable, "-c", GENERATOR, served.rollout, str(LONG), json.dumps(prompts)], stdout=subprocess.PIPE, text=True
     )
-
-    async def generate_and_update() -> tuple[list[int], list[float], list[int]]:
-        ids: list[int] = []
-        logprobs: list[float] = []
-        final: list[int] = []
-        published = False
-        async with open_channel(served.rollout) as channel:
-            async for chunk in pb_grpc.RolloutStub(channel).Generate(request):
-                ids += chunk.token_ids
-                logprobs += chunk.logprobs
-                if ids and not published:
-                    published = True
-                    await asyncio.to_thread(served.publish, old + 1, _perturb(served.versions[old], seed=6))
-                if chunk.finished:
-                    final = list(chunk.completion_policy_versions)
-        return ids, logprobs, final
-
-    ids, logprobs, versions = asyncio.run(generate_and_update())
-    assert len(versions) == len(ids) == LONG
-    switch = next((i for i, v in enumerate(versions) if v != old), len(versions))
-    assert 0 < switch < len(ids), f"the update did not land mid-request (switch at {switch})"
-    assert set(versions[switch:]) == {old + 1}, "the version changes once, to the new one"
-    got = torch.tensor(logprobs)
-    before = served.reference_logprobs(old, PROBE[:6] + ids)[6:]
-    after = served.reference_logprobs(old + 1, PROBE[:6] + ids)[6:]
-    assert (got[:switch] - before[:switch]).abs().max().item() < SAME
-    assert (got[switch:] - after[switch:]).abs().max().item() < SAME
-    assert (got[switch:] - before[switch:]).abs().mean().item() > (got[switch:] - after[switch:]).abs().mean().item()
+    try:
+        assert generator.stdout is not None and generator.stdout.readline().strip() == "started"
+        served.publish(old + 1, upcoming, probe)
+        out, _ = generator.communicate(timeout=600)
+    finally:
+        generator.kill()
+        generator.wait()
+    results = {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+    assert sorted(results) == list(range(CONCURRENT))
+    for i, (ids, logprobs, versions) in results.items():
+        prompt = prompts[i]
+        assert len(versions) == len(ids) == LONG
+        switch = next((k for k, v in enumerate(versions) if v != old), len(versions))
+        assert 0 < switch < len(ids), f"request {i}: the update did not land mid-request (switch at {switch})"
+        assert set(versions[switch:]) == {old + 1}, "the version changes once, to the new one"
+        got = torch.tensor(logprobs)
+        before = served.reference_logprobs(old, prompt + ids)[len(prompt) :]
+        after = served.reference_logprobs(old + 1, prompt + ids)[len(prompt) :]
+        assert (got[:switch] - before[:switch]).abs().max().item() < SAME
+        assert (got[switch:] - after[switch:]).abs().max().item() < SAME
+        assert (got[switch:] - before[switch:]).abs().mean().item() > (got[switch:] - after[switch:]).abs().mean().item()

@@ -6,6 +6,11 @@ MERIDIAN_TEST_CPU=avx2
     kernel library and packs every linear layer with oneDNN (never with the AMX kernels):
     the code path of a CPU like an AMD EPYC with AVX2, on whatever CPU runs the tests.
 
+MERIDIAN_TEST_STEP_DELAY_S=<seconds>
+    Every engine step (vLLM's ``GPUModelRunner.execute_model``, which the CPU runner
+    inherits) sleeps this long first: requests last long enough, without keeping the
+    CPU busy, for an update published meanwhile to land in the middle of them.
+
 MERIDIAN_TEST_SABOTAGE=<json file>
     Breaks the update of one version in the engine's worker, as a bug would, so a test
     can check that the update is caught and rolled back. The file holds
@@ -70,6 +75,50 @@ def _sabotage(spec_path: str) -> None:
     vllm_worker._reprocess_shared = lambda model: 0 if current().get("kind") == "stale-head" else reprocess(model)
 
 
+def _after_import(module_name: str, patch) -> None:  # type: ignore[no-untyped-def]
+    """Runs ``patch(module)`` once ``module_name`` has been imported (without importing it)."""
+    import importlib.abc
+    import sys
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+            if name != module_name:
+                return None
+            sys.meta_path.remove(self)
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+            loader = spec.loader
+            run = loader.exec_module
+
+            def exec_module(module):  # type: ignore[no-untyped-def]
+                run(module)
+                patch(module)
+
+            loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+def _slow_steps(delay_s: float) -> None:
+    def patch(module):  # type: ignore[no-untyped-def]
+        import time
+
+        runner = module.GPUModelRunner
+        execute = runner.execute_model
+
+        def slow_execute(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            time.sleep(delay_s)
+            return execute(self, *args, **kwargs)
+
+        runner.execute_model = slow_execute
+
+    _after_import("vllm.v1.worker.gpu_model_runner", patch)
+
+
+if os.environ.get("MERIDIAN_TEST_STEP_DELAY_S"):
+    _slow_steps(float(os.environ["MERIDIAN_TEST_STEP_DELAY_S"]))
 if os.environ.get("MERIDIAN_TEST_CPU") == "avx2":
     _pretend_avx2()
 if os.environ.get("MERIDIAN_TEST_SABOTAGE"):
