@@ -16,6 +16,8 @@ python3 -c "import ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
 # busybox-static for the locally built base image.
 command -v dockerd >/dev/null 2>&1 || need_apt+=(docker.io)
 command -v busybox >/dev/null 2>&1 || need_apt+=(busybox-static)
+# The process backend builds its launcher (seccomp, uid and limits) from C source.
+{ command -v cc >/dev/null 2>&1 && [ -f /usr/include/linux/seccomp.h ]; } || need_apt+=(gcc libc6-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "install: apt packages: ${need_apt[*]}"
   if [ "$(id -u)" -ne 0 ]; then

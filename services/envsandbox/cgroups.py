@@ -1,9 +1,17 @@
-"""Per-sandbox cgroups (memory, pids, CPU) on cgroup v2 or v1, and cleanup of stale ones.
+"""Per-sandbox cgroups (memory, pids, CPU) on cgroup v2 or v1, a cgroup per exec to kill
+it as a whole, and cleanup of stale ones.
 
 Layout: ``<controller root>/<parent>/meridian-envsandbox/<instance>/<sandbox id>``, where
 ``<instance>`` is ``<service pid>-<its start time>``. A restarted service removes every
 instance folder whose owner no longer runs (killing what is still inside first), so a
 SIGKILLed service leaves nothing behind once it is started again.
+
+Every exec joins a cgroup of its own in the cgroup2 hierarchy (the only one on a v2
+machine; the ``unified`` mount beside the v1 controllers on a hybrid one):
+``.../<sandbox id>/exec-<n>``. Writing ``cgroup.kill`` there kills every process the exec
+started, wherever it went (a new session, a daemon, a re-parented grandchild), and
+``cgroup.events`` says when none is left. The sandbox's own node kills all its execs at
+once (before RunTests).
 """
 from __future__ import annotations
 
@@ -48,6 +56,19 @@ def _instance_alive(name: str) -> bool:
     return pid.isdigit() and process_start_time(int(pid)) == start
 
 
+def cgroup2_mount() -> Path | None:
+    """Where the cgroup2 hierarchy is mounted, if anywhere (from /proc/self/mountinfo)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split(" - ", 1)
+        if len(fields) == 2 and fields[1].split()[0] == "cgroup2":
+            return Path(fields[0].split()[4])
+    return None
+
+
 def _own_path(controller: str) -> str:
     """This process's cgroup path for ``controller`` ('' on v2) from /proc/self/cgroup."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
@@ -69,6 +90,19 @@ class Cgroups:
             (base / self.instance).mkdir(parents=True, exist_ok=True)
         if self.version == 2:
             self._enable_v2_controllers()
+        self.kill_base = self._kill_base()
+        if self.kill_base is not None:
+            (self.kill_base / self.instance).mkdir(parents=True, exist_ok=True)
+        self._execs = 0
+
+    def _kill_base(self) -> Path | None:
+        """The folder (in the cgroup2 hierarchy) holding the exec cgroups of all instances."""
+        if self.version == 2:
+            return self.bases[""]
+        unified = cgroup2_mount() if self.root == CGROUP_ROOT else None
+        if unified is None or not (unified / "cgroup.procs").exists():
+            return None
+        return unified / GROUP_NAME
 
     def _bases(self) -> dict[str, Path]:
         """controller ('' for v2) → the folder holding all instances."""
@@ -104,9 +138,38 @@ class Cgroups:
                 except FileNotFoundError:
                     pass  # e.g. memory.memsw.* without swap accounting
             # v1: a single-threaded process writing "0" to ``tasks`` moves itself without the
-            # global threadgroup lock (an RCU grace period, ~10 ms per hierarchy).
-            procs.append(str(folder / ("tasks" if self.version == 1 else "cgroup.procs")))
+            # global threadgroup lock (an RCU grace period, ~10 ms per hierarchy). On v2 the
+            # processes join the exec's cgroup below this one instead (exec_group).
+            if self.version == 1:
+                procs.append(str(folder / "tasks"))
         return procs
+
+    def exec_group(self, sandbox_id: str) -> Path | None:
+        """A new, empty cgroup for one exec of the sandbox (None without cgroup2); join it
+        by writing ``0`` to its ``cgroup.procs``."""
+        if self.kill_base is None:
+            return None
+        self._execs += 1
+        folder = self.kill_base / self.instance / sandbox_id / f"exec-{self._execs}"
+        folder.mkdir(parents=True)
+        return folder
+
+    def kill_exec(self, folder: Path | None, timeout_s: float = 10.0) -> None:
+        """Kills every process in an exec's cgroup, waits until none is left, removes it."""
+        if folder is not None:
+            _kill_and_wait(folder, timeout_s)
+            _rmdir(folder)
+
+    def kill_sandbox(self, sandbox_id: str, timeout_s: float = 10.0) -> None:
+        """Kills every process of every exec of the sandbox and waits until none is left."""
+        if self.kill_base is not None:
+            folder = self.kill_base / self.instance / sandbox_id
+            if folder.is_dir():
+                _kill_and_wait(folder, timeout_s)
+                return
+        for controller, base in self.bases.items():  # no cgroup2: the pids (or v2) cgroup's members
+            if controller in ("pids", ""):
+                _kill_members(base / self.instance / sandbox_id, timeout_s)
 
     def _settings(self, controller: str, limits: CgroupLimits) -> list[tuple[str, str]]:
         quota = str(max(1000, int(limits.cpus * CPU_PERIOD_US)))
@@ -145,19 +208,22 @@ class Cgroups:
                 return int(value) > 0
         return False
 
+    def _all_bases(self) -> list[Path]:
+        return [*self.bases.values(), *([self.kill_base] if self.kill_base is not None and self.kill_base not in self.bases.values() else [])]
+
     def remove(self, sandbox_id: str) -> None:
         """Kills whatever is left in the sandbox's cgroups and removes them."""
-        for base in self.bases.values():
+        for base in self._all_bases():
             _remove_tree(base / self.instance / sandbox_id)
 
     def remove_instance(self) -> None:
-        for base in self.bases.values():
+        for base in self._all_bases():
             _remove_tree(base / self.instance)
 
     def cleanup_stale(self) -> list[str]:
         """Removes instance folders whose service no longer runs; returns their names."""
         removed = set()
-        for base in self.bases.values():
+        for base in self._all_bases():
             if not base.is_dir():
                 continue
             for folder in base.iterdir():
@@ -169,6 +235,71 @@ class Cgroups:
     def live_sandboxes(self) -> list[str]:
         base = next(iter(self.bases.values())) / self.instance
         return sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+
+
+def _populated(folder: Path) -> bool:
+    """Whether any process is in ``folder`` or below (cgroup2's ``cgroup.events``)."""
+    try:
+        for line in (folder / "cgroup.events").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "populated":
+                return value.strip() != "0"
+    except FileNotFoundError:
+        return False
+    return bool((folder / "cgroup.procs").read_text().split())
+
+
+def _kill_and_wait(folder: Path, timeout_s: float) -> None:
+    """``cgroup.kill`` (or, on kernels without it, freeze and SIGKILL every member) and wait
+    until the cgroup and all below it are empty; raises when they do not empty in time."""
+    deadline = time.monotonic() + timeout_s
+    kill_file = folder / "cgroup.kill"
+    while True:
+        if kill_file.exists():
+            try:
+                kill_file.write_text("1")
+            except FileNotFoundError:
+                return
+        else:
+            _kill_members(folder, 0.0)
+        for _ in range(100):
+            if not _populated(folder):
+                return
+            time.sleep(0.001 if _ < 20 else 0.01)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cgroup {folder} still holds processes after SIGKILL")
+
+
+def _kill_members(folder: Path, timeout_s: float) -> None:
+    """SIGKILLs every member of ``folder`` and its children until none is left (or timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = []
+        for procs in [folder / "cgroup.procs", *folder.glob("*/cgroup.procs")]:
+            try:
+                pids += [int(p) for p in procs.read_text().split()]
+            except OSError:
+                pass
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+
+
+def _rmdir(folder: Path) -> None:
+    for attempt in range(20):
+        try:
+            folder.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.002 * (attempt + 1))
+    log.warning("cgroup %s could not be removed", folder)
 
 
 def _remove_tree(folder: Path) -> None:

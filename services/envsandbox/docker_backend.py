@@ -1,9 +1,12 @@
 """The Docker backend: one container per sandbox through the Docker SDK.
 
 Each container: no network, read-only root, tmpfs workspace and /tmp (the disk cap),
-memory (no swap), pids and CPU limits, every capability dropped, no-new-privileges, an
-unprivileged user, and a label naming this service instance. A restarted service removes
-every container labelled by an instance that no longer runs.
+memory (no swap), pids and CPU limits, every capability dropped, no-new-privileges, the
+seccomp policy of seccomp_policy.py (as a Docker profile), an unprivileged uid of its own
+from a pool (no per-uid kernel state shared between sandboxes), and a label naming this
+service instance. A restarted service removes every container labelled by an instance
+that no longer runs. When an exec ends (and before RunTests) every process in the
+container but its init is killed, and the sweep checks that none is left.
 
 The workspace is a tmpfs, which ``docker cp`` cannot reach, so file operations run
 ``workspace_files`` inside the container (python3 is in the image) over an exec's stdin.
@@ -26,9 +29,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from meridian.errors import FailedPrecondition, NotFound, Unavailable
-from services.envsandbox import workspace_files
+from meridian.errors import ResourceExhausted
+from services.envsandbox import seccomp_policy, workspace_files
 from services.envsandbox.cgroups import instance_name, process_start_time
 from services.envsandbox.sandbox import SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, collect
+
+UID_POOL = 4096
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +82,9 @@ class DockerBackend(Backend):
         self._containers: dict[str, str] = {}
         self._keep: dict[str, set[int]] = {}
         self._active: dict[str, int] = {}
+        self._free_uids = list(range(SANDBOX_UID + UID_POOL - 1, SANDBOX_UID - 1, -1))
+        self._uid: dict[str, int] = {}
+        self._seccomp = seccomp_policy.docker_profile()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -118,6 +127,9 @@ class DockerBackend(Backend):
 
     async def create(self, sandbox_id: str, limits: Limits) -> None:
         tmp_bytes = max(16 << 20, limits.disk_bytes // 4)
+        if not self._free_uids:
+            raise ResourceExhausted(f"all {UID_POOL} sandbox uids are in use")
+        uid = self._uid[sandbox_id] = self._free_uids.pop()
 
         def run() -> str:
             container = self._client.containers.run(
@@ -129,7 +141,7 @@ class DockerBackend(Backend):
                 network_mode="none",
                 read_only=True,
                 tmpfs={
-                    "/workspace": f"size={limits.disk_bytes},mode=0755,uid={SANDBOX_UID},gid={SANDBOX_UID}",
+                    "/workspace": f"size={limits.disk_bytes},mode=0755,uid={uid},gid={uid}",
                     "/tmp": f"size={tmp_bytes},mode=1777",
                 },
                 mem_limit=limits.memory_bytes,
@@ -137,8 +149,8 @@ class DockerBackend(Backend):
                 pids_limit=limits.max_pids,
                 nano_cpus=int(limits.cpus * 1e9),
                 cap_drop=["ALL"],
-                security_opt=["no-new-privileges"],
-                user=f"{SANDBOX_UID}:{SANDBOX_UID}",
+                security_opt=["no-new-privileges", f"seccomp={self._seccomp}"],
+                user=f"{uid}:{uid}",
                 working_dir="/workspace",
                 labels={LABEL: self.instance, SANDBOX_LABEL: sandbox_id},
                 stop_signal="SIGKILL",
@@ -162,6 +174,7 @@ class DockerBackend(Backend):
         except BaseException:
             self._containers.pop(sandbox_id, None)
             await asyncio.to_thread(self._remove_by_name, sandbox_id)
+            self._free_uids.append(self._uid.pop(sandbox_id))
             raise
 
     def _remove_by_name(self, sandbox_id: str) -> None:
@@ -173,6 +186,14 @@ class DockerBackend(Backend):
         self._keep.pop(sandbox_id, None)
         if self._client is not None:
             await asyncio.to_thread(self._remove_by_name, sandbox_id)
+        uid = self._uid.pop(sandbox_id, None)
+        if uid is not None:
+            self._free_uids.append(uid)
+
+    async def kill_all(self, sandbox_id: str) -> None:
+        self._container(sandbox_id)
+        if not await asyncio.to_thread(self._sweep, sandbox_id):
+            raise Unavailable(f"sandbox {sandbox_id}: processes are left after SIGKILL")
 
     async def leftovers(self) -> list[str]:
         found = await asyncio.to_thread(lambda: self._client.containers.list(all=True, filters={"label": f"{LABEL}={self.instance}"}))
@@ -238,7 +259,7 @@ class DockerBackend(Backend):
         api = self._client.api
         try:
             exec_id = (await asyncio.to_thread(
-                api.exec_create, cid, argv, stdin=True, environment=env, workdir=workdir, user=f"{SANDBOX_UID}:{SANDBOX_UID}"
+                api.exec_create, cid, argv, stdin=True, environment=env, workdir=workdir, user=f"{self._uid[sandbox_id]}:{self._uid[sandbox_id]}"
             ))["Id"]
             sock = await asyncio.to_thread(api.exec_start, exec_id, socket=True)
         except Exception as exc:
@@ -325,24 +346,26 @@ class DockerBackend(Backend):
             wall_seconds=time.monotonic() - start,
         )
 
-    def _sweep(self, sandbox_id: str) -> None:
+    def _sweep(self, sandbox_id: str) -> bool:
+        """Kills every process of the container but its init; True once none is left."""
         keep = self._keep.get(sandbox_id)
         if not keep:
-            return
+            return True
         procs = _cgroup_procs_file(min(keep))
         if procs is None:
-            return
-        for _ in range(20):
+            return True
+        for attempt in range(200):
             try:
                 pids = [int(p) for p in procs.read_text().split() if int(p) not in keep]
             except OSError:
-                return
+                return True
             if not pids:
-                return
+                return True
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-            time.sleep(0.005)
+            time.sleep(0.005 if attempt < 20 else 0.05)
+        return False
 
     def _kill_exec(self, exec_id: str) -> None:
         """Kills the exec's process tree on the host (the daemon is local; Docker has no

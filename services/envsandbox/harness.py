@@ -1,17 +1,23 @@
 """The trusted test harness: the only code whose output becomes a reward.
 
-RunTests copies this file to ``.tests/_harness.py`` and runs
-``python3 -I -S .tests/_harness.py .tests/<test module>``. The harness process (P) never runs
-code under test itself, so nothing the solution does can write P's standard output, the
-one channel the service scores:
+Tasks name it as ``python3 -I -S .tests/_harness.py .tests/<test module>``; RunTests runs
+it as ``python3 -I -S -c <this file> --stdin .tests/<test module>`` with the test module's
+source on standard input, after every process of the sandbox is gone. Neither this file
+nor the hidden tests are ever on the sandbox's disk, so nothing there can read or replace
+them. The harness process (P) never runs code under test itself, so nothing the solution
+does can write P's standard output, the one channel the service scores:
 
 * P makes itself non-dumpable first, so same-user processes cannot open its file
   descriptors (``/proc/<P>/fd``), read or write its memory, or ptrace it.
-* P reads the test module, then deletes ``.tests/`` from the workspace: code under test
-  cannot read the expected values from disk.
 * Code under test runs only in child processes (C) started from a fresh interpreter,
-  with no inherited descriptors but their own pipes. A child reports *values*; P compares
+  with no inherited descriptors but their own pipes, stdout and stderr pointed at
+  /dev/null before any of it runs. A child reports *values* on a private pipe; P compares
   them with the expected values, which exist only in P's memory.
+* In a child the workspace comes *last* on ``sys.path``, after the test module's own
+  imports have run: a ``subprocess.py`` in the workspace cannot stand in for the standard
+  library's.
+* A child that outlives its time is killed with its process group, and P stops reading
+  its pipe at once (a grandchild that left the group cannot hold P up).
 
 The test module takes one of three shapes:
 
@@ -33,9 +39,11 @@ import ctypes
 import json
 import math
 import os
+import select
 import shutil
 import subprocess
 import sys
+import time
 
 PR_SET_DUMPABLE = 4
 CHILD_TIMEOUT_S = float(os.environ.get("MERIDIAN_CHECK_TIMEOUT_S", "8"))
@@ -43,13 +51,13 @@ _REPORT_FD_ENV = "MERIDIAN_REPORT_FD"
 
 # The child's prelude: it keeps a private copy of its stdout for reports and points fd 1
 # and 2 elsewhere before any code under test runs (prints cannot corrupt the reports).
+# The workspace joins sys.path only later, at its end (WORKSPACE_ON_PATH).
 CHILD_PRELUDE = r'''
 import ast as _ast, json as _json, os as _os, sys as _sys
 _rep = _os.fdopen(_os.dup(1), "w", buffering=1)
 _null = _os.open(_os.devnull, _os.O_WRONLY)
 _os.dup2(_null, 1)
 _os.dup2(_null, 2)
-_sys.path.insert(0, _os.getcwd())
 
 
 def __report__(index, got):
@@ -69,7 +77,9 @@ def raised(fn, *args, **kwargs):
     return None
 '''
 
-CASES_CHILD = CHILD_PRELUDE + r'''
+WORKSPACE_ON_PATH = "\n_sys.path.append(_os.getcwd())\n"
+
+CASES_CHILD = CHILD_PRELUDE + WORKSPACE_ON_PATH + r'''
 import importlib.util as _ilu
 _name, _cases = _json.loads(_sys.stdin.readline())
 try:
@@ -144,7 +154,11 @@ class _Opaque:
 
 
 def run_child(source: str, argv: list, stdin: bytes, timeout_s: float) -> tuple:
-    """Runs ``source`` in a fresh interpreter; returns (report lines, exit code, timed out)."""
+    """Runs ``source`` in a fresh interpreter; returns (report lines, exit code, timed out).
+
+    Reads the child's pipe only until the deadline: then the child's process group is
+    killed and whatever still holds the pipe (a grandchild that left the group) is
+    abandoned with it, so no child can hold the harness up."""
     proc = subprocess.Popen(
         [sys.executable, "-I", "-S", "-c", source, *argv],
         stdin=subprocess.PIPE,
@@ -153,13 +167,13 @@ def run_child(source: str, argv: list, stdin: bytes, timeout_s: float) -> tuple:
         close_fds=True,
         start_new_session=True,
     )
-    try:
-        out, _ = proc.communicate(stdin, timeout=timeout_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
+    out, timed_out = _read_until(proc, stdin, time.monotonic() + timeout_s)
+    if timed_out:
         _kill(proc)
-        out, _ = proc.communicate()
-        timed_out = True
+    try:
+        code = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        code = -9
     reports = []
     for line in out.decode("utf-8", "replace").splitlines()[:10000]:
         try:
@@ -168,7 +182,37 @@ def run_child(source: str, argv: list, stdin: bytes, timeout_s: float) -> tuple:
             continue
         if isinstance(item, dict):
             reports.append(item)
-    return reports, proc.returncode, timed_out
+    return reports, code, timed_out
+
+
+MAX_REPORT_BYTES = 16 << 20
+
+
+def _read_until(proc: subprocess.Popen, stdin: bytes, deadline: float) -> tuple:
+    """The child's stdout until it closes or ``deadline`` passes: (bytes, timed out)."""
+    try:
+        proc.stdin.write(stdin)
+        proc.stdin.close()
+    except OSError:
+        pass
+    fd = proc.stdout.fileno()
+    chunks = []
+    size = 0
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            proc.stdout.close()
+            return b"".join(chunks), True
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if not ready:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            proc.stdout.close()
+            return b"".join(chunks), False
+        if size < MAX_REPORT_BYTES:
+            chunks.append(chunk)
+            size += len(chunk)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -237,7 +281,8 @@ def run_checks(tree: ast.Module, ns: dict, emit) -> None:
             wants_by_check[node.name[6:]] = stripper.wants
         child_body.append(node)
     child_module = ast.fix_missing_locations(ast.Module(child_body, []))
-    child_source = CHILD_PRELUDE + ast.unparse(child_module) + "\n" + CHECK_RUNNER
+    # The module's own imports run before the workspace is on the path.
+    child_source = CHILD_PRELUDE + ast.unparse(child_module) + WORKSPACE_ON_PATH + CHECK_RUNNER
     emit(f"TOTAL {len(wants_by_check)}")
     for name, want_nodes in wants_by_check.items():
         try:
@@ -283,14 +328,15 @@ def run_script(source: str, path: str, ns: dict) -> None:
 
 def main() -> int:
     ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-    path = sys.argv[1]
-    with open(path) as fh:
-        source = fh.read()
-    hidden = os.path.dirname(os.path.abspath(path))
-    # Expected values leave the disk before any code under test runs; an empty folder
-    # stays for checks that make scratch folders there.
-    shutil.rmtree(hidden, ignore_errors=True)
-    os.makedirs(hidden, exist_ok=True)
+    if len(sys.argv) == 3 and sys.argv[1] == "--stdin":
+        path, source = sys.argv[2], sys.stdin.read()
+    else:  # a test module on disk (a task run by hand): it leaves the disk first
+        path = sys.argv[1]
+        with open(path) as fh:
+            source = fh.read()
+        shutil.rmtree(os.path.dirname(os.path.abspath(path)), ignore_errors=True)
+    # Checks may make scratch folders next to their module: it has an empty one.
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tree = ast.parse(source, path)
     ns: dict = {"__name__": "_meridian_tests", "__file__": path}
     shapes = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} | {

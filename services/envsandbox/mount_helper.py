@@ -3,13 +3,15 @@ every sandbox's root filesystem there, so no sandbox mount ever appears on the h
 
 Started by the service as
 ``setpriv --pdeathsig KILL -- unshare --mount --propagation private -- python3 -I -S
-mount_helper.py <mount dir> <uid>``: it dies with the service, and with it the namespace
-and every mount in it, so a killed service leaves no mount behind. It reads one JSON
-request per line on stdin and answers one JSON line on stdout. Standard library only.
+mount_helper.py <mount dir> <first uid> <uid count> <launcher>``: it dies with the service,
+and with it the namespace and every mount in it, so a killed service leaves no mount
+behind. It reads one JSON request per line on stdin and answers one JSON line on stdout.
+Standard library only.
 
 Each sandbox root ``<mount dir>/<id>`` is a size-capped tmpfs (the disk cap: workspace and
 /tmp live in it) holding read-only binds of the host's /usr, a minimal /etc (no shadow
-file) and a /dev with null, zero, full, random and urandom only.
+file; a passwd entry per sandbox uid), a /dev with null, zero, full, random and urandom
+only, and the launcher at ``/.meridian/sandbox-exec`` (read-only, owned by root).
 """
 from __future__ import annotations
 
@@ -46,10 +48,14 @@ def bind_readonly(source: str, target: str) -> None:
     mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID)
 
 
+LAUNCHER = "/.meridian/sandbox-exec"
+
+
 class Helper:
-    def __init__(self, mount_dir: str, uid: int) -> None:
+    def __init__(self, mount_dir: str, first_uid: int, uid_count: int, launcher: str) -> None:
         self.dir = mount_dir
-        self.uid = uid
+        self.uids = range(first_uid, first_uid + uid_count)
+        self.launcher = launcher
         # The folder is a tmpfs of its own: nothing in it is visible outside this namespace.
         mount("meridian-sandboxes", self.dir, "tmpfs", MS_NOSUID, "mode=0711,size=64m")
         self.etc = os.path.join(self.dir, ".etc")
@@ -67,9 +73,13 @@ class Helper:
             elif os.path.lexists(src):
                 shutil.copy2(src, dst, follow_symlinks=False)
         with open(os.path.join(self.etc, "passwd"), "w") as fh:
-            fh.write(f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{self.uid}:{self.uid}::/workspace:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n")
+            fh.write("root:x:0:0:root:/root:/bin/sh\n")
+            fh.writelines(f"sandbox{u - self.uids.start}:x:{u}:{u}::/workspace:/bin/sh\n" for u in self.uids)
+            fh.write("nobody:x:65534:65534::/:/bin/false\n")
         with open(os.path.join(self.etc, "group"), "w") as fh:
-            fh.write(f"root:x:0:\nsandbox:x:{self.uid}:\nnogroup:x:65534:\n")
+            fh.write("root:x:0:\n")
+            fh.writelines(f"sandbox{u - self.uids.start}:x:{u}:\n" for u in self.uids)
+            fh.write("nogroup:x:65534:\n")
         with open(os.path.join(self.etc, "hostname"), "w") as fh:
             fh.write("sandbox\n")
 
@@ -83,13 +93,18 @@ class Helper:
         for i, name in enumerate(("stdin", "stdout", "stderr")):
             os.symlink(f"/proc/self/fd/{i}", os.path.join(self.dev, name))
 
-    def create(self, sandbox_id: str, disk_bytes: int, inodes: int) -> dict:
+    def create(self, sandbox_id: str, disk_bytes: int, inodes: int, uid: int) -> dict:
+        if uid not in self.uids:
+            raise ValueError(f"uid {uid} is outside the sandbox uid range")
         root = os.path.join(self.dir, sandbox_id)
         os.mkdir(root, 0o755)
         mount("sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_bytes},nr_inodes={inodes},mode=0755")
         try:
-            for name in ("usr", "etc", "dev", "proc", "tmp", "workspace"):
+            for name in ("usr", "etc", "dev", "proc", "tmp", "workspace", ".meridian"):
                 os.mkdir(os.path.join(root, name), 0o755)
+            launcher = root + LAUNCHER
+            open(launcher, "w").close()
+            bind_readonly(self.launcher, launcher)
             for name in MERGED:
                 host = os.path.join("/", name)
                 if os.path.islink(host):
@@ -102,7 +117,7 @@ class Helper:
             mount(self.dev, os.path.join(root, "dev"), None, MS_BIND)
             mount(None, os.path.join(root, "dev"), None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
             os.chmod(os.path.join(root, "tmp"), 0o1777)
-            os.chown(os.path.join(root, "workspace"), self.uid, self.uid)
+            os.chown(os.path.join(root, "workspace"), uid, uid)
         except BaseException:
             self.destroy(sandbox_id)
             raise
@@ -124,9 +139,9 @@ class Helper:
 
 
 def main() -> int:
-    mount_dir, uid = sys.argv[1], int(sys.argv[2])
+    mount_dir, first_uid, uid_count, launcher = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     try:
-        helper = Helper(mount_dir, uid)
+        helper = Helper(mount_dir, first_uid, uid_count, launcher)
     except BaseException as exc:
         sys.stdout.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         sys.stdout.flush()

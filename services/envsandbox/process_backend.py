@@ -1,19 +1,25 @@
-"""The process backend: Linux namespaces, a private root filesystem and cgroups; no daemon.
+"""The process backend: Linux namespaces, a private root filesystem, cgroups and seccomp;
+no daemon.
 
 Every command runs through a chain of exec'd tools (no Python between fork and exec in
-this multi-threaded server):
+this multi-threaded server), all of them started with a fixed environment:
 
-``setpriv --pdeathsig KILL`` (dies with the service) → ``sh`` (joins the sandbox's
-cgroups with a builtin ``echo $$``) → ``nsenter --mount=<helper ns>`` (where the sandbox
-roots are mounted) → ``unshare --pid --fork --kill-child --mount --net --ipc --uts
---mount-proc --root=<sandbox root> --wd=/workspace`` (fresh namespaces; the network one
-has only a downed loopback) → ``prlimit`` (rlimits) → ``setpriv --reuid/--regid
---clear-groups --no-new-privs`` with every capability dropped → the command.
+``setpriv --pdeathsig KILL`` (dies with the service) → ``sh`` (joins the sandbox's limit
+cgroups and the exec's own cgroup with a builtin ``echo``) → ``nsenter --mount=<helper
+ns>`` (where the sandbox roots are mounted) → ``unshare --pid --fork --kill-child --mount
+--net --ipc --uts --mount-proc --root=<sandbox root> --wd=/workspace`` (fresh namespaces;
+the network one has only a downed loopback) → ``/.meridian/sandbox-exec`` (launcher/:
+host name, rlimits, every capability dropped, the sandbox's own uid, no_new_privs, the
+seccomp filter of seccomp_policy.py, and the caller's environment, in that order) → the
+command.
 
-The command is pid 1 of its own pid namespace: when it ends, or when the service kills
-``unshare`` on a timeout, the kernel kills everything it started. The sandbox root (see
-mount_helper.py) lives in the mount helper's private namespace, and the service reaches
-its workspace through ``/proc/<helper>/root``, one ``O_NOFOLLOW`` component at a time.
+Each live sandbox has a uid of its own from a pool, so no per-uid kernel state (keyrings,
+RLIMIT_NPROC, signal permissions) is shared between sandboxes. Each exec has a cgroup of
+its own: when the exec returns, times out or its caller goes away, ``cgroup.kill`` takes
+down everything it started, including what left its session or process group, and the
+exec returns only once the cgroup is empty. The sandbox root (see mount_helper.py) lives
+in the mount helper's private namespace, and the service reaches its workspace through
+``/proc/<helper>/root``, one ``O_NOFOLLOW`` component at a time.
 """
 from __future__ import annotations
 
@@ -29,26 +35,37 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from services.envsandbox import workspace_files
+from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
 from services.envsandbox.sandbox import SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, pump_process
 from services.envsandbox.spawn import SpawnedProcess, spawn
 
 log = logging.getLogger(__name__)
 
-TOOLS = ("setpriv", "unshare", "nsenter", "prlimit", "sh")
+TOOLS = ("setpriv", "unshare", "nsenter", "sh")
 JOIN_CGROUPS = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
 INODES_PER_MIB = 256
+#: Distinct sandbox uids: one per live sandbox (SANDBOX_UID .. SANDBOX_UID + UID_POOL - 1).
+UID_POOL = 4096
+#: The environment of the root half of the chain: nothing of the caller's.
+ROOT_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+LAUNCHER = "/.meridian/sandbox-exec"
+SECCOMP_FD = 3
 
 
 class ProcessBackend(Backend):
     name = "process"
 
-    def __init__(self, root: Path, uid: int = SANDBOX_UID) -> None:
+    def __init__(self, root: Path, first_uid: int = SANDBOX_UID, uid_pool: int = UID_POOL) -> None:
         self.root = Path(root)
-        self.uid = uid
+        self.first_uid = first_uid
+        self.uid_pool = uid_pool
+        self._free_uids = list(range(first_uid + uid_pool - 1, first_uid - 1, -1))
+        self._uid: dict[str, int] = {}
         self.mount_dir = self.root / "mnt"
+        self._seccomp_path = self.root / "seccomp.bpf"
+        self._launcher: Path | None = None
         self._tools: dict[str, str] = {}
         self._helper: SpawnedProcess | None = None
         self._helper_lock = asyncio.Lock()
@@ -69,6 +86,12 @@ class ProcessBackend(Backend):
         self.root.mkdir(parents=True, exist_ok=True)
         self._cleanup_root()
         self.mount_dir.mkdir(mode=0o711)
+        self._launcher = await asyncio.to_thread(launcher.build, self.root / "bin")
+        names = [*seccomp_policy.DENIED, *seccomp_policy.NO_SYS, "clone"]
+        numbers, arch = await asyncio.to_thread(launcher.syscall_numbers, self._launcher, names)
+        fd = os.open(self._seccomp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(seccomp_policy.bpf_program(numbers, arch))
         self._cgroups = Cgroups()
         stale = self._cgroups.cleanup_stale()
         if stale:
@@ -87,9 +110,10 @@ class ProcessBackend(Backend):
             [
                 self._tools["setpriv"], "--pdeathsig", "KILL", "--",
                 self._tools["unshare"], "--mount", "--propagation", "private", "--",
-                sys.executable, "-I", "-S", str(Path(__file__).parent / "mount_helper.py"), str(self.mount_dir), str(self.uid),
+                sys.executable, "-I", "-S", str(Path(__file__).parent / "mount_helper.py"), str(self.mount_dir),
+                str(self.first_uid), str(self.uid_pool), str(self._launcher),
             ],
-            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+            env=ROOT_ENV,
             stderr=False,
         )
         ready = await self._read_reply()
@@ -130,13 +154,18 @@ class ProcessBackend(Backend):
         if self._cgroups is not None:
             self._cgroups.remove_instance()
         shutil.rmtree(self.mount_dir, ignore_errors=True)
+        shutil.rmtree(self.root / "bin", ignore_errors=True)
+        self._seccomp_path.unlink(missing_ok=True)
 
     async def create(self, sandbox_id: str, limits: Limits) -> None:
         assert self._cgroups is not None
+        if not self._free_uids:
+            raise ResourceExhausted(f"all {self.uid_pool} sandbox uids are in use")
         inodes = max(1024, limits.disk_bytes // (1 << 20) * INODES_PER_MIB)
+        self._uid[sandbox_id] = self._free_uids.pop()
         self._procs[sandbox_id] = []
         self._running[sandbox_id] = set()
-        await self._helper_call("create", sandbox_id=sandbox_id, disk_bytes=limits.disk_bytes, inodes=inodes)
+        await self._helper_call("create", sandbox_id=sandbox_id, disk_bytes=limits.disk_bytes, inodes=inodes, uid=self._uid[sandbox_id])
         procs = self._cgroups.create(sandbox_id, CgroupLimits(limits.memory_bytes, limits.max_pids, limits.cpus))
         self._procs[sandbox_id] = procs
 
@@ -147,9 +176,21 @@ class ProcessBackend(Backend):
                 await asyncio.wait_for(proc.wait(), 5)
         self._procs.pop(sandbox_id, None)
         if self._cgroups is not None:
-            self._cgroups.remove(sandbox_id)
+            await asyncio.to_thread(self._cgroups.remove, sandbox_id)
         if self._helper is not None and self._helper.returncode is None:
             await self._helper_call("destroy", sandbox_id=sandbox_id)
+        # Only now, with nothing of it left, may another sandbox have its uid.
+        uid = self._uid.pop(sandbox_id, None)
+        if uid is not None:
+            self._free_uids.append(uid)
+
+    async def kill_all(self, sandbox_id: str) -> None:
+        self._sandbox_root(sandbox_id)
+        assert self._cgroups is not None
+        try:
+            await asyncio.to_thread(self._cgroups.kill_sandbox, sandbox_id)
+        except RuntimeError as exc:
+            raise Unavailable(f"sandbox {sandbox_id}: {exc}") from None
 
     async def leftovers(self) -> list[str]:
         found = []
@@ -177,8 +218,9 @@ class ProcessBackend(Backend):
     async def write_files(self, sandbox_id: str, files: dict[str, bytes], mode: int = 0o644) -> None:
         fd = self._workspace_fd(sandbox_id)
         try:
+            uid = self._uid[sandbox_id]
             for rel, content in files.items():
-                workspace_files.write_file(fd, rel, content, mode, owner=(self.uid, self.uid))
+                workspace_files.write_file(fd, rel, content, mode, owner=(uid, uid))
         finally:
             os.close(fd)
 
@@ -199,37 +241,38 @@ class ProcessBackend(Backend):
     async def copy_workspace(self, src_id: str, dst_id: str) -> None:
         src, dst = self._workspace_fd(src_id), self._workspace_fd(dst_id)
         try:
-            workspace_files.copy_tree(src, dst, owner=(self.uid, self.uid))
+            workspace_files.copy_tree(src, dst, owner=(self._uid[dst_id], self._uid[dst_id]))
         finally:
             os.close(src)
             os.close(dst)
 
     # ------------------------------------------------------------ exec
 
-    def command(self, sandbox_id: str, argv: list[str], cwd: str, limits: Limits) -> list[str]:
+    def command(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, limits: Limits, group: Path | None) -> list[str]:
         """The full exec chain for ``argv`` in the sandbox (see the module docstring)."""
         assert self._helper is not None
-        procs = self._procs[sandbox_id]
+        joins = [*self._procs[sandbox_id], *([str(group / "cgroup.procs")] if group is not None else [])]
         cpu = max(1, int(limits.cpu_seconds))
+        uid = self._uid[sandbox_id]
         t = self._tools
         workdir = "/workspace/" + "/".join(workspace_files.split_relative(cwd)) if cwd else "/workspace"
         return [
             t["setpriv"], "--pdeathsig", "KILL", "--",
-            t["sh"], "-c", JOIN_CGROUPS, "sh", str(len(procs)), *procs,
+            t["sh"], "-c", JOIN_CGROUPS, "sh", str(len(joins)), *joins,
             t["nsenter"], f"--mount=/proc/{self._helper.pid}/ns/mnt", "--",
             t["unshare"], "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts", "--mount-proc",
             f"--root={self.mount_dir}/{sandbox_id}", f"--wd={workdir}", "--",
-            "/usr/bin/prlimit", f"--as={limits.memory_bytes * 2}", f"--cpu={cpu}:{cpu + 1}", f"--fsize={limits.max_file_bytes}",
-            "--core=0", "--nofile=1024", "--",
-            "/usr/bin/setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--no-new-privs",
-            "--inh-caps=-all", "--bounding-set=-all", "--",
-            *argv,
+            LAUNCHER, "--uid", str(uid), "--gid", str(uid), "--hostname", "sandbox",
+            "--as", str(limits.memory_bytes * 2), "--cpu", str(cpu), "--fsize", str(limits.max_file_bytes), "--nofile", "1024",
+            *[arg for key, value in env.items() for arg in ("--env", f"{key}={value}")],
+            "--", *argv,
         ]
 
     async def exec(
         self, sandbox_id: str, argv: list[str], stdin: bytes, env: dict[str, str], cwd: str, wall_s: float, limits: Limits
     ) -> AsyncIterator[ExecItem]:
         self._sandbox_root(sandbox_id)
+        assert self._cgroups is not None
         if cwd:
             fd = self._workspace_fd(sandbox_id)
             try:
@@ -239,7 +282,15 @@ class ProcessBackend(Backend):
             finally:
                 os.close(fd)
         start = time.monotonic()
-        proc = await spawn(self.command(sandbox_id, argv, cwd, limits), env=env)
+        group = self._cgroups.exec_group(sandbox_id)
+        policy = os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            proc = await spawn(self.command(sandbox_id, argv, env, cwd, limits, group), env=ROOT_ENV, pass_fds={SECCOMP_FD: policy})
+        except BaseException:
+            self._cgroups.kill_exec(group)
+            raise
+        finally:
+            os.close(policy)
         running = self._running.setdefault(sandbox_id, set())
         running.add(proc)
         done: PumpDone | None = None
@@ -251,9 +302,15 @@ class ProcessBackend(Backend):
                     yield item
         finally:
             running.discard(proc)
+            # Whatever the exec started, wherever it went, ends with it (also when the
+            # caller went away): the exec's cgroup is killed and emptied.
+            try:
+                await asyncio.shield(asyncio.to_thread(self._cgroups.kill_exec, group))
+            except RuntimeError as exc:
+                raise Unavailable(f"sandbox {sandbox_id}: {exc}") from None
         assert done is not None
         code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
-        oom = self._cgroups.oom_killed(sandbox_id) if self._cgroups and code == -signal.SIGKILL and not done.timed_out else False
+        oom = self._cgroups.oom_killed(sandbox_id) if code == -signal.SIGKILL and not done.timed_out else False
         if code == 125 and not done.timed_out:
             log.warning("sandbox %s: the exec chain failed before the command started", sandbox_id)
         yield ExecResult(

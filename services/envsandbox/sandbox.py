@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +28,16 @@ HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text()
 SANDBOX_UID = 61000
 MAX_FORK = 64
 
+#: Bounds on one exec request (Linux takes at most 128 KiB per argument or variable).
+MAX_ARG_BYTES = 64 * 1024
+MAX_ARGV_ENTRIES = 4096
+MAX_ENV_ENTRIES = 256
+MAX_ARGS_TOTAL_BYTES = 512 * 1024
+#: Variables that steer the dynamic loader or libc's file lookups: never passed on.
+LOADER_VARIABLES = ("GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",
+                    "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR")
+LOADER_PREFIXES = ("LD_", "MALLOC_")
+
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
@@ -42,6 +53,34 @@ class Limits:
     def merged(self, **overrides: float | int) -> "Limits":
         """These limits with every positive override applied."""
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v and v > 0})
+
+
+@dataclasses.dataclass(frozen=True)
+class LimitCaps:
+    """The most a client may ask for: limits, time-to-live and exec timeouts above these
+    answer INVALID_ARGUMENT, so one request cannot take the machine."""
+
+    memory_bytes: int = 4 << 30
+    max_pids: int = 1024
+    cpus: float = 4.0
+    cpu_seconds: float = 600.0
+    wall_seconds: float = 600.0
+    max_output_bytes: int = 16 << 20
+    max_file_bytes: int = 256 << 20
+    disk_bytes: int = 4 << 30
+    ttl_seconds: float = 24 * 3600.0
+
+    def check(self, limits: Limits) -> None:
+        """Raises InvalidArgument naming the first limit that is not finite, positive and capped."""
+        for field in dataclasses.fields(Limits):
+            value, cap = getattr(limits, field.name), getattr(self, field.name)
+            if not (math.isfinite(value) and 0 < value <= cap):
+                raise InvalidArgument(f"limit {field.name} must be in (0, {cap}], got {value}")
+
+    def check_ttl(self, ttl_s: float) -> None:
+        """0 (the default) or a finite positive number of seconds up to the cap."""
+        if not (math.isfinite(ttl_s) and 0 <= ttl_s <= self.ttl_seconds):
+            raise InvalidArgument(f"ttl_seconds must be in [0, {self.ttl_seconds}] (0: the default), got {ttl_s}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +152,10 @@ class Backend(abc.ABC):
         """Runs ``argv``; yields ``("stdout"|"stderr", bytes)`` chunks, then one ExecResult."""
 
     @abc.abstractmethod
+    async def kill_all(self, sandbox_id: str) -> None:
+        """Kills every process of the sandbox and returns once none is left (raises otherwise)."""
+
+    @abc.abstractmethod
     async def leftovers(self) -> list[str]:
         """Resources of this backend that no live sandbox accounts for (should be none)."""
 
@@ -122,13 +165,53 @@ def path_error(exc: workspace_files.PathError) -> Exception:
 
 
 def sandbox_env(env: dict[str, str] | None) -> dict[str, str]:
-    """The environment of a sandboxed command: a fixed base plus what the caller asked for."""
+    """The environment of a sandboxed command: a fixed base plus what the caller asked for.
+    Loader variables (``LD_*``, ``GCONV_PATH``, ...) are refused: they steer code that a
+    backend may run before the command, and nothing legitimate needs them."""
     full = {"PATH": SAFE_PATH, "HOME": "/workspace", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    if len(env or {}) > MAX_ENV_ENTRIES:
+        raise InvalidArgument(f"env has {len(env or {})} variables, more than {MAX_ENV_ENTRIES}")
     for key, value in (env or {}).items():
         if not key or "=" in key or "\x00" in key or "\x00" in value:
             raise InvalidArgument(f"bad environment variable {key!r}")
+        if key in LOADER_VARIABLES or key.startswith(LOADER_PREFIXES):
+            raise InvalidArgument(f"environment variable {key} is not allowed (it steers the dynamic loader or libc)")
+        if len(key) + len(value) + 1 > MAX_ARG_BYTES:
+            raise InvalidArgument(f"environment variable {key} is {len(value)} bytes long, more than {MAX_ARG_BYTES}")
         full[key] = value
     return full
+
+
+def check_argv(argv: list[str], env: dict[str, str]) -> None:
+    """Bounds an exec's command line: INVALID_ARGUMENT instead of a failed exec later."""
+    if not argv or not argv[0] or any("\x00" in a for a in argv):
+        raise InvalidArgument("argv must name a command (and hold no NUL bytes)")
+    if len(argv) > MAX_ARGV_ENTRIES:
+        raise InvalidArgument(f"argv has {len(argv)} entries, more than {MAX_ARGV_ENTRIES}")
+    longest = max(len(a.encode()) for a in argv)
+    if longest > MAX_ARG_BYTES:
+        raise InvalidArgument(f"an argv entry is {longest} bytes long, more than {MAX_ARG_BYTES}")
+    total = sum(len(a.encode()) + 1 for a in argv) + sum(len(k) + len(v.encode()) + 2 for k, v in env.items())
+    if total > MAX_ARGS_TOTAL_BYTES:
+        raise InvalidArgument(f"argv and env come to {total} bytes, more than {MAX_ARGS_TOTAL_BYTES}")
+
+
+def tests_invocation(task: Task) -> tuple[list[str], bytes, dict[str, bytes]]:
+    """How RunTests runs a task's tests: (argv, stdin, hidden files to write first).
+
+    A test command of the harness's shape (``python3 ... .tests/_harness.py .tests/<m>``)
+    runs the harness from its source in memory with the test module on stdin: neither is
+    ever on the sandbox's disk. Any other test command gets its files under ``.tests/``."""
+    argv = task.test_command
+    if HARNESS_PATH in argv:
+        at = argv.index(HARNESS_PATH)
+        rest = argv[at + 1 :]
+        module = rest[0] if len(rest) == 1 else ""
+        name = module.removeprefix(f"{TESTS_DIR}/")
+        if module.startswith(f"{TESTS_DIR}/") and name in task.tests:
+            return [*argv[:at], "-c", HARNESS_SOURCE, "--stdin", module], task.tests[name].encode(), {}
+    hidden = {f"{TESTS_DIR}/{p}": c.encode() for p, c in task.tests.items()}
+    return list(argv), b"", hidden
 
 
 class SandboxManager:
@@ -140,8 +223,11 @@ class SandboxManager:
         default_limits: Limits = Limits(),
         default_ttl_s: float = 600.0,
         max_sandboxes: int = 256,
+        caps: LimitCaps = LimitCaps(),
     ) -> None:
         self.backend = backend
+        self.caps = caps
+        caps.check(default_limits)
         self.default_limits = default_limits
         self.default_ttl_s = default_ttl_s
         self.max_sandboxes = max_sandboxes
@@ -178,15 +264,16 @@ class SandboxManager:
             existing = self._boxes.get(self._by_request[client_request_id])
             if existing is not None:
                 return existing
+        self.caps.check_ttl(ttl_s)
+        limits = limits or self.limits_for(task)
+        self.caps.check(limits)
         if len(self._boxes) >= self.max_sandboxes:
             raise ResourceExhausted(f"live sandbox limit reached ({self.max_sandboxes}); close some first")
-        if ttl_s < 0:
-            raise InvalidArgument(f"ttl_seconds must be >= 0, got {ttl_s}")
         now = time.time()
         box = Sandbox(
             sandbox_id="sbx-" + uuid.uuid4().hex[:16],
             task=task,
-            limits=limits or self.limits_for(task),
+            limits=limits,
             created=now,
             expires=now + (ttl_s or self.default_ttl_s),
             client_request_id=client_request_id,
@@ -317,34 +404,38 @@ class SandboxManager:
     ) -> AsyncIterator[ExecItem]:
         """Runs ``argv``; yields ``("stdout"|"stderr", bytes)`` chunks, then an ExecResult."""
         box = self.get(sandbox_id)
-        if not argv or not argv[0] or any("\x00" in a for a in argv):
-            raise InvalidArgument("argv must name a command (and hold no NUL bytes)")
+        full_env = sandbox_env(env)
+        check_argv(argv, full_env)
         if cwd:
             try:
                 workspace_files.split_relative(cwd)
             except workspace_files.PathError as exc:
                 raise path_error(exc) from None
-        if timeout_s < 0:
-            raise InvalidArgument(f"timeout_seconds must be >= 0, got {timeout_s}")
+        if not (math.isfinite(timeout_s) and timeout_s >= 0):
+            raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {timeout_s}")
         wall = min(timeout_s, box.limits.wall_seconds) if timeout_s > 0 else box.limits.wall_seconds
-        full_env = sandbox_env(env)
         async for item in self.backend.exec(sandbox_id, argv, stdin, full_env, cwd, wall, box.limits):
             yield item
 
     async def run_tests(self, sandbox_id: str) -> tuple[TestOutcome, ExecResult, bytes]:
-        """Writes the task's hidden tests and the trusted harness, runs the test command and
-        scores its standard output (see harness.py for why nothing else can write there)."""
+        """Runs the task's hidden tests and scores the test command's standard output.
+
+        Every process the solution left running is killed first, so nothing of it can
+        touch what the tests read or write; built-in tasks run the trusted harness from
+        memory with their tests on stdin (see harness.py and :func:`tests_invocation`)."""
         box = self.get(sandbox_id)
         if box.task is None:
             raise FailedPrecondition(f"sandbox {sandbox_id} was not created from a task")
         task = box.task
+        await self.backend.kill_all(sandbox_id)
+        argv, stdin, hidden = tests_invocation(task)
         await self.backend.remove(sandbox_id, TESTS_DIR)
-        hidden = {f"{TESTS_DIR}/{p}": c.encode() for p, c in task.tests.items()}
-        hidden[HARNESS_PATH] = HARNESS_SOURCE.encode()
-        await self._write(box, hidden)
+        if hidden:
+            await self._write(box, hidden)
         try:
-            stdout, stderr, result = await collect(self.exec(sandbox_id, task.test_command, timeout_s=task.limits.wall_seconds))
+            stdout, stderr, result = await collect(self.exec(sandbox_id, argv, stdin=stdin, timeout_s=task.limits.wall_seconds))
         finally:
+            await self.backend.kill_all(sandbox_id)
             await self.backend.remove(sandbox_id, TESTS_DIR)
         outcome = score_output(task.reward, stdout.decode(errors="replace"), result.exit_code)
         return outcome, result, stdout + stderr

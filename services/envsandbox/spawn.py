@@ -53,14 +53,18 @@ class SpawnedProcess:
                 os.kill(self.pid, signal.SIGKILL)
 
 
-async def spawn(argv: list[str], env: dict[str, str], stderr: bool = True, new_session: bool = True) -> SpawnedProcess:
-    """Starts ``argv`` (absolute path first) with piped stdin, stdout and (optionally) stderr."""
+async def spawn(
+    argv: list[str], env: dict[str, str], stderr: bool = True, new_session: bool = True, pass_fds: dict[int, int] | None = None
+) -> SpawnedProcess:
+    """Starts ``argv`` (absolute path first) with piped stdin, stdout and (optionally) stderr;
+    ``pass_fds`` maps a descriptor number in the child to one of ours to put there."""
     loop = asyncio.get_running_loop()
     in_r, in_w = os.pipe2(os.O_CLOEXEC)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC) if stderr else (-1, -1)
     actions = [(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1)]
     actions.append((os.POSIX_SPAWN_DUP2, err_w, 2) if stderr else (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0))
+    actions += [(os.POSIX_SPAWN_DUP2, ours, theirs) for theirs, ours in (pass_fds or {}).items()]
     try:
         pid = os.posix_spawn(
             argv[0], argv, env, file_actions=actions, setsid=new_session, setsigmask=(), setsigdef=_DEFAULT_SIGNALS

@@ -73,7 +73,18 @@ def write_file(root_fd: int, relative: str, content: bytes, mode: int = 0o644, o
                 raise PathError("invalid", f"path is a folder: {relative!r}")
         except FileNotFoundError:
             pass
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o777, dir_fd=parent)
+        # O_NONBLOCK: a FIFO swapped in after the check above fails the open (no reader)
+        # instead of blocking; anything but a regular file is refused before writing.
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode & 0o777, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise PathError("invalid", f"not a regular file: {relative!r}") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise PathError("invalid", f"not a regular file: {relative!r}")
+        os.ftruncate(fd, 0)
         with os.fdopen(fd, "wb") as fh:
             if owner is not None:
                 os.fchown(fh.fileno(), *owner)

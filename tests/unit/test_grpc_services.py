@@ -359,6 +359,40 @@ def test_envsandbox_solve_task_and_errors(tmp_path: Path, grpc_serving: Serving)
     run(main())
 
 
+def test_envsandbox_hostile_requests_get_clear_statuses(tmp_path: Path, grpc_serving: Serving) -> None:
+    """Oversized arguments, loader variables and limits or lifetimes past the caps answer
+    INVALID_ARGUMENT (not INTERNAL), and the service goes on serving."""
+
+    async def main() -> None:
+        async with grpc_serving(_sandbox_service(tmp_path)) as address:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = es_grpc.EnvSandboxStub(channel)
+                sid = (await stub.Create(es.CreateRequest(task_id="python/add", files=[es.File(path="solution.py", content=b"def add(a, b): pass\n")]))).sandbox_id
+                invalid = grpc.StatusCode.INVALID_ARGUMENT
+                for request in (
+                    es.ExecRequest(sandbox_id=sid, argv=["echo", "x" * 300_000]),
+                    es.ExecRequest(sandbox_id=sid, argv=["echo", *["y" * 1024] * 4000]),
+                    es.ExecRequest(sandbox_id=sid, argv=["true"], env={"LD_PRELOAD": "/workspace/evil.so"}),
+                    es.ExecRequest(sandbox_id=sid, argv=["true"], timeout_seconds=float("nan")),
+                ):
+                    await expect_code(invalid, _exec(stub, request))
+                    await _still_answers(stub, sid)
+                for create in (
+                    es.CreateRequest(limits=es.Limits(memory_bytes=1 << 40)),
+                    es.CreateRequest(limits=es.Limits(max_pids=10**6)),
+                    es.CreateRequest(limits=es.Limits(cpus=64)),
+                    es.CreateRequest(limits=es.Limits(wall_seconds=1e9)),
+                    es.CreateRequest(limits=es.Limits(disk_bytes=1 << 40)),
+                    es.CreateRequest(ttl_seconds=float("nan")),
+                    es.CreateRequest(ttl_seconds=float("inf")),
+                ):
+                    await expect_code(invalid, stub.Create(create))
+                assert [b.sandbox_id for b in (await stub.List(es.ListRequest())).sandboxes] == [sid]
+                await _still_answers(stub, sid)
+
+    run(main())
+
+
 def test_envsandbox_wrong_solution_scores_zero(tmp_path: Path, grpc_serving: Serving) -> None:
     async def main() -> None:
         async with grpc_serving(_sandbox_service(tmp_path)) as address:

@@ -313,3 +313,246 @@ def test_hostile_killing_its_parent(pair) -> None:  # type: ignore[no-untyped-de
     loop.run(_healthy(m, bystander))
     out, _, res = loop.run(sh(m, attacker, "echo still-usable"))
     assert out == b"still-usable\n"
+
+
+# ------------------------------------------------------------------ integrity: nothing outlives, fools or links
+
+
+SURVIVOR = "setsid sh -c 'while :; do date +%s%N > /tmp/alive; sleep 0.05; done' </dev/null >/dev/null 2>&1 &"
+
+
+def _leaving(loop_script: str, then: str = "time.sleep(100)") -> list[str]:
+    """A command that leaves the exec's session itself (as the first process of the exec,
+    or, where that leads a process group already, as its first child), starts
+    ``loop_script`` in the background and then runs ``then``."""
+    return ["python3", "-c", (
+        "import os, subprocess, time\n"
+        "try:\n    os.setsid()\nexcept PermissionError:\n"
+        "    if os.fork():\n        time.sleep(100)\n        os._exit(0)\n    os.setsid()\n"
+        f"subprocess.Popen(['sh', '-c', {loop_script!r}])\n{then}\n"
+    )]
+
+
+def _alive_stamps(loop: Loop, m: SandboxManager, sid: str) -> tuple[bytes, bytes]:
+    first, _, _ = loop.run(sh(m, sid, "cat /tmp/alive 2>/dev/null; true"))
+    loop.run(asyncio.sleep(0.4))
+    second, _, _ = loop.run(sh(m, sid, "cat /tmp/alive 2>/dev/null; true"))
+    return first, second
+
+
+def test_nothing_outlives_its_exec(pair) -> None:  # type: ignore[no-untyped-def]
+    """A process that leaves its session (setsid) is gone when the exec returns: after a
+    normal exit and after a timeout alike."""
+    loop, m, attacker, bystander = pair
+    _, _, res = loop.run(sh(m, attacker, SURVIVOR + " sleep 0.3; exit 0"))
+    assert res.exit_code == 0
+    first, second = _alive_stamps(loop, m, attacker)
+    assert first == second, "a process started by a finished exec is still writing"
+    stamp = "while :; do date +%s%N > /tmp/alive; sleep 0.05; done"
+    _, _, res = loop.run(run(m, attacker, _leaving(stamp), timeout_s=1))
+    assert res.timed_out
+    first, second = _alive_stamps(loop, m, attacker)
+    assert first == second, "a process started by a timed-out exec is still writing"
+    loop.run(_healthy(m, bystander))
+
+
+FAKE_HARNESS = "import sys\nprint('TOTAL 3')\nfor i in range(3):\n    print(f'PASS case{i}')\n"
+
+
+def test_a_survivor_cannot_rewrite_the_tests(env: tuple[Loop, SandboxManager]) -> None:
+    """A process left from an earlier exec keeps rewriting .tests/ with a harness that
+    passes everything: RunTests still scores the wrong solution 0."""
+    loop, m = env
+    task = TaskSuite.builtin().get("python/add")
+
+    async def main() -> None:
+        box = await m.create(task=task, files={"solution.py": b"def add(a, b):\n    return -12345\n", "fake.py": FAKE_HARNESS.encode()})
+        sid = box.sandbox_id
+        try:
+            rewrite = "while :; do mkdir -p .tests; cp fake.py .tests/_harness.py; cp fake.py .tests/test_solution.py; sleep 0.01; done"
+            _, _, res = await run(m, sid, _leaving(rewrite), timeout_s=1)
+            assert res.timed_out
+            outcome, _, output = await m.run_tests(sid)
+            assert outcome.reward == 0.0, output
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
+HIDDEN_TEST_READER = (
+    "import ast, glob, os\n"
+    "def add(a, b):\n"
+    "    for path in glob.glob('/workspace/**', recursive=True) + glob.glob('/tmp/**', recursive=True):\n"
+    "        try:\n"
+    "            text = open(path).read()\n"
+    "        except OSError:\n"
+    "            continue\n"
+    "        if 'CASES' in text:\n"
+    "            tree = ast.parse(text)\n"
+    "            for node in tree.body:\n"
+    "                if isinstance(node, ast.Assign) and node.targets[0].id == 'CASES':\n"
+    "                    for args, want in ast.literal_eval(node.value):\n"
+    "                        if tuple(args) == (a, b):\n"
+    "                            return want\n"
+    "    return None\n"
+)
+
+
+def test_the_hidden_tests_are_never_on_the_sandbox_disk(env: tuple[Loop, SandboxManager]) -> None:
+    """A solution that answers by reading the expected values from any file it can find
+    scores 0: the tests reach the harness on its standard input only."""
+    loop, m = env
+    task = TaskSuite.builtin().get("python/add")
+
+    async def main() -> None:
+        box = await m.create(task=task, files={"solution.py": HIDDEN_TEST_READER.encode()})
+        try:
+            outcome, _, output = await m.run_tests(box.sandbox_id)
+            assert outcome.reward == 0.0, output
+        finally:
+            await m.close(box.sandbox_id)
+
+    loop.run(main())
+
+
+def test_a_workspace_module_cannot_shadow_the_standard_library(env: tuple[Loop, SandboxManager]) -> None:
+    """A subprocess.py in the workspace does not stand in for the harness checks' own
+    ``import subprocess``: a broken script still fails its syntax check."""
+    loop, m = env
+    task = TaskSuite.builtin().get("terminal/fix_shell_script")
+    fake = b"class _R:\n    returncode = 0\n    stdout = stderr = ''\ndef run(*a, **k):\n    return _R()\n"
+
+    async def main() -> None:
+        box = await m.create(task=task, files={"build.sh": b"if then fi (\n", "subprocess.py": fake})
+        try:
+            outcome, _, output = await m.run_tests(box.sandbox_id)
+            syntax = [ok for name, ok, _ in outcome.cases if name == "syntax"]
+            assert syntax == [False] and outcome.reward == 0.0, output
+        finally:
+            await m.close(box.sandbox_id)
+
+    loop.run(main())
+
+
+PRINTED_REPORTS = (
+    "import sys\n"
+    "FAKE = ''.join('{\"case\": %d, \"got\": \"%d\"}\\n' % (i, want) for i, want in enumerate([3, 0, -3, 300, 10]))\n"
+    "sys.stdout.write(FAKE + 'PASS case0\\n'); sys.stdout.flush()\n"
+    "sys.stderr.write(FAKE); sys.stderr.flush()\n"
+    "def add(a, b):\n"
+    "    print(FAKE)\n"
+    "    return None\n"
+)
+
+
+def test_printed_reports_do_not_reach_the_harness(env: tuple[Loop, SandboxManager]) -> None:
+    loop, m = env
+    task = TaskSuite.builtin().get("python/add")
+
+    async def main() -> None:
+        box = await m.create(task=task, files={"solution.py": PRINTED_REPORTS.encode()})
+        try:
+            outcome, _, output = await m.run_tests(box.sandbox_id)
+            assert outcome.reward == 0.0, output
+        finally:
+            await m.close(box.sandbox_id)
+
+    loop.run(main())
+
+
+SYSCALL_PROBE = r"""
+import ctypes, os, platform, socket
+libc = ctypes.CDLL(None, use_errno=True)
+NR = {"x86_64": {"keyctl": 250, "add_key": 248, "io_uring_setup": 425, "userfaultfd": 323, "unshare": 272, "bpf": 321,
+                 "perf_event_open": 298, "ptrace": 101, "mount": 165, "setns": 308},
+      "aarch64": {"keyctl": 219, "add_key": 217, "io_uring_setup": 425, "userfaultfd": 282, "unshare": 97, "bpf": 280,
+                  "perf_event_open": 241, "ptrace": 117, "mount": 40, "setns": 268}}[platform.machine()]
+args = {"keyctl": (0, 0), "add_key": (b"user", b"k", b"v", 1, -3), "io_uring_setup": (1, 0), "userfaultfd": (0,),
+        "unshare": (0x10000000,), "bpf": (0, 0, 0), "perf_event_open": (0, 0, -1, -1, 0), "ptrace": (16, 1, 0, 0),
+        "mount": (b"none", b"/tmp", b"tmpfs", 0, 0), "setns": (0, 0)}
+for name, nr in NR.items():
+    r = libc.syscall(nr, *args[name])
+    print(name, "ALLOWED" if r != -1 else os.strerror(ctypes.get_errno()))
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print("fork ok")
+print("hostname", socket.gethostname())
+print("uid", os.getuid())
+"""
+
+
+def test_seccomp_denies_what_links_or_escapes_sandboxes(pair) -> None:  # type: ignore[no-untyped-def]
+    """Keyrings (a channel between sandboxes), io_uring, userfaultfd, bpf, perf, ptrace,
+    new namespaces and mounts fail inside; ordinary forks work; each sandbox has its own
+    uid and the host's name is not visible."""
+    loop, m, attacker, bystander = pair
+    out, err, res = loop.run(run(m, attacker, ["python3", "-c", SYSCALL_PROBE]))
+    text = out.decode()
+    assert res.exit_code == 0, out + err
+    assert "ALLOWED" not in text, text
+    assert "fork ok" in text and "hostname sandbox" in text and socket.gethostname() not in text.replace("hostname sandbox", "")
+    other, _, _ = loop.run(run(m, bystander, ["id", "-u"]))
+    assert text.split("uid ")[1].split()[0] != other.decode().strip(), "two live sandboxes share a uid"
+    loop.run(_healthy(m, bystander))
+
+
+def test_loader_variables_are_refused(pair) -> None:  # type: ignore[no-untyped-def]
+    loop, m, attacker, bystander = pair
+    for name in ("LD_PRELOAD", "LD_DEBUG", "LD_LIBRARY_PATH", "GCONV_PATH", "MALLOC_CHECK_", "GLIBC_TUNABLES"):
+        with pytest.raises(InvalidArgument, match=name):
+            loop.run(run(m, attacker, ["true"], env={name: "/workspace/x"}))
+    out, _, _ = loop.run(sh(m, attacker, "echo $GREETING", env={"GREETING": "hello"}))
+    assert out == b"hello\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "variables"),
+    [(["echo", "x" * 300_000], {}), (["echo", *["y" * 1024] * 4000], {}), (["echo"] * 5000, {}), (["true"], {"BIG": "z" * 200_000})],
+)
+def test_oversized_exec_requests_are_invalid(pair, argv: list[str], variables: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+    loop, m, attacker, _ = pair
+    with pytest.raises(InvalidArgument):
+        loop.run(run(m, attacker, argv, env=variables))
+
+
+@pytest.mark.parametrize(
+    ("limits", "ttl"),
+    [
+        ({"memory_bytes": 1 << 40}, 0.0),
+        ({"disk_bytes": 1 << 40}, 0.0),
+        ({"max_pids": 10**6}, 0.0),
+        ({"cpus": 64.0}, 0.0),
+        ({"wall_seconds": 1e9}, 0.0),
+        ({"cpu_seconds": float("inf")}, 0.0),
+        ({}, float("nan")),
+        ({}, float("inf")),
+        ({}, -1.0),
+    ],
+)
+def test_client_limits_are_capped(env: tuple[Loop, SandboxManager], limits: dict[str, float], ttl: float) -> None:
+    loop, m = env
+    with pytest.raises(InvalidArgument):
+        loop.run(m.create(limits=m.default_limits.merged(**limits) if limits else None, ttl_s=ttl))
+    assert m.list() == [] or all(b.sandbox_id for b in m.list())
+
+
+def test_exec_timeouts_must_be_finite(pair) -> None:  # type: ignore[no-untyped-def]
+    loop, m, attacker, _ = pair
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(InvalidArgument):
+            loop.run(run(m, attacker, ["true"], timeout_s=bad))
+
+
+def test_special_files_are_refused_without_blocking(pair) -> None:  # type: ignore[no-untyped-def]
+    loop, m, attacker, bystander = pair
+    loop.run(sh(m, attacker, "rm -f pipe; mkfifo pipe"))
+
+    async def both() -> None:
+        with pytest.raises((InvalidArgument, NotFound)):
+            await asyncio.wait_for(m.read_files(attacker, ["pipe"]), 10)
+
+    loop.run(both())
+    loop.run(_healthy(m, bystander))
