@@ -12,8 +12,10 @@ install:
 demo: install
 	$(VENV)/bin/meridian demo --steps $(STEPS)
 
-# pytest exits 5 when it collected nothing; that is a failure for us too, loudly.
+# The linter first (ruff, configured in pyproject.toml); pytest exits 5 when it collected
+# nothing, which is a failure for us too, loudly.
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

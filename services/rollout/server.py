@@ -147,7 +147,7 @@ class RolloutService(pb_grpc.RolloutServicer):
                     assert update.undo is not None, "an in-place subscriber records undo logs"
                     pending.append(update.undo)
                     changes = await asyncio.to_thread(ChangeSet.from_undos, weights, pending)
-                    report = await updater.update(changes, weights, update.manifest.canary, lambda: _served_version(weights, pending))
+                    report = await updater.update(changes, weights, update.manifest.canary, lambda w=weights, p=pending: _served_version(w, p))
                     self._record(report, update.manifest.weights_hash)
                     if report.accepted:
                         pending.clear()

@@ -221,7 +221,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         for index in range(start, total):
             while index >= len(enc.chunks):
                 async with self._changed:
-                    await self._changed.wait_for(lambda: index < len(enc.chunks) or self._find(version, base) is not enc)
+                    await self._changed.wait_for(lambda i=index, e=enc: i < len(e.chunks) or self._find(version, base) is not e)
                 if index >= len(enc.chunks):
                     # Upstream restarted this version (same bytes: encoding is deterministic),
                     # or it is now stored whole; continue from whichever copy is held.
@@ -266,7 +266,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             if not request.follow:
                 return
             async with self._changed:
-                await self._changed.wait_for(lambda: self._has_news(held))
+                await self._changed.wait_for(lambda h=held: self._has_news(h))
 
     def _has_news(self, held: int) -> bool:
         incoming = self._incoming

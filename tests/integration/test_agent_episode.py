@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import pytest
 from transformers import AutoTokenizer
 
 from meridian.v1 import envsandbox_pb2 as sbx
@@ -23,6 +24,9 @@ SCRIPT = [
     'Check: <tool_call>{"name": "bash", "arguments": {"command": "python3 -c \\"import solution; print(solution.add(20, 22))\\""}}</tool_call>',
     '<tool_call>{"name": "submit", "arguments": {}}</tool_call>',
 ]
+
+
+pytestmark = pytest.mark.engine
 
 
 def odd_tokens(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]

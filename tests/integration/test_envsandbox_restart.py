@@ -133,6 +133,7 @@ def test_sigkilled_process_backend_leaves_nothing_after_restart(tmp_path: Path, 
     assert not any(GROUP_NAME in line and str(again.pid) in line for line in Path("/proc/self/mountinfo").read_text().splitlines())
 
 
+@pytest.mark.docker
 def test_sigkilled_docker_backend_leaves_no_container_after_restart(tmp_path: Path, pick_port: Any) -> None:
     if shutil.which("dockerd") is None:
         pytest.skip("dockerd is not installed (apt package docker.io): docker backend not tested")

@@ -19,6 +19,9 @@ from services.weightsync.client import WeightSubscriber
 from services.weightsync.tensors import to_torch
 
 
+pytestmark = [pytest.mark.stack, pytest.mark.engine]
+
+
 def _client(stack: stack_mod.Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.addresses["rollout_http"], api_key="unused", max_retries=0, timeout=120)
 

@@ -37,6 +37,9 @@ async def _rollout_status(address: str) -> pb.RolloutStatus:
         return await pb_grpc.RolloutStub(channel).Status(pb.RolloutStatusRequest())
 
 
+pytestmark = [pytest.mark.stack, pytest.mark.engine]
+
+
 def test_every_service_reports_serving(stack: stack_mod.Stack) -> None:
     for name in stack_mod.SERVICE_ORDER:
         assert asyncio.run(check_health(stack.addresses[name])) == "SERVING", name

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from services.trainer.config import TrainerConfig
@@ -14,6 +15,9 @@ from services.trainer.distributed import save_batches
 from services.trainer.synthetic import fixed_groups
 
 SETTINGS = ["--lr", "1e-3", "--groups-per-step", "2", "--threads", "1", "--max-policy-lag", "8"]
+
+
+pytestmark = pytest.mark.engine
 
 
 def _free_port() -> int:

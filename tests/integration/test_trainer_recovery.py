@@ -51,6 +51,9 @@ SETTINGS = {
 TIMEOUT_S = 90
 
 
+pytestmark = pytest.mark.engine
+
+
 def _flags(settings: dict[str, Any]) -> list[str]:
     return [part for k, v in settings.items() for part in ("--" + k.replace("_", "-"), str(v))]
 

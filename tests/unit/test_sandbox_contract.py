@@ -20,7 +20,7 @@ from meridian.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.envsandbox.sandbox import Backend, ExecResult, Limits, SandboxManager, collect
 from services.envsandbox.tasks import TaskSuite
 
-BACKENDS = ["process", "docker"]
+BACKENDS = ["process", pytest.param("docker", marks=pytest.mark.docker)]
 SECRET_ENV = "MERIDIAN_TEST_SERVICE_SECRET"
 
 
