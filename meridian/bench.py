@@ -1,16 +1,17 @@
 """``meridian bench <target> [--json]``: benchmarks that compare against a baseline
-measured in the same run and print one JSON object. Each target lives with its service
-(``services/<name>/bench.py``, a ``main(argv) -> int``) and is imported only when run."""
+measured in the same run and print one JSON object. Each target is a module of its own
+(``benchmarks/<target>.py``, a ``main(argv) -> int``, apart from the serving code) and is
+imported only when run."""
 from __future__ import annotations
 
 import argparse
 import importlib
 
 TARGETS = {
-    "weightsync": "services.weightsync.bench",
-    "sandbox": "services.envsandbox.bench",
-    "rollout": "services.rollout.bench",
-    "trainer": "services.trainer.bench",
+    "weightsync": "benchmarks.weightsync",
+    "sandbox": "benchmarks.sandbox",
+    "rollout": "benchmarks.rollout",
+    "trainer": "benchmarks.trainer",
 }
 
 

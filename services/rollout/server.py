@@ -26,8 +26,8 @@ from services.rollout.episodes import EpisodeLimits, fetch_task, run_group
 from services.rollout.weight_changes import ChangeSet
 from services.rollout.weight_updates import Tolerance, UpdateReport, WeightUpdater
 from services.weightsync import client as weightsync
-from services.weightsync.store import UndoLog
-from services.weightsync.tensors import RawTensor, Weights, from_torch, weights_hash
+from services.weightsync.receiver import UndoLog
+from meridian.tensors import RawTensor, Weights, from_torch, weights_hash
 
 log = logging.getLogger(__name__)
 

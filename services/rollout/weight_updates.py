@@ -36,7 +36,7 @@ from services.rollout.engine import Engine
 from services.rollout.served_weights import Sample
 from services.rollout.weight_changes import ChangeSet
 from services.rollout.weight_layout import WeightLayout
-from services.weightsync.tensors import RawTensor, Weights, to_torch
+from meridian.tensors import RawTensor, Weights, to_torch
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)

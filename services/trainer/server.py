@@ -36,7 +36,7 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.batch import GroupBuffer
 from services.trainer.config import TrainerConfig
 from services.weightsync import client as weightsync
-from services.weightsync.tensors import RawTensor, weights_hash
+from meridian.tensors import RawTensor, weights_hash
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)

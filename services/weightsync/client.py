@@ -18,8 +18,9 @@ from meridian.grpc_runtime import open_channel
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync.ratelimit import TokenBucket
-from services.weightsync.store import ChunkChecksumError, Decoder, Encoded, UndoLog
-from services.weightsync.tensors import RawTensor, Weights, weights_hash
+from services.weightsync.receiver import ChunkChecksumError, Decoder, UndoLog
+from services.weightsync.versions import Encoded
+from meridian.tensors import RawTensor, Weights, weights_hash
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,9 @@ from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync.client import WeightSubscriber
 from services.weightsync.config import WeightSyncConfig
 from services.weightsync.ratelimit import TokenBucket
-from services.weightsync.store import Encoded, VersionStore
-from services.weightsync.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count
+from services.weightsync.store import VersionStore
+from services.weightsync.versions import Encoded
+from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)

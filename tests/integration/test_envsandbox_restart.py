@@ -140,7 +140,7 @@ def test_sigkilled_docker_backend_leaves_no_container_after_restart(tmp_path: Pa
     import docker
 
     from services.envsandbox.docker_backend import LABEL
-    from services.envsandbox.dockerd import private_dockerd
+    from benchmarks.support.dockerd import private_dockerd
 
     with private_dockerd() as daemon:
         client = docker.DockerClient(base_url=daemon.base_url)

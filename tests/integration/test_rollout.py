@@ -16,7 +16,7 @@ from meridian.trajectory_stream import TrajectoryStream
 from meridian.v1 import rollout_pb2 as pb
 from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from services.weightsync.client import WeightSubscriber
-from services.weightsync.tensors import to_torch
+from meridian.tensors import to_torch
 
 
 pytestmark = [pytest.mark.stack, pytest.mark.engine]

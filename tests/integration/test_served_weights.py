@@ -30,7 +30,7 @@ from meridian.v1 import rollout_pb2 as pb
 from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from services.trainer.learner import canary_logprobs
 from services.weightsync import client as weightsync
-from services.weightsync.tensors import RawTensor, from_torch, to_torch
+from meridian.tensors import RawTensor, from_torch, to_torch
 
 pytestmark = pytest.mark.engine
 

@@ -12,7 +12,7 @@ import torch
 
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import save_batches
-from services.trainer.synthetic import fixed_groups
+from benchmarks.support.synthetic import fixed_groups
 
 SETTINGS = ["--lr", "1e-3", "--groups-per-step", "2", "--threads", "1", "--max-policy-lag", "8"]
 

@@ -24,7 +24,7 @@ from meridian.trajectory_stream import TrajectoryStream
 from meridian.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weightsync_pb2, weightsync_pb2_grpc
 from services.trainer import checkpoint as ckpt
 from services.trainer.config import TrainerConfig
-from services.trainer.synthetic import fixed_groups
+from benchmarks.support.synthetic import fixed_groups
 
 STREAM = "meridian:trajectories"
 GROUPS = 12
@@ -67,7 +67,7 @@ def groups(tiny_model: Path) -> list[list[common_pb2.Trajectory]]:
 def reference(tiny_model: Path, groups: list[list[common_pb2.Trajectory]]) -> list[dict[str, Any]]:
     """The uninterrupted run: the learner in this process over the groups in stream order."""
     from services.trainer.learner import Learner
-    from services.weightsync.tensors import weights_hash
+    from meridian.tensors import weights_hash
 
     learner = Learner(tiny_model, TrainerConfig(model=str(tiny_model), **SETTINGS))  # type: ignore[arg-type]
     history = []

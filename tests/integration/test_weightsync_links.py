@@ -1,4 +1,4 @@
-"""Weightsync over real gRPC servers and the emulated WAN link (services/weightsync/linkemu.py):
+"""Weightsync over real gRPC servers and the emulated WAN link (benchmarks/support/linkemu.py):
 resume after a cut, a corrupted chunk fetched again, late joiners, relay fan-out, an
 origin restarted with SIGKILL, and the bandwidth cap."""
 from __future__ import annotations
@@ -23,10 +23,10 @@ from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync import client
 from services.weightsync.client import VersionUpdate, WeightSubscriber
 from services.weightsync.config import WeightSyncConfig
-from services.weightsync.linkemu import LinkEmulator
+from benchmarks.support.linkemu import LinkEmulator
 from services.weightsync.server import WeightSyncService
-from services.weightsync.store import encode_version
-from services.weightsync.tensors import RawTensor, weights_hash
+from services.weightsync.versions import encode_version
+from meridian.tensors import RawTensor, weights_hash
 
 T = TypeVar("T")
 Weights = dict[str, RawTensor]

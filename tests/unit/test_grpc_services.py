@@ -23,7 +23,7 @@ from services.weightsync import client
 from services.weightsync.client import WeightSubscriber
 from services.weightsync.config import WeightSyncConfig
 from services.weightsync.server import WeightSyncService
-from services.weightsync.tensors import RawTensor, weights_hash
+from meridian.tensors import RawTensor, weights_hash
 
 T = TypeVar("T")
 Serving = Callable[..., Any]  # conftest.serving: async context manager yielding an address

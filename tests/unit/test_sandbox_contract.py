@@ -28,7 +28,7 @@ SECRET_ENV = "MERIDIAN_TEST_SERVICE_SECRET"
 def dockerd_url() -> Iterator[str]:
     if shutil.which("dockerd") is None:
         pytest.skip("dockerd is not installed (apt package docker.io): docker backend not tested")
-    from services.envsandbox.dockerd import private_dockerd
+    from benchmarks.support.dockerd import private_dockerd
 
     with private_dockerd() as daemon:
         yield daemon.base_url

@@ -11,8 +11,9 @@ from services.rollout.served_weights import Sample
 from services.rollout.weight_changes import ChangeSet
 from services.rollout.weight_layout import LayoutError, Run, WeightLayout
 from services.rollout.weight_updates import compare_samples
-from services.weightsync.store import Decoder, encode_version
-from services.weightsync.tensors import RawTensor
+from services.weightsync.receiver import Decoder
+from services.weightsync.versions import encode_version
+from meridian.tensors import RawTensor
 
 # A fused engine tensor as vLLM builds it: q (4x3), k (2x3) and v (2x3) stacked into qkv (8x3).
 CHECKPOINT = {"q": (4, 3), "k": (2, 3), "v": (2, 3), "norm": (3,)}

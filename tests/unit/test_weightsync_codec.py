@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from services.weightsync import codec
 from services.weightsync.codec import CodecError, decode_chunk_into, encode_tensor
-from services.weightsync.codec_bench import fp32_to_bf16_bits, run_codec_bench, synthetic_adam_versions
+from benchmarks.codec import fp32_to_bf16_bits, run_codec_bench, synthetic_adam_versions
 
 # Interesting raw bit patterns per dtype: +-0, +-inf, NaNs (quiet, signalling,
 # with payload), denormals, extremes of the finite range.

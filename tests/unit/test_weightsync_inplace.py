@@ -7,9 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meridian.errors import DataLoss
-from services.weightsync import elementhash
-from services.weightsync.store import Decoder, Encoded, encode_version
-from services.weightsync.tensors import RawTensor, weights_hash
+from meridian import elementhash
+from services.weightsync.receiver import Decoder
+from services.weightsync.versions import Encoded, encode_version
+from meridian.tensors import RawTensor, weights_hash
 
 Weights = dict[str, RawTensor]
 CHUNK_BYTES = 64

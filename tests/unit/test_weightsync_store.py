@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
-from services.weightsync.store import Decoder, Encoded, VersionStore, decode_all, encode_version
-from services.weightsync.tensors import RawTensor, from_torch, to_torch, weights_hash
+from services.weightsync.receiver import Decoder, decode_all
+from services.weightsync.store import VersionStore
+from services.weightsync.versions import Encoded, encode_version
+from meridian.tensors import RawTensor, from_torch, to_torch, weights_hash
 
 Weights = dict[str, RawTensor]
 CHUNK_BYTES = 64  # tiny, so every tensor spans several chunks

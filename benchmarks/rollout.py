@@ -131,7 +131,7 @@ async def _served_weights(stack, model_dir, tokenizer, steps: int) -> dict[str, 
     from meridian.trajectory_stream import TrajectoryStream
     from meridian.v1 import rollout_pb2 as pb
     from meridian.v1 import rollout_pb2_grpc as pb_grpc
-    from services.trainer.synthetic import fixed_groups
+    from benchmarks.support.synthetic import fixed_groups
 
     sequences = [list(tokenizer(p + "\n" + c)["input_ids"]) for p, c in zip(PROMPTS, SCORED_COMPLETIONS)]
     out: dict[str, object] = {}

@@ -36,7 +36,7 @@ def bench_step(model: str, steps: int, groups: int, group_size: int, tokens: int
     from services.trainer.config import TrainerConfig
     from services.trainer.learner import Learner
     from services.trainer.loss import clipped_pg_loss
-    from services.trainer.synthetic import fixed_groups
+    from benchmarks.support.synthetic import fixed_groups
 
     model_dir = resolve_model(model)
     batch_groups = fixed_groups(model_dir, groups, group_size, completion_tokens=tokens)

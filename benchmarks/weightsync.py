@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from services.weightsync.tensors import RawTensor
+from meridian.tensors import RawTensor
 
 LINK_BANDWIDTH = 100e6 / 8  # 100 Mbit/s, bytes/s
 LINK_LATENCY_S = 0.050
@@ -167,8 +167,8 @@ def _manifest_for(version: int, new: dict[str, RawTensor], encoded: dict[str, li
     import hashlib
 
     from meridian.v1 import weightsync_pb2 as pb
-    from services.weightsync.store import CODEC_NAME, Encoded
-    from services.weightsync.tensors import weights_hash
+    from services.weightsync.versions import CODEC_NAME, Encoded
+    from meridian.tensors import weights_hash
 
     manifest = pb.Manifest(version=version, base_version=version - 1, weights_hash=weights_hash(new), codec=CODEC_NAME)
     chunks = []
@@ -189,7 +189,7 @@ def _apply_in_place(
     in-place subscriber does (decode + undo log + incremental hash check); the undo log
     puts the base back between repeats. True when every apply gave ``want`` bit for bit
     and every revert gave the base back."""
-    from services.weightsync.store import Decoder
+    from services.weightsync.receiver import Decoder
 
     base = {k: t.bits.copy() for k, t in held.items()}
     decoder = Decoder(held, version - 1, in_place=True)
@@ -275,7 +275,7 @@ async def _propagation(versions: list[dict[str, RawTensor]], workdir: Path) -> l
     from services.weightsync import client
     from services.weightsync.client import WeightSubscriber
     from services.weightsync.config import WeightSyncConfig
-    from services.weightsync.linkemu import LinkEmulator
+    from benchmarks.support.linkemu import LinkEmulator
     from services.weightsync.server import WeightSyncService
 
     origin_svc = WeightSyncService(WeightSyncConfig(data_dir=str(workdir / "origin")))

@@ -185,7 +185,7 @@ async def _grpc_cycles(address: str, cycles: int, concurrent_total: int) -> dict
 
 
 def _docker(root: Path, args: argparse.Namespace) -> dict:
-    from services.envsandbox.dockerd import DockerdUnavailable, private_dockerd
+    from benchmarks.support.dockerd import DockerdUnavailable, private_dockerd
 
     try:
         from services.envsandbox.docker_backend import DockerBackend

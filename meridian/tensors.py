@@ -63,7 +63,7 @@ def hash_of_sums(items: list[tuple[str, str, tuple[int, ...], tuple[int, int]]])
     """The weights hash from each tensor's (name, dtype, shape, element-hash sums).
 
     Lets a receiver that keeps the sums up to date incrementally (see
-    :mod:`services.weightsync.elementhash`) check a version without a full pass."""
+    :mod:`meridian.elementhash`) check a version without a full pass."""
     h = hashlib.sha256(b"meridian-weights-v2\0")
     for name, dtype, shape, (s0, s1) in sorted(items):
         h.update(f"{name}\0{dtype}\0{','.join(map(str, shape))}\0".encode())
@@ -76,7 +76,7 @@ def weights_hash(weights: Weights) -> str:
     order. The element hash is a sum of per-element terms (elementhash), so a receiver
     that changes a few elements can update it without a full pass; computed in full
     here, on several threads for large weight sets."""
-    from services.weightsync import elementhash  # numba: only where hashes are computed
+    from meridian import elementhash  # numba: only where hashes are computed
 
     names = sorted(weights)
     sums = elementhash.many_tensor_sums([np.ascontiguousarray(weights[n].bits) for n in names])

@@ -1,0 +1,245 @@
+"""The receiving side of weightsync: decoding versions chunk by chunk onto the weights a
+subscriber holds (a rollout, a relay, a restarted origin), in place when asked, with the
+undo log that takes an in-place version back. Pure core: no gRPC, no asyncio."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+
+import numpy as np
+
+from meridian import elementhash
+from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument
+from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, Weights, element_count, hash_of_sums
+from meridian.v1 import weightsync_pb2 as pb
+from services.weightsync import codec
+from services.weightsync.versions import CODEC_NAME, Encoded
+
+_MASK64 = (1 << 64) - 1
+
+
+class ChunkChecksumError(DataLoss):
+    """A chunk's bytes differ from its manifest entry (re-fetching it can help)."""
+
+
+@dataclasses.dataclass
+class UndoLog:
+    """How to take weights updated in place from ``version`` back to ``base_version``.
+
+    ``changes`` lists, per delta chunk, the positions it changed and their old bits;
+    ``ranges`` holds the old bits of ranges a keyframe chunk rewrote; ``replaced``
+    the tensors that got new buffers instead (their old objects, untouched, or None
+    for a tensor the base did not have). Its size is O(changed elements)."""
+
+    version: int
+    base_version: int
+    changes: list[tuple[str, np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    ranges: list[tuple[str, int, np.ndarray]] = dataclasses.field(default_factory=list)
+    replaced: dict[str, RawTensor | None] = dataclasses.field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes + o.nbytes for _, p, o in self.changes) + sum(o.nbytes for _, _, o in self.ranges)
+
+    def revert(self, weights: dict[str, RawTensor]) -> None:
+        """Turns ``weights`` (as of ``version``) back into ``base_version`` in place."""
+        for name, positions, old in reversed(self.changes):
+            weights[name].bits[positions] = old
+        for name, start, old in reversed(self.ranges):
+            weights[name].bits[start : start + old.shape[0]] = old
+        for name, tensor in self.replaced.items():
+            if tensor is None:
+                weights.pop(name, None)
+            else:
+                weights[name] = tensor
+
+    def previous_weights(self, weights: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
+        """A copy of ``base_version`` rebuilt from ``weights`` (as of ``version``), which
+        stay untouched: what a rollback needs, built only when it is needed."""
+        touched = {n for n, _, _ in self.changes} | {n for n, _, _ in self.ranges}
+        copy = {n: (RawTensor(t.dtype, t.shape, t.bits.copy()) if n in touched else t) for n, t in weights.items()}
+        self.revert(copy)
+        return copy
+
+
+class Decoder:
+    """Applies versions chunk by chunk on top of the weights a receiver holds.
+
+    ``in_place=False``: each version gets fresh buffers; the previous version's dict
+    stays valid. ``in_place=True``: delta versions update the held buffers in place
+    (only the changed elements are written) and :attr:`last_undo` says how to go back;
+    a failed version is reverted before the error leaves.
+
+    The full-weights hash is checked without a full pass: the decoder keeps each
+    tensor's additive element-hash sums and moves them by the changed elements only.
+    """
+
+    def __init__(self, weights: Weights | None, version: int, *, in_place: bool = False) -> None:
+        self.weights: dict[str, RawTensor] = dict(weights or {})
+        self.version = version
+        self.in_place = in_place
+        self.last_undo: UndoLog | None = None
+        self._base_state: tuple[int, dict[str, elementhash.Sums] | None] | None = None
+        self._sums: dict[str, elementhash.Sums] | None = None
+        self._pending: dict[str, RawTensor] = {}
+        self._manifest: pb.Manifest | None = None
+        self._seen: set[int] = set()
+        self._moves: list[tuple[str, elementhash.Sums]] = []
+        self._undo: UndoLog | None = None
+
+    def begin(self, manifest: pb.Manifest) -> None:
+        """Starts a version; a delta must be based on the version held now."""
+        if manifest.base_version >= 0 and manifest.base_version != self.version:
+            raise FailedPrecondition(f"version {manifest.version} is a delta on {manifest.base_version}, but {self.version} is held")
+        if manifest.codec != CODEC_NAME:
+            raise FailedPrecondition(f"version {manifest.version} uses codec {manifest.codec!r}; this decoder reads {CODEC_NAME!r}")
+        self.abort()
+        delta = manifest.base_version >= 0
+        if delta:
+            self.prepare()
+        undo = UndoLog(manifest.version, manifest.base_version) if self.in_place else None
+        pending: dict[str, RawTensor] = {}
+        for meta in manifest.tensors:
+            dtype = PB_DTYPE_NAMES.get(meta.dtype)
+            if dtype is None:
+                raise InvalidArgument(f"tensor {meta.name}: unknown dtype {meta.dtype}")
+            try:
+                numel = element_count(tuple(meta.shape))
+            except ValueError as exc:
+                raise InvalidArgument(f"tensor {meta.name}: {exc}") from None
+            base = self._base(meta.name, dtype, tuple(meta.shape)) if delta else None
+            if undo is not None and base is not None:
+                pending[meta.name] = base  # updated in place
+                continue
+            pending[meta.name] = RawTensor(dtype, tuple(meta.shape), np.empty(numel, dtype=RAW_DTYPES[dtype]))
+            if undo is not None:
+                undo.replaced[meta.name] = self.weights.get(meta.name)
+        if undo is not None:
+            undo.replaced.update({n: t for n, t in self.weights.items() if n not in pending})
+        self._manifest, self._pending, self._undo = manifest, pending, undo
+        self._seen, self._moves = set(), []
+
+    def prepare(self) -> None:
+        """Computes the held weights' element-hash sums if not known yet: one full pass,
+        once per decoder handed weights (later versions only move the sums). Called by
+        the first delta's :meth:`begin`; call it earlier to keep it off that path."""
+        if self._sums is None:
+            names = sorted(self.weights)
+            sums = elementhash.many_tensor_sums([np.ascontiguousarray(self.weights[n].bits) for n in names])
+            self._sums = dict(zip(names, sums))
+
+    def _base(self, name: str, dtype: str, shape: tuple[int, ...]) -> RawTensor | None:
+        held = self.weights.get(name)
+        return held if held is not None and (held.dtype, tuple(held.shape)) == (dtype, shape) else None
+
+    @property
+    def manifest(self) -> pb.Manifest | None:
+        """The manifest of the version being received, if any."""
+        return self._manifest
+
+    def verify(self, index: int, payload: bytes) -> None:
+        """Checks one chunk against the manifest (index, size, sha256) without decoding it.
+
+        Raises :class:`ChunkChecksumError` (a DataLoss) when the bytes are not the ones
+        the manifest lists: a transport fault that fetching the chunk again can cure."""
+        manifest = self._require_manifest()
+        if not 0 <= index < len(manifest.chunks):
+            raise InvalidArgument(f"chunk {index} is outside version {manifest.version}'s {len(manifest.chunks)} chunks")
+        ref = manifest.chunks[index]
+        if len(payload) != ref.size or hashlib.sha256(payload).hexdigest() != ref.sha256:
+            raise ChunkChecksumError(f"chunk {index} of version {manifest.version} fails its checksum")
+
+    def add_chunk(self, index: int, payload: bytes, verified: bool = False) -> None:
+        """Checks one chunk against the manifest (unless ``verified``) and decodes it.
+
+        Chunks of one version may be decoded concurrently from several threads: each
+        writes its own element range, and the codec kernels release the GIL."""
+        manifest = self._require_manifest()
+        if not verified:
+            self.verify(index, payload)
+        ref = manifest.chunks[index]
+        if ref.tensor not in self._pending:
+            raise DataLoss(f"chunk {index} of version {manifest.version} is for {ref.tensor!r}, not in its manifest")
+        out = self._pending[ref.tensor]
+        base = self._base(ref.tensor, out.dtype, out.shape) if manifest.base_version >= 0 else None
+        try:
+            hdr = codec.parse_header(payload)
+            lo, hi = hdr.start, hdr.start + hdr.count
+            rewrite = hdr.mode == codec.MODE_KEYFRAME and hi <= out.bits.shape[0]
+            before: elementhash.Sums = (0, 0)
+            if rewrite and base is not None:
+                before = elementhash.range_sums(base.bits, lo, hi)
+                if self._undo is not None and out is base:
+                    self._undo.ranges.append((ref.tensor, lo, base.bits[lo:hi].copy()))
+            changes = codec.decode_chunk_into(payload, out.bits, base.bits if base is not None else None)
+        except codec.CodecError as exc:
+            raise DataLoss(f"chunk {index} of version {manifest.version} ({ref.tensor}): {exc}") from exc
+        if changes is not None:
+            move = elementhash.change_sums(changes.positions, changes.old, changes.new)
+            if self._undo is not None and out is base:
+                self._undo.changes.append((ref.tensor, changes.positions, changes.old))
+        else:
+            after = elementhash.range_sums(out.bits, lo, hi)
+            move = ((after[0] - before[0]) & _MASK64, (after[1] - before[1]) & _MASK64)
+        self._moves.append((ref.tensor, move))  # list.append is atomic: safe from decode threads
+        self._seen.add(index)
+
+    def finish(self) -> int:
+        """Checks completeness and the full-weights hash, then makes the version current.
+        A hash mismatch reverts an in-place update before raising."""
+        manifest = self._require_manifest()
+        missing = len(manifest.chunks) - len(self._seen)
+        if missing:
+            raise DataLoss(f"version {manifest.version} ended with {missing} chunks missing")
+        delta = manifest.base_version >= 0
+        sums: dict[str, elementhash.Sums] = {}
+        for name, t in self._pending.items():
+            held = (self._sums or {}).get(name) if delta and self._base(name, t.dtype, t.shape) is not None else None
+            sums[name] = held or (0, 0)
+        for name, move in self._moves:
+            sums[name] = elementhash.add(sums[name], move)
+        got = hash_of_sums([(n, t.dtype, tuple(t.shape), sums[n]) for n, t in self._pending.items()])
+        if got != manifest.weights_hash:
+            self.abort()
+            raise DataLoss(f"version {manifest.version}: decoded weights hash {got[:12]} != manifest {manifest.weights_hash[:12]}")
+        self._base_state = (self.version, self._sums) if self._undo is not None else None
+        self.weights, self.version, self._sums = self._pending, manifest.version, sums
+        self.last_undo = self._undo
+        self._pending, self._manifest, self._undo, self._moves = {}, None, None, []
+        return self.version
+
+    def revert_last(self) -> int:
+        """Undoes the last in-place version: the buffers hold the version before it again
+        (O(changed elements)), and so does the decoder. Returns that version."""
+        if self.last_undo is None or self._base_state is None or self._manifest is not None:
+            raise FailedPrecondition("no finished in-place version to revert")
+        version, sums = self._base_state
+        self.last_undo.revert(self.weights)
+        self.version, self._sums = version, sums
+        self.last_undo, self._base_state = None, None
+        return version
+
+    def abort(self) -> None:
+        """Drops a version being received; an in-place one is reverted, so the held
+        weights are the held version again. Call only when no decode is in flight."""
+        if self._undo is not None:
+            self._undo.revert(self._pending)
+        self._pending, self._manifest, self._undo, self._moves = {}, None, None, []
+        self._seen = set()
+
+    def _require_manifest(self) -> pb.Manifest:
+        if self._manifest is None:
+            raise FailedPrecondition("chunk before its version's manifest")
+        return self._manifest
+
+
+def decode_all(encoded: list[Encoded], weights: Weights | None = None, version: int = -1) -> Decoder:
+    """Applies whole encoded versions in order (used at recovery and in tests)."""
+    decoder = Decoder(weights, version)
+    for enc in encoded:
+        decoder.begin(enc.manifest)
+        for i, payload in enumerate(enc.chunks):
+            decoder.add_chunk(i, payload)
+        decoder.finish()
+    return decoder
