@@ -12,7 +12,7 @@ BACKENDS = ("process", "docker")
 class EnvSandboxConfig:
     backend: str = opt("process", "sandbox backend: process (namespaces + cgroups, no daemon) or docker")
     root: str = opt("", "folder for the service's sandbox state (empty: a fresh temporary folder)")
-    tasks_dir: str = opt("", "extra folder of task JSON files loaded beside the built-in suite")
+    tasks_dir: str = opt("", "extra folder of tasks loaded beside the built-in suite: task *.json files and SWE-bench-style *.jsonl files")
     max_sandboxes: int = opt(256, "live sandboxes at most; more answers RESOURCE_EXHAUSTED")
     default_ttl_s: float = opt(600.0, "time-to-live of a sandbox that asks for none")
     reap_interval_s: float = opt(5.0, "how often expired sandboxes are closed")

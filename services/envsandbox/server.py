@@ -16,6 +16,7 @@ from meridian.v1 import envsandbox_pb2_grpc as pb_grpc
 from services.envsandbox.backends import make_backend
 from services.envsandbox.config import EnvSandboxConfig
 from services.envsandbox.sandbox import ExecResult, Sandbox, SandboxManager
+from services.envsandbox.task_sources import load_tasks_dir
 from services.envsandbox.tasks import Task, TaskSuite
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,7 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
         self.config = config
         self.suite = TaskSuite.builtin()
         if config.tasks_dir:
-            extra = TaskSuite.load_dir(Path(config.tasks_dir))
-            self.suite = TaskSuite([*self.suite.select(), *extra.select()])
+            self.suite = TaskSuite([*self.suite.select(), *load_tasks_dir(Path(config.tasks_dir))])
         self.sandboxes = SandboxManager(
             make_backend(config),
             default_ttl_s=config.default_ttl_s,

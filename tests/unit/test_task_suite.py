@@ -233,6 +233,34 @@ def test_swebench_reference_passes_and_unpatched_fails(tmp_path: Path) -> None:
         assert failed == set(f2p), f"{task.id}\n{empty_out}"
 
 
+def test_swebench_jsonl_in_tasks_dir_is_served_over_grpc(tmp_path: Path, grpc_serving: Any) -> None:
+    """``--tasks-dir`` takes SWE-bench-style JSONL beside task JSON: the service lists the
+    instances and scores the gold patch 1 and the unpatched repository 0."""
+    from services.envsandbox.config import EnvSandboxConfig
+    from services.envsandbox.server import EnvSandboxService
+
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "instances.jsonl").write_text(SAMPLE_JSONL.read_text())
+    tasks = load_swebench_jsonl(SAMPLE_JSONL)
+
+    async def main() -> tuple[set[str], list[float]]:
+        service = EnvSandboxService(EnvSandboxConfig(root=str(tmp_path / "sandboxes"), tasks_dir=str(folder)))
+        async with grpc_serving(service) as address, grpc.aio.insecure_channel(address) as channel:
+            stub = es_grpc.EnvSandboxStub(channel)
+            listed = {t.id for t in (await stub.ListTasks(es.ListTasksRequest())).tasks}
+            rewards = []
+            for files in (tasks[0].reference, {}):
+                info = await stub.Create(es.CreateRequest(task_id=tasks[0].id, files=[es.File(path=p, content=c.encode()) for p, c in files.items()]))
+                rewards.append((await stub.RunTests(es.RunTestsRequest(sandbox_id=info.sandbox_id))).reward)
+                await stub.Close(es.CloseRequest(sandbox_id=info.sandbox_id))
+            return listed, rewards
+
+    listed, rewards = asyncio.run(main())
+    assert {t.id for t in tasks} <= listed and "python/add" in listed
+    assert rewards == [1.0, 0.0]
+
+
 def test_swebench_hidden_tests_ignore_workspace_test_edits(tmp_path: Path) -> None:
     """Rewriting the repository's own test file to pass everything changes nothing."""
     task = load_swebench_jsonl(SAMPLE_JSONL)[2]
