@@ -32,7 +32,7 @@ from meridian.errors import FailedPrecondition, NotFound, Unavailable
 from meridian.errors import ResourceExhausted
 from services.envsandbox import seccomp_policy, workspace_files
 from services.envsandbox.cgroups import instance_name, process_start_time
-from services.envsandbox.sandbox import SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, collect
+from services.envsandbox.sandbox import SANDBOX_UID, Backend, Drained, ExecItem, ExecResult, Limits, collect, drain
 
 UID_POOL = 4096
 
@@ -307,20 +307,11 @@ class DockerBackend(Backend):
         timed_out = False
         deadline = start + wall_s
         self._active[sandbox_id] = self._active.get(sandbox_id, 0) + 1
+        drained = Drained()
         try:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    timed_out = True
-                    break
-                try:
-                    item = await asyncio.wait_for(queue.get(), timeout=remaining)
-                except TimeoutError:
-                    timed_out = True
-                    break
-                if item is None:
-                    break
+            async for item in drain(queue, 1, deadline, drained):
                 yield item
+            timed_out = drained.timed_out
         finally:
             if timed_out or thread.is_alive():
                 await asyncio.to_thread(self._kill_exec, exec_id)

@@ -460,6 +460,32 @@ async def collect(items: AsyncIterator[ExecItem]) -> tuple[bytes, bytes, ExecRes
     return bytes(out), bytes(err), result
 
 
+@dataclasses.dataclass
+class Drained:
+    """How a :func:`drain` ended."""
+
+    timed_out: bool = False
+
+
+async def drain(queue: asyncio.Queue, ends: int, deadline: float, outcome: Drained) -> AsyncIterator[tuple[str, bytes]]:  # type: ignore[type-arg]
+    """Output chunks from ``queue`` until ``ends`` end markers (None) have arrived, or until
+    ``deadline`` (time.monotonic) passes, which sets ``outcome.timed_out``."""
+    while ends:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            outcome.timed_out = True
+            return
+        try:
+            item = await asyncio.wait_for(queue.get(), timeout=remaining)
+        except TimeoutError:
+            outcome.timed_out = True
+            return
+        if item is None:
+            ends -= 1
+        else:
+            yield item
+
+
 @dataclasses.dataclass(frozen=True)
 class PumpDone:
     timed_out: bool
@@ -504,21 +530,10 @@ async def pump_process(
     timed_out = False
     deadline = start + wall_s
     try:
-        open_streams = 2
-        while open_streams:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = True
-                break
-            try:
-                item = await asyncio.wait_for(queue.get(), timeout=remaining)
-            except TimeoutError:
-                timed_out = True
-                break
-            if item is None:
-                open_streams -= 1
-            else:
-                yield item
+        drained = Drained()
+        async for item in drain(queue, 2, deadline, drained):
+            yield item
+        timed_out = drained.timed_out
         if timed_out:
             kill()
         try:

@@ -159,7 +159,8 @@ def test_version_0_is_the_checkpoint(served: Served) -> None:
 
 def test_an_update_is_served_exactly_and_read_back(served: Served) -> None:
     served.publish(1, _perturb(served.versions[0], seed=1))
-    status = served.wait_for(lambda s: s.policy_version == 1, "served version 1")
+    # The update's report is recorded just after the version switches: wait for both.
+    status = served.wait_for(lambda s: s.policy_version == 1 and s.updates_applied == 1, "served version 1")
     assert status.apply_path == served.path and status.updates_rejected == 0
     if served.path == "delta":
         assert status.readback_elements > 0
@@ -201,7 +202,7 @@ def test_a_stale_tied_head_is_caught_by_the_canary(served: Served) -> None:
 def test_the_next_version_applies_on_top_of_rejected_ones(served: Served) -> None:
     served.sabotage.unlink(missing_ok=True)
     served.publish(5, _perturb(served.versions[4], seed=5))
-    served.wait_for(lambda s: s.policy_version == 5, "served version 5")
+    served.wait_for(lambda s: s.policy_version == 5 and s.updates_applied == 2, "served version 5")
     served.assert_serves(5)
 
 
