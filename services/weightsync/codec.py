@@ -300,6 +300,23 @@ def _finish_scan(new, old, ne, ev_pos, ev_stream, ev_rank, counts, sign_bit, ful
     return ne, ev_stream[:ne].copy(), ev_rank[:ne].copy(), ev_delta, counts.reshape(-1)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _scan_elements(new, old, start, stop, shift, emask, counts, ev_pos, ev_stream, ev_rank, ne):
+    """Elements start..stop one at a time: count each stream, record each change (its
+    position, stream and rank in the stream). Returns the new change count."""
+    for i in range(start, stop):
+        lane = i & (_LANES - 1)
+        c = (np.int64(old[i]) >> shift) & emask
+        r = counts[lane, c]
+        counts[lane, c] = r + 1
+        if new[i] != old[i]:
+            ev_pos[ne] = i
+            ev_stream[ne] = (lane << 8) | c
+            ev_rank[ne] = r
+            ne += 1
+    return ne
+
+
 @njit(cache=True, nogil=True)
 def _scan_changes(new, old, shift, emask, sign_bit, full):
     """One pass over a chunk: find changed elements, their stream, their rank
@@ -312,17 +329,7 @@ def _scan_changes(new, old, shift, emask, sign_bit, full):
     ev_pos = np.empty(n, dtype=np.int64)
     ev_stream = np.empty(n, dtype=np.int64)
     ev_rank = np.empty(n, dtype=np.int64)
-    ne = 0
-    for i in range(n):
-        lane = i & (_LANES - 1)
-        c = (np.int64(old[i]) >> shift) & emask
-        r = counts[lane, c]
-        counts[lane, c] = r + 1
-        if new[i] != old[i]:
-            ev_pos[ne] = i
-            ev_stream[ne] = (lane << 8) | c
-            ev_rank[ne] = r
-            ne += 1
+    ne = _scan_elements(new, old, 0, n, shift, emask, counts, ev_pos, ev_stream, ev_rank, 0)
     return _finish_scan(new, old, ne, ev_pos, ev_stream, ev_rank, counts, sign_bit, full)
 
 
@@ -359,16 +366,7 @@ def _scan_changes16(new, old, new64, old64, shift, emask, sign_bit, full):
                     ev_stream[ne] = (lane << 8) | c
                     ev_rank[ne] = counts[lane, c] - 1
                     ne += 1
-    for i in range(4 * new64.shape[0], n):  # tail (< 4 elements)
-        lane = i & (_LANES - 1)
-        c = (np.int64(old[i]) >> shift) & emask
-        r = counts[lane, c]
-        counts[lane, c] = r + 1
-        if new[i] != old[i]:
-            ev_pos[ne] = i
-            ev_stream[ne] = (lane << 8) | c
-            ev_rank[ne] = r
-            ne += 1
+    ne = _scan_elements(new, old, 4 * new64.shape[0], n, shift, emask, counts, ev_pos, ev_stream, ev_rank, ne)  # tail (< 4)
     return _finish_scan(new, old, ne, ev_pos, ev_stream, ev_rank, counts, sign_bit, full)
 
 
@@ -631,13 +629,29 @@ def _count_down(rem, s, gaps, gptr, gend, evs, ne, i):
 
 
 @njit(cache=True, nogil=True)
-def _find_changes(old, shift, emask, classes, nev_c, gaps, gptr, evs):
-    """Pass 1: walk the chunk with one countdown per stream and return how
-    many changes were found (their positions go to evs), or -1 if corrupt.
+def _count_down_group(rem, s0, s1, s2, s3, r0, r1, r2, r3, gaps, gptr, gend, evs, ne, i):
+    """The four countdowns of elements i..i+3 after one went negative: _count_down each
+    negative one in element order. Returns the new change count, or -1 if corrupt."""
+    if r0 < 0:
+        ne = _count_down(rem, s0, gaps, gptr, gend, evs, ne, i)
+        if ne < 0:
+            return -1
+    if r1 < 0:
+        ne = _count_down(rem, s1, gaps, gptr, gend, evs, ne, i + 1)
+        if ne < 0:
+            return -1
+    if r2 < 0:
+        ne = _count_down(rem, s2, gaps, gptr, gend, evs, ne, i + 2)
+        if ne < 0:
+            return -1
+    if r3 < 0:
+        ne = _count_down(rem, s3, gaps, gptr, gend, evs, ne, i + 3)
+    return ne
 
-    Four elements (one per lane) per iteration with four separate counter
-    rows, so consecutive updates never wait on each other."""
-    n = old.shape[0]
+
+@njit(cache=True, nogil=True, inline="always")
+def _start_countdowns(classes, nev_c, gaps, gptr):
+    """Per stream (lane, class) its first gap, and per class where its gaps end."""
     gend = np.zeros(_NCLASS, dtype=np.int64)
     rem = np.full(_LANES * _NCLASS, np.int64(1) << 62, dtype=np.int64)
     for j in range(classes.shape[0]):
@@ -646,6 +660,18 @@ def _find_changes(old, shift, emask, classes, nev_c, gaps, gptr, evs):
             rem[(lane << 8) | c] = gaps[gptr[c]]
             gptr[c] += 1
         gend[c] = gptr[c] + nev_c[j]
+    return gend, rem
+
+
+@njit(cache=True, nogil=True)
+def _find_changes(old, shift, emask, classes, nev_c, gaps, gptr, evs):
+    """Pass 1: walk the chunk with one countdown per stream and return how
+    many changes were found (their positions go to evs), or -1 if corrupt.
+
+    Four elements (one per lane) per iteration with four separate counter
+    rows, so consecutive updates never wait on each other."""
+    n = old.shape[0]
+    gend, rem = _start_countdowns(classes, nev_c, gaps, gptr)
     ne = 0
     n4 = n // 4
     for j in range(n4):
@@ -663,22 +689,9 @@ def _find_changes(old, shift, emask, classes, nev_c, gaps, gptr, evs):
         rem[s2] = r2
         rem[s3] = r3
         if (r0 | r1 | r2 | r3) < 0:  # rare: handle the group in element order
-            if r0 < 0:
-                ne = _count_down(rem, s0, gaps, gptr, gend, evs, ne, i)
-                if ne < 0:
-                    return -1
-            if r1 < 0:
-                ne = _count_down(rem, s1, gaps, gptr, gend, evs, ne, i + 1)
-                if ne < 0:
-                    return -1
-            if r2 < 0:
-                ne = _count_down(rem, s2, gaps, gptr, gend, evs, ne, i + 2)
-                if ne < 0:
-                    return -1
-            if r3 < 0:
-                ne = _count_down(rem, s3, gaps, gptr, gend, evs, ne, i + 3)
-                if ne < 0:
-                    return -1
+            ne = _count_down_group(rem, s0, s1, s2, s3, r0, r1, r2, r3, gaps, gptr, gend, evs, ne, i)
+            if ne < 0:
+                return -1
     for i in range(4 * n4, n):  # tail (< 4 elements)
         s = (((i & (_LANES - 1))) << 8) | ((np.int64(old[i]) >> shift) & emask)
         rem[s] -= 1
@@ -694,14 +707,7 @@ def _find_changes16(old, old64, shift, emask, classes, nev_c, gaps, gptr, evs):
     """_find_changes for 16-bit data read as 64-bit words (four elements, one
     per lane, per load): same result, ~15 % faster because the class of each
     element comes from one shift of a register instead of four loads."""
-    gend = np.zeros(_NCLASS, dtype=np.int64)
-    rem = np.full(_LANES * _NCLASS, np.int64(1) << 62, dtype=np.int64)
-    for j in range(classes.shape[0]):
-        c = classes[j]
-        for lane in range(_LANES):
-            rem[(lane << 8) | c] = gaps[gptr[c]]
-            gptr[c] += 1
-        gend[c] = gptr[c] + nev_c[j]
+    gend, rem = _start_countdowns(classes, nev_c, gaps, gptr)
     ne = 0
     sh = np.uint64(shift)
     em = np.uint64(emask)
@@ -719,24 +725,10 @@ def _find_changes16(old, old64, shift, emask, classes, nev_c, gaps, gptr, evs):
         rem[s1] = r1
         rem[s2] = r2
         rem[s3] = r3
-        if (r0 | r1 | r2 | r3) < 0:
-            i = 4 * j
-            if r0 < 0:
-                ne = _count_down(rem, s0, gaps, gptr, gend, evs, ne, i)
-                if ne < 0:
-                    return -1
-            if r1 < 0:
-                ne = _count_down(rem, s1, gaps, gptr, gend, evs, ne, i + 1)
-                if ne < 0:
-                    return -1
-            if r2 < 0:
-                ne = _count_down(rem, s2, gaps, gptr, gend, evs, ne, i + 2)
-                if ne < 0:
-                    return -1
-            if r3 < 0:
-                ne = _count_down(rem, s3, gaps, gptr, gend, evs, ne, i + 3)
-                if ne < 0:
-                    return -1
+        if (r0 | r1 | r2 | r3) < 0:  # rare: handle the group in element order
+            ne = _count_down_group(rem, s0, s1, s2, s3, r0, r1, r2, r3, gaps, gptr, gend, evs, ne, 4 * j)
+            if ne < 0:
+                return -1
     for i in range(4 * old64.shape[0], old.shape[0]):  # tail (< 4 elements)
         s = ((i & (_LANES - 1)) << 8) | ((np.int64(old[i]) >> shift) & emask)
         rem[s] -= 1
