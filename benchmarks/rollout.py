@@ -147,7 +147,8 @@ async def _served_weights(stack, model_dir, tokenizer, steps: int) -> dict[str, 
                 for group in fixed_groups(model_dir, 1, group_size=4, seed=step, versions=[status.policy_version]):
                     for trajectory in group:
                         await stream.publish(trajectory)
-                status = await _wait(stub, lambda s, v=status.policy_version: s.policy_version > v and s.updates_applied > 0)
+                # The report is recorded just after the version switches: wait for it too.
+                status = await _wait(stub, lambda s, v=status.policy_version, n=status.updates_applied: s.policy_version > v and s.updates_applied > n)
                 applies.append(status.last_apply_ms)
                 paths.add(status.apply_path)
                 readback = status.readback_elements

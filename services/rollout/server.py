@@ -1,6 +1,7 @@
 """gRPC adapter of the rollout service: Generate (production and RL on one engine),
-RunEpisodes, Score, Status; the OpenAI-compatible HTTP API on the same engine; the
-background RL workers; and the subscription that applies new policy versions in place."""
+RunEpisodes, Score, Status. It owns the components and their order -- the engine, the
+OpenAI-compatible HTTP API on it, the background RL workers, and the weight follower that
+applies new policy versions (weight_follower.py) -- and translates RPCs to them."""
 from __future__ import annotations
 
 import asyncio
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import grpc
 
-from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument
+from meridian.errors import FailedPrecondition, InvalidArgument
 from meridian.grpc_runtime import open_channel
 from meridian.model_store import resolve_model
+from meridian.tensors import RawTensor, from_torch, weights_hash
 from meridian.trajectory_stream import TrajectoryStream
 from meridian.v1 import envsandbox_pb2 as sbx
 from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
@@ -23,11 +25,8 @@ from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_VERSION, Engine, Sampling
 from services.rollout.episodes import EpisodeLimits, fetch_task, run_group
-from services.rollout.weight_changes import ChangeSet
-from services.rollout.weight_updates import Tolerance, UpdateReport, WeightUpdater
-from services.weightsync import client as weightsync
-from services.weightsync.receiver import UndoLog
-from meridian.tensors import RawTensor, Weights, from_torch, weights_hash
+from services.rollout.weight_follower import WeightFollower
+from services.rollout.weight_updates import Tolerance, WeightUpdater
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +46,6 @@ def load_checkpoint_weights(model_dir: Path) -> dict[str, RawTensor]:
     return weights
 
 
-def _served_version(weights: Weights, pending: list[UndoLog]) -> dict[str, RawTensor]:
-    """The version the engine serves, rebuilt from the decoder's newer ``weights`` and the
-    undo logs of the versions after it (copies only the tensors they touched)."""
-    served = dict(weights)
-    for undo in reversed(pending):
-        served = undo.previous_weights(served)
-    return served
-
-
 class RolloutService(pb_grpc.RolloutServicer):
     """Production inference and RL rollouts on one engine."""
 
@@ -70,18 +60,11 @@ class RolloutService(pb_grpc.RolloutServicer):
         self._sandbox_channel = open_channel(config.envsandbox)
         self.sandboxes = sbx_grpc.EnvSandboxStub(self._sandbox_channel)
         self.limits = EpisodeLimits(config.max_turns, config.episode_wall_s, config.max_model_len)
-        self.weights_hash = ""
+        self.loaded_hash = ""
         self.episodes_completed = 0
         self.episodes_discarded = 0
-        self.updates_applied = 0
-        self.latest_published = -1
-        self.last_update: UpdateReport | None = None
-        self.updates_rejected = 0
-        self.rejected_version = -1
-        self.last_update_error = ""
-        self.updater: WeightUpdater | None = None
+        self.follower: WeightFollower | None = None
         self._follow: asyncio.Task[None] | None = None
-        self._held: dict[str, RawTensor] = {}
         self._http = None
         self.workers = RLWorkers(config.rl_workers, self._background_group, self._backpressure)
 
@@ -93,10 +76,13 @@ class RolloutService(pb_grpc.RolloutServicer):
         self.engine = Engine(model_dir, self.config.max_model_len, self.config.kv_cache_gib, self.config.seed, self.config.update_policy, self.config.rl_quiet_ms / 1000)
         await self.engine.start()
         # Version 0 as loaded: the base the first delta decodes on (updated in place after).
-        self._held = await asyncio.to_thread(load_checkpoint_weights, model_dir)
-        self.weights_hash = weights_hash(self._held)
-        self.updater = WeightUpdater(self.engine, self.config.weight_apply, Tolerance(self.config.canary_mean_tolerance, self.config.canary_max_tolerance))
-        await self.updater.prepare(self._held, sorted(model_dir.glob("*.safetensors")))
+        held = await asyncio.to_thread(load_checkpoint_weights, model_dir)
+        self.loaded_hash = weights_hash(held)
+        if self.config.weightsync:
+            updater = WeightUpdater(self.engine, self.config.weight_apply, Tolerance(self.config.canary_mean_tolerance, self.config.canary_max_tolerance))
+            await updater.prepare(held, sorted(model_dir.glob("*.safetensors")))
+            self.follower = WeightFollower(self.config.weightsync, updater, held, self.loaded_hash)
+        del held
         # Warm-up: one real generation before reporting SERVING.
         async for _ in self.engine.generate([self.engine.tokenizer.bos_token_id or 0], Sampling(max_tokens=2), PRIORITY_PRODUCTION):
             pass
@@ -108,8 +94,8 @@ class RolloutService(pb_grpc.RolloutServicer):
             port = await self._http.start()
             # The stack launcher reads this line; keep its shape stable.
             print(f"meridian rollout http listening on {self.config.http_host}:{port}", flush=True)
-        if self.config.weightsync:
-            self._follow = asyncio.create_task(self._follow_weights())
+        if self.follower is not None:
+            self._follow = asyncio.create_task(self.follower.run())
         self.workers.start()
 
     async def stop(self) -> None:
@@ -131,52 +117,6 @@ class RolloutService(pb_grpc.RolloutServicer):
                 if self.engine:
                     self.engine.shutdown()
 
-    async def _follow_weights(self) -> None:
-        """Applies every new version from weightsync; a rejected one leaves the previous
-        version served, and the next version is applied on top of both."""
-        updater = self.updater
-        assert updater is not None, "start() prepares the updater"
-        weights, version = self._held, 0
-        pending: list[UndoLog] = []  # versions decoded but not yet served, oldest first
-        while True:
-            subscriber = weightsync.WeightSubscriber(self.config.weightsync, weights, version, in_place=True)
-            try:
-                async for update in subscriber.updates(follow=True):
-                    self.latest_published = max(self.latest_published, update.version)
-                    weights, version = update.weights, update.version
-                    assert update.undo is not None, "an in-place subscriber records undo logs"
-                    pending.append(update.undo)
-                    changes = await asyncio.to_thread(ChangeSet.from_undos, weights, pending)
-                    report = await updater.update(changes, weights, update.manifest.canary, lambda w=weights, p=pending: _served_version(w, p))
-                    self._record(report, update.manifest.weights_hash)
-                    if report.accepted:
-                        pending.clear()
-            except asyncio.CancelledError:
-                raise
-            except (DataLoss, FailedPrecondition) as exc:
-                log.warning("weight update failed (%s); asking for a keyframe", exc)
-                weights, version, pending = {}, -1, []
-            except grpc.aio.AioRpcError as exc:
-                log.warning("weightsync %s: %s; reconnecting", self.config.weightsync, exc.code().name)
-            finally:
-                await subscriber.close()
-            await asyncio.sleep(1.0)
-
-    def _record(self, report: UpdateReport, manifest_hash: str) -> None:
-        self.last_update = report
-        if report.accepted:
-            self.weights_hash = manifest_hash
-            self.updates_applied += 1
-            log.info(
-                "serving policy version %d (%s) via the %s path in %.0f ms (%s); %d elements written, %d read back; canary %s",
-                report.version, manifest_hash[:12], report.path, report.apply_ms,
-                ", ".join(f"{k} {v:.0f}" for k, v in report.timings.items()), report.elements, report.readback_elements,
-                f"mean {report.canary.mean_diff:.3f} max {report.canary.max_diff:.3f}" if report.canary else "absent",
-            )
-        else:
-            self.updates_rejected += 1
-            self.rejected_version, self.last_update_error = report.version, report.error
-
     # ------------------------------------------------------------ RL work
 
     async def _backpressure(self) -> str:
@@ -184,10 +124,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         backlog = await self.stream.backlog(TRAINER_GROUP)
         if backlog > self.config.rl_high_water:
             return f"stream backlog {backlog} > {self.config.rl_high_water}"
-        if self.config.weightsync:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                self.latest_published = max(self.latest_published, await weightsync.latest_version(self.config.weightsync, timeout_s=2.0))
-        lag = self.latest_published - self._engine().version
+        lag = self.follower.lag() if self.follower is not None else 0
         if lag > self.config.max_policy_lag:
             return f"policy lag {lag} > {self.config.max_policy_lag}"
         return ""
@@ -285,23 +222,24 @@ class RolloutService(pb_grpc.RolloutServicer):
         return pb.RunEpisodesResponse(trajectories=trajectories)
 
     async def Status(self, request: pb.RolloutStatusRequest, context: grpc.aio.ServicerContext) -> pb.RolloutStatus:
-        last = self.last_update
+        follower = self.follower
+        last = follower.last_update if follower else None
         return pb.RolloutStatus(
             policy_version=self.engine.version if self.engine else 0,
             model=self.config.model,
-            weights_hash=self.weights_hash,
+            weights_hash=follower.weights_hash if follower else self.loaded_hash,
             episodes_completed=self.episodes_completed,
-            updates_applied=self.updates_applied,
+            updates_applied=follower.updates_applied if follower else 0,
             weightsync_address=self.config.weightsync,
-            latest_published_version=self.latest_published,
+            latest_published_version=follower.latest_published if follower else -1,
             rl_state=self.workers.state,
             rl_trajectories_published=self.workers.published,
             http_port=self._http.port if self._http is not None else 0,
             last_apply_ms=last.apply_ms if last else 0.0,
             apply_path=last.path if last else "",
-            updates_rejected=self.updates_rejected,
-            rejected_version=self.rejected_version,
-            last_update_error=self.last_update_error,
+            updates_rejected=follower.updates_rejected if follower else 0,
+            rejected_version=follower.rejected_version if follower else -1,
+            last_update_error=follower.last_update_error if follower else "",
             canary_mean_diff=last.canary.mean_diff if last and last.canary else 0.0,
             canary_max_diff=last.canary.max_diff if last and last.canary else 0.0,
             readback_elements=last.readback_elements if last else 0,

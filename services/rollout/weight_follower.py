@@ -1,0 +1,98 @@
+"""Rollout's weight follower: subscribes to weightsync from the version the engine serves,
+hands every new version to the :class:`~services.rollout.weight_updates.WeightUpdater`,
+and knows how far behind the newest published version the engine is (from the manifests
+it receives, without asking weightsync)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import grpc
+
+from meridian.errors import DataLoss, FailedPrecondition
+from meridian.tensors import RawTensor, Weights
+from meridian.v1 import weightsync_pb2 as wpb
+from services.rollout.weight_changes import ChangeSet
+from services.rollout.weight_updates import UpdateReport, WeightUpdater
+from services.weightsync import client as weightsync
+from services.weightsync.receiver import UndoLog
+
+log = logging.getLogger(__name__)
+
+
+def served_version(weights: Weights, pending: list[UndoLog]) -> dict[str, RawTensor]:
+    """The version the engine serves, rebuilt from the decoder's newer ``weights`` and the
+    undo logs of the versions after it (copies only the tensors they touched)."""
+    served = dict(weights)
+    for undo in reversed(pending):
+        served = undo.previous_weights(served)
+    return served
+
+
+class WeightFollower:
+    """Applies each version weightsync publishes; a rejected one leaves the previous
+    version served, and the next one is applied on top of every version not yet served."""
+
+    def __init__(self, address: str, updater: WeightUpdater, weights: Mapping[str, RawTensor], weights_hash: str) -> None:
+        self.address = address
+        self.updater = updater
+        self._weights = dict(weights)
+        self.weights_hash = weights_hash
+        self.latest_published = -1
+        self.last_update: UpdateReport | None = None
+        self.updates_applied = 0
+        self.updates_rejected = 0
+        self.rejected_version = -1
+        self.last_update_error = ""
+
+    def lag(self) -> int:
+        """Versions published that the engine does not serve yet (0 before any is known)."""
+        return max(0, self.latest_published - self.updater.engine.version)
+
+    def _seen(self, manifest: wpb.Manifest) -> None:
+        self.latest_published = max(self.latest_published, manifest.version)
+
+    async def run(self) -> None:
+        """Follows until cancelled, reconnecting after a transport failure and starting over
+        from a keyframe when the held weights can no longer be trusted."""
+        weights, version = self._weights, self.updater.engine.version
+        self._weights = {}  # the subscriber's decoder owns (and updates) them from here
+        pending: list[UndoLog] = []  # versions decoded but not yet served, oldest first
+        while True:
+            subscriber = weightsync.WeightSubscriber(self.address, weights, version, in_place=True, on_manifest=self._seen)
+            try:
+                async for update in subscriber.updates(follow=True):
+                    weights, version = update.weights, update.version
+                    assert update.undo is not None, "an in-place subscriber records undo logs"
+                    pending.append(update.undo)
+                    changes = await asyncio.to_thread(ChangeSet.from_undos, weights, pending)
+                    report = await self.updater.update(changes, weights, update.manifest.canary, lambda w=weights, p=pending: served_version(w, p))
+                    self._record(report, update.manifest.weights_hash)
+                    if report.accepted:
+                        pending.clear()
+            except asyncio.CancelledError:
+                raise
+            except (DataLoss, FailedPrecondition) as exc:
+                log.warning("weight update failed (%s); asking for a keyframe", exc)
+                weights, version, pending = {}, -1, []
+            except grpc.aio.AioRpcError as exc:
+                log.warning("weightsync %s: %s; reconnecting", self.address, exc.code().name)
+            finally:
+                await subscriber.close()
+            await asyncio.sleep(1.0)
+
+    def _record(self, report: UpdateReport, manifest_hash: str) -> None:
+        self.last_update = report
+        if report.accepted:
+            self.weights_hash = manifest_hash
+            self.updates_applied += 1
+            log.info(
+                "serving policy version %d (%s) via the %s path in %.0f ms (%s); %d elements written, %d read back; canary %s",
+                report.version, manifest_hash[:12], report.path, report.apply_ms,
+                ", ".join(f"{k} {v:.0f}" for k, v in report.timings.items()), report.elements, report.readback_elements,
+                f"mean {report.canary.mean_diff:.3f} max {report.canary.max_diff:.3f}" if report.canary else "absent",
+            )
+        else:
+            self.updates_rejected += 1
+            self.rejected_version, self.last_update_error = report.version, report.error
