@@ -128,7 +128,7 @@ async def _served_weights(stack, model_dir, tokenizer, steps: int) -> dict[str, 
     """Drives ``steps`` real trainer steps (fixed synthetic groups through the stream, the
     stack's learner at its own learning rate) and measures each update's arrival."""
     from meridian.grpc_runtime import open_channel
-    from meridian.trajectory_stream import TrajectoryStream
+    from meridian.trajectory_transport import TransportConfig, open_transport
     from meridian.v1 import rollout_pb2 as pb
     from meridian.v1 import rollout_pb2_grpc as pb_grpc
     from benchmarks.support.synthetic import fixed_groups
@@ -139,14 +139,13 @@ async def _served_weights(stack, model_dir, tokenizer, steps: int) -> dict[str, 
         stub = pb_grpc.RolloutStub(channel)
         base = await _served_vs_reference(stub, model_dir, stack.addresses["weightsync"], sequences)
         out["served_logprob_max_diff_v0"], out["served_logprob_mean_diff_v0"] = base
-        stream = TrajectoryStream.from_url(stack.redis_url)
+        stream = open_transport(TransportConfig(url=stack.redis_url))
         applies, paths, readback = [], set(), 0
         try:
             for step in range(1, steps + 1):
                 status = await stub.Status(pb.RolloutStatusRequest())
                 for group in fixed_groups(model_dir, 1, group_size=4, seed=step, versions=[status.policy_version]):
-                    for trajectory in group:
-                        await stream.publish(trajectory)
+                    await stream.publish_group(group)
                 # The report is recorded just after the version switches: wait for it too.
                 status = await _wait(stub, lambda s, v=status.policy_version, n=status.updates_applied: s.policy_version > v and s.updates_applied > n)
                 applies.append(status.last_apply_ms)

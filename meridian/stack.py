@@ -285,7 +285,7 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
 async def gather_status(stack: Stack) -> dict[str, object]:
     """Health of each service, rollout and trainer versions, and the stream's counters."""
     from meridian.grpc_runtime import check_health, open_channel
-    from meridian.trajectory_stream import TrajectoryStream
+    from meridian.trajectory_transport import TransportConfig, open_transport
     from meridian.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weightsync_pb2, weightsync_pb2_grpc
 
     out: dict[str, object] = {"services": {}}
@@ -303,13 +303,13 @@ async def gather_status(stack: Stack) -> dict[str, object]:
         async with open_channel(stack.addresses[name]) as ch:
             reply = await call(ch)
         out["services"][name]["policy_version"] = reply.latest_version if name == "weightsync" else reply.policy_version  # type: ignore[index]
-    stream = TrajectoryStream.from_url(stack.redis_url)
+    transport = open_transport(TransportConfig(url=stack.redis_url))
     try:
-        out["stream"] = {"name": stream.name, "length": await stream.length(), "pending": await stream.pending("trainer")}
+        out["stream"] = {"name": transport.config.stream, "groups": await transport.length(), "pending": await transport.pending()}
     except Exception as exc:  # noqa: BLE001 - status reports what it can
         out["stream"] = {"error": str(exc)}
     finally:
-        await stream.close()
+        await transport.close()
     return out
 
 

@@ -47,6 +47,14 @@ class Trajectory(_message.Message):
     model: str
     def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ...) -> None: ...
 
+class TrajectoryGroup(_message.Message):
+    __slots__ = ("group_id", "trajectories")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
+    def __init__(self, group_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ...) -> None: ...
+
 class Timings(_message.Message):
     __slots__ = ("generate_s", "sandbox_s", "total_s", "created_unix")
     GENERATE_S_FIELD_NUMBER: _ClassVar[int]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from meridian import trajectory_transport as transport
 from meridian.config import opt
 
 
@@ -11,8 +12,9 @@ class RolloutConfig:
     model: str = opt("builtin", "Hugging Face model folder, or 'builtin' for SmolLM2-135M-Instruct")
     envsandbox: str = opt("127.0.0.1:50052", "envsandbox address")
     weightsync: str = opt("", "weightsync address to take new policy versions from (empty: none)")
-    redis_url: str = opt("redis://127.0.0.1:6390/0", "Redis holding the trajectory stream")
-    stream: str = opt("meridian:trajectories", "trajectory stream name")
+    redis_url: str = opt(transport.DEFAULT_URL, "Redis holding the trajectory stream")
+    stream: str = opt(transport.DEFAULT_STREAM, "trajectory stream name")
+    consumer_group: str = opt(transport.DEFAULT_CONSUMER_GROUP, "the trainer's consumer group, whose backlog the RL workers watch")
     group_size: int = opt(4, "samples per task (GRPO group) when a request asks for none")
     max_tokens: int = opt(128, "generated tokens per sample when a request asks for none")
     temperature: float = opt(1.0, "RL sampling temperature when a request gives none")
@@ -26,11 +28,14 @@ class RolloutConfig:
     http_host: str = opt("127.0.0.1", "OpenAI-compatible HTTP API address")
     http_port: int = opt(-1, "OpenAI-compatible HTTP API port (0: a free port; -1: off)")
     rl_workers: int = opt(0, "background RL episode workers filling spare capacity (0: only on-demand RunEpisodes)")
-    rl_high_water: int = opt(2000, "RL workers pause while the trajectory stream holds more unconsumed entries than this")
-    max_policy_lag: int = opt(2, "RL workers pause while this rollout lags the newest published version by more")
+    rl_high_water: int = opt(500, "RL workers pause while the trajectory stream holds more unconsumed groups than this")
+    rl_max_lag: int = opt(2, "RL workers pause while this rollout lags the newest published version by more (the trainer's max_policy_lag is what it drops)")
     rl_quiet_ms: float = opt(200.0, "RL model turns start only after production traffic has been quiet this long")
     max_turns: int = opt(4, "model turns per episode")
     episode_wall_s: float = opt(300.0, "wall-clock limit of one episode")
+
+    def transport_config(self) -> transport.TransportConfig:
+        return transport.TransportConfig(self.redis_url, self.stream, self.consumer_group)
 
     def __post_init__(self) -> None:
         if self.group_size <= 0 or self.max_tokens <= 0 or self.max_model_len <= 0:
@@ -47,5 +52,5 @@ class RolloutConfig:
             raise ValueError(f"http_port must be -1 (off), 0 (free port) or a port, got {self.http_port}")
         if self.rl_quiet_ms < 0:
             raise ValueError(f"rl_quiet_ms must be >= 0, got {self.rl_quiet_ms}")
-        if self.rl_workers < 0 or self.rl_high_water <= 0 or self.max_policy_lag < 0 or self.max_turns <= 0 or self.episode_wall_s <= 0:
-            raise ValueError("rl_workers and max_policy_lag must be >= 0; rl_high_water, max_turns, episode_wall_s > 0")
+        if self.rl_workers < 0 or self.rl_high_water <= 0 or self.rl_max_lag < 0 or self.max_turns <= 0 or self.episode_wall_s <= 0:
+            raise ValueError("rl_workers and rl_max_lag must be >= 0; rl_high_water, max_turns, episode_wall_s > 0")

@@ -17,7 +17,8 @@ from meridian.errors import FailedPrecondition, InvalidArgument
 from meridian.grpc_runtime import open_channel
 from meridian.model_store import resolve_model
 from meridian.tensors import RawTensor, from_torch, weights_hash
-from meridian.trajectory_stream import TrajectoryStream
+from meridian.trajectory_transport import open_transport
+from meridian.v1 import common_pb2
 from meridian.v1 import envsandbox_pb2 as sbx
 from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
 from meridian.v1 import rollout_pb2 as pb
@@ -33,7 +34,6 @@ log = logging.getLogger(__name__)
 MAX_GROUP = 64
 MAX_TASKS = 64
 MAX_STOPS = 16
-TRAINER_GROUP = "trainer"
 
 
 def load_checkpoint_weights(model_dir: Path) -> dict[str, RawTensor]:
@@ -56,7 +56,7 @@ class RolloutService(pb_grpc.RolloutServicer):
 
         self.config = config
         self.engine: Engine | None = None
-        self.stream = TrajectoryStream.from_url(config.redis_url, config.stream)
+        self.transport = open_transport(config.transport_config())
         self._sandbox_channel = open_channel(config.envsandbox)
         self.sandboxes = sbx_grpc.EnvSandboxStub(self._sandbox_channel)
         self.limits = EpisodeLimits(config.max_turns, config.episode_wall_s, config.max_model_len)
@@ -112,7 +112,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         finally:
             try:
                 await self._sandbox_channel.close()
-                await self.stream.close()
+                await self.transport.close()
             finally:
                 if self.engine:
                     self.engine.shutdown()
@@ -121,19 +121,19 @@ class RolloutService(pb_grpc.RolloutServicer):
 
     async def _backpressure(self) -> str:
         """Why RL workers should wait now ('' when they may run)."""
-        backlog = await self.stream.backlog(TRAINER_GROUP)
+        backlog = await self.transport.backlog()
         if backlog > self.config.rl_high_water:
-            return f"stream backlog {backlog} > {self.config.rl_high_water}"
+            return f"stream backlog {backlog} groups > {self.config.rl_high_water}"
         lag = self.follower.lag() if self.follower is not None else 0
-        if lag > self.config.max_policy_lag:
-            return f"policy lag {lag} > {self.config.max_policy_lag}"
+        if lag > self.config.rl_max_lag:
+            return f"policy lag {lag} > {self.config.rl_max_lag}"
         return ""
 
     async def _background_group(self) -> int:
-        trajectories = await self._run_groups(await self._pick_tasks(1), self.config.group_size, self._sampling(pb.SamplingParams(), self.config.temperature))
-        for traj in trajectories:
-            await self.stream.publish(traj)
-        return len(trajectories)
+        groups = await self._run_groups(await self._pick_tasks(1), self.config.group_size, self._sampling(pb.SamplingParams(), self.config.temperature))
+        for group in groups:
+            await self.transport.publish_group(group)
+        return sum(len(g) for g in groups)
 
     async def _pick_tasks(self, count: int) -> list[sbx.Task]:
         listed = (await self.sandboxes.ListTasks(sbx.ListTasksRequest(split="train"))).tasks
@@ -141,16 +141,15 @@ class RolloutService(pb_grpc.RolloutServicer):
             raise FailedPrecondition("envsandbox has no training tasks")
         return random.sample(list(listed), k=min(len(listed), count))
 
-    async def _run_groups(self, tasks: list[sbx.Task], group_size: int, sampling: Sampling) -> list:  # type: ignore[type-arg]
+    async def _run_groups(self, tasks: list[sbx.Task], group_size: int, sampling: Sampling) -> list[list[common_pb2.Trajectory]]:
         """Samples one group per task. A group with tokens from a version that was then
         rejected is dropped whole: no policy produced those samples."""
         engine = self._engine()
         groups = await asyncio.gather(*(run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits) for t in tasks))
         kept = [g for g in groups if not any(REJECTED_VERSION in t.policy_versions for t in g)]
         self.episodes_discarded += sum(len(g) for g in groups) - sum(len(g) for g in kept)
-        trajectories = [t for g in kept for t in g]
-        self.episodes_completed += len(trajectories)
-        return trajectories
+        self.episodes_completed += sum(len(g) for g in kept)
+        return kept
 
     # ------------------------------------------------------------ RPCs
 
@@ -215,11 +214,11 @@ class RolloutService(pb_grpc.RolloutServicer):
             tasks = [await fetch_task(self.sandboxes, tid) for tid in request.task_ids]
         else:
             tasks = await self._pick_tasks(request.num_tasks or 1)
-        trajectories = await self._run_groups(tasks, group_size, sampling)
+        groups = await self._run_groups(tasks, group_size, sampling)
         if request.publish:
-            for traj in trajectories:
-                await self.stream.publish(traj)
-        return pb.RunEpisodesResponse(trajectories=trajectories)
+            for group in groups:
+                await self.transport.publish_group(group)
+        return pb.RunEpisodesResponse(trajectories=[t for g in groups for t in g])
 
     async def Status(self, request: pb.RolloutStatusRequest, context: grpc.aio.ServicerContext) -> pb.RolloutStatus:
         follower = self.follower

@@ -21,42 +21,6 @@ class Batch:
     token_weights: torch.Tensor      # [B, 1] staleness weight of each sequence (1 within the bound)
 
 
-class GroupBuffer:
-    """Collects trajectories until their GRPO group is complete; drops duplicates."""
-
-    def __init__(self) -> None:
-        self._groups: dict[str, dict[str, tuple[str, common_pb2.Trajectory]]] = {}
-        self.seen: set[str] = set()
-        self._entry_of: dict[str, str] = {}
-
-    def add(self, entry_id: str, traj: common_pb2.Trajectory) -> bool:
-        """Adds one trajectory; False when it was already seen (a redelivery)."""
-        if traj.trajectory_id in self.seen:
-            return False
-        self.seen.add(traj.trajectory_id)
-        self._entry_of[traj.trajectory_id] = entry_id
-        self._groups.setdefault(traj.group_id, {})[traj.trajectory_id] = (entry_id, traj)
-        return True
-
-    def holds(self, trajectory_id: str) -> str | None:
-        """The entry id under which a trajectory waits in the buffer, or None."""
-        return self._entry_of.get(trajectory_id)
-
-    def pop_complete(self, count: int) -> list[list[tuple[str, common_pb2.Trajectory]]]:
-        """Exactly ``count`` complete groups, oldest first, removed from the buffer; or none."""
-        ready = [gid for gid, members in self._groups.items() if len(members) >= next(iter(members.values()))[1].group_size]
-        if len(ready) < count:
-            return []
-        popped = [list(self._groups.pop(gid).values()) for gid in ready[:count]]
-        for group in popped:
-            for _, traj in group:
-                self._entry_of.pop(traj.trajectory_id, None)
-        return popped
-
-    def pending(self) -> int:
-        return sum(len(m) for m in self._groups.values())
-
-
 def build_batch(
     groups: Iterable[list[common_pb2.Trajectory]],
     pad_id: int,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from meridian import trajectory_transport as transport
 from meridian.config import opt
 
 STALE_MODES = ("drop", "downweight")
@@ -12,9 +13,9 @@ STALE_MODES = ("drop", "downweight")
 class TrainerConfig:
     model: str = opt("builtin", "Hugging Face model folder, or 'builtin' for SmolLM2-135M-Instruct")
     weightsync: str = opt("127.0.0.1:50054", "weightsync origin to publish versions to")
-    redis_url: str = opt("redis://127.0.0.1:6390/0", "Redis holding the trajectory stream")
-    stream: str = opt("meridian:trajectories", "trajectory stream name")
-    group: str = opt("trainer", "consumer group name (one per training job)")
+    redis_url: str = opt(transport.DEFAULT_URL, "Redis holding the trajectory stream")
+    stream: str = opt(transport.DEFAULT_STREAM, "trajectory stream name")
+    consumer_group: str = opt(transport.DEFAULT_CONSUMER_GROUP, "consumer group of this training job (rollouts measure their backlog against it)")
     consumer: str = opt("trainer-0", "this process's consumer name within the group")
     groups_per_step: int = opt(1, "complete GRPO groups per optimizer step")
     lr: float = opt(1e-6, "AdamW peak learning rate")
@@ -36,9 +37,12 @@ class TrainerConfig:
     keep_checkpoints: int = opt(2, "complete checkpoints kept on disk")
     claim_idle_ms: int = opt(60_000, "claim entries another consumer left pending this long (XAUTOCLAIM)")
     claim_every_s: float = opt(10.0, "seconds between claims of stale pending entries")
-    dedupe_window: int = opt(1_000_000, "trained trajectory ids remembered (in checkpoints) to drop redeliveries")
+    dedupe_window: int = opt(1_000_000, "trained group ids remembered (in checkpoints) to drop redeliveries")
     threads: int = opt(1, "torch CPU threads")
     seed: int = opt(0, "torch seed")
+
+    def transport_config(self) -> transport.TransportConfig:
+        return transport.TransportConfig(self.redis_url, self.stream, self.consumer_group)
 
     def __post_init__(self) -> None:
         if self.groups_per_step <= 0 or self.lr <= 0 or self.threads <= 0:

@@ -27,13 +27,12 @@ from opentelemetry.trace import Link
 
 from meridian import telemetry
 from meridian.model_store import resolve_model
-from meridian.trajectory_stream import Entry, TrajectoryStream
+from meridian.trajectory_transport import GroupEntry, GroupTransport, open_transport
 from meridian.v1 import common_pb2
 from meridian.v1 import trainer_pb2 as pb
 from meridian.v1 import trainer_pb2_grpc as pb_grpc
 from meridian.v1 import weightsync_pb2
 from services.trainer import checkpoint as ckpt
-from services.trainer.batch import GroupBuffer
 from services.trainer.config import TrainerConfig
 from services.weightsync import client as weightsync
 from meridian.tensors import RawTensor, weights_hash
@@ -47,7 +46,7 @@ RECENT_STEPS = 256
 
 
 class TrainedIds:
-    """Trajectory ids already trained on, oldest first, bounded to ``window`` ids."""
+    """Group ids already trained on, oldest first, bounded to ``window`` ids."""
 
     def __init__(self, window: int, ids: list[str] | None = None) -> None:
         self.window = window
@@ -70,14 +69,15 @@ class TrainerService(pb_grpc.TrainerServicer):
 
     service_names = (pb.DESCRIPTOR.services_by_name["Trainer"].full_name,)
 
-    def __init__(self, config: TrainerConfig, learner: Any = None) -> None:
+    def __init__(self, config: TrainerConfig, learner: Any = None, transport: GroupTransport | None = None) -> None:
         self.config = config
-        self.stream = TrajectoryStream.from_url(config.redis_url, config.stream)
-        self.buffer = GroupBuffer()
+        self.transport = transport if transport is not None else open_transport(config.transport_config())
+        # Complete groups received and not trained on yet, oldest first: group id -> (entry id, group).
+        self.ready: dict[str, tuple[str, common_pb2.TrajectoryGroup]] = {}
         self.learner = learner  # loaded in start() unless given: torch and the model are heavy
         self.trained = TrainedIds(config.dedupe_window)
-        # Entries whose effect is in the weights but not yet in a checkpoint: acked at the next commit.
-        self._unacked: dict[str, str] = {}  # trajectory id -> entry id
+        # Groups whose effect is in the weights but not yet in a checkpoint: acked at the next commit.
+        self._unacked: dict[str, str] = {}  # group id -> entry id
         self._uncommitted: list[pb.StepMetrics] = []
         self.history: list[dict[str, Any]] = []
         self.counters = collections.Counter[str]()
@@ -100,7 +100,7 @@ class TrainerService(pb_grpc.TrainerServicer):
             model_dir = await asyncio.to_thread(resolve_model, self.config.model)
             self.learner = await asyncio.to_thread(Learner, model_dir, self.config)
         resumed = await asyncio.to_thread(self._resume)
-        await self.stream.ensure_group(self.config.group)
+        await self.transport.ensure_consumer_group()
         await self._sync_initial_version(resumed)
         self._loop = asyncio.create_task(self._run())
 
@@ -109,7 +109,7 @@ class TrainerService(pb_grpc.TrainerServicer):
             self._loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
-        await self.stream.close()
+        await self.transport.close()
 
     def _checkpoint_root(self) -> Path | None:
         return Path(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
@@ -125,12 +125,14 @@ class TrainerService(pb_grpc.TrainerServicer):
             return False
         state, meta = ckpt.load_checkpoint(path)
         self.learner.load_state(state)
-        self.trained = TrainedIds(self.config.dedupe_window, meta["trained_ids"])
+        if "trained_groups" not in meta:
+            log.warning("checkpoint %s predates whole-group entries: its trained ids are not group ids, redeliveries are not recognised", path)
+        self.trained = TrainedIds(self.config.dedupe_window, meta.get("trained_groups", []))
         self.history = list(meta.get("history", []))
         self.consumed = int(meta.get("consumed", 0))
         self.counters.update(meta.get("counters", {}))
         self.checkpoint_step = self.resumed_from_step = int(meta["step"])
-        log.info("resumed from %s (step %d, version %d, %d trained ids)", path, meta["step"], meta["version"], len(meta["trained_ids"]))
+        log.info("resumed from %s (step %d, version %d, %d trained groups)", path, meta["step"], meta["version"], len(self.trained.as_list()))
         return True
 
     async def _sync_initial_version(self, resumed: bool) -> None:
@@ -189,17 +191,18 @@ class TrainerService(pb_grpc.TrainerServicer):
         cfg = self.config
         # Entries delivered to this consumer before a restart come first, then those a
         # dead consumer left behind, then new ones: stream order is kept where it can be.
-        for entry in await self.stream.read_own_pending(cfg.group, cfg.consumer, 10_000):
+        for entry in await self.transport.read_own_pending(cfg.consumer, 10_000):
             await self._accept(entry)
         await self._claim()
         while True:
             try:
                 if time.monotonic() >= self._next_claim:
                     await self._claim()
-                for entry in await self.stream.read(cfg.group, cfg.consumer, READ_COUNT, READ_BLOCK_MS):
+                for entry in await self.transport.read(cfg.consumer, READ_COUNT, READ_BLOCK_MS):
                     await self._accept(entry)
-                while groups := self.buffer.pop_complete(cfg.groups_per_step):
-                    await self._train(groups)
+                while len(self.ready) >= cfg.groups_per_step:
+                    taken = [self.ready.pop(gid) for gid in list(self.ready)[: cfg.groups_per_step]]
+                    await self._train(taken)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -210,7 +213,7 @@ class TrainerService(pb_grpc.TrainerServicer):
         """Takes over entries another (dead) consumer left pending for ``claim_idle_ms``."""
         self._next_claim = time.monotonic() + self.config.claim_every_s
         while True:
-            entries = await self.stream.claim_stale(self.config.group, self.config.consumer, self.config.claim_idle_ms)
+            entries = await self.transport.claim_stale(self.config.consumer, self.config.claim_idle_ms)
             fresh = 0
             for entry in entries:
                 fresh += await self._accept(entry)
@@ -221,40 +224,40 @@ class TrainerService(pb_grpc.TrainerServicer):
             if not fresh or len(entries) < 100:
                 return
 
-    async def _accept(self, entry: Entry) -> bool:
-        """Routes one delivered entry; True when it is new to this trainer."""
-        if entry.trajectory is None:
+    async def _accept(self, entry: GroupEntry) -> bool:
+        """Routes one delivered entry; True when its group is new to this trainer."""
+        if entry.group is None:
             log.warning("dead-lettering entry %s: %s", entry.entry_id, entry.error)
-            await self.stream.move_to_dead_letter(self.config.group, entry)
+            await self.transport.dead_letter(entry)
             self.counters["dead_lettered"] += 1
             return False
-        tid = entry.trajectory.trajectory_id
-        held = self.buffer.holds(tid) or self._unacked.get(tid)
+        gid = entry.group.group_id
+        held = self.ready[gid][0] if gid in self.ready else self._unacked.get(gid)
         if held == entry.entry_id:
             return False  # the same entry again (a claim of our own): it will be acked with its step
-        if held is not None or tid in self.trained:
+        if held is not None or gid in self.trained:
             # A second copy, or a redelivery of something a checkpoint already holds. The
             # copy we hold (if any) keeps its entry pending until its own commit.
             self.counters["duplicates_skipped"] += 1
-            await self.stream.ack(self.config.group, [entry.entry_id])
+            await self.transport.ack([entry.entry_id])
             return False
-        self.buffer.add(entry.entry_id, entry.trajectory)
+        self.ready[gid] = (entry.entry_id, entry.group)
         return True
 
     # ------------------------------------------------------------ training
 
-    async def _train(self, groups: list[list[tuple[str, common_pb2.Trajectory]]]) -> None:
+    async def _train(self, taken: list[tuple[str, common_pb2.TrajectoryGroup]]) -> None:
         learner = self.learner
-        trajs = [[t for _, t in g] for g in groups]
+        trajs = [list(group.trajectories) for _, group in taken]
         links = [Link(ctx) for g in trajs for t in g if (ctx := telemetry.span_context_of(dict(t.trace_context)))]
         with tracer.start_as_current_span("trainer.step", links=links) as span:
             result = await asyncio.to_thread(learner.step, trajs)
             span.set_attribute("meridian.step", result.step)
             span.set_attribute("meridian.trajectories", result.trajectories)
-            for eid, traj in (item for g in groups for item in g):
-                self.trained.add(traj.trajectory_id)
-                self._unacked[traj.trajectory_id] = eid
-            self.consumed += sum(len(g) for g in groups)
+            for eid, group in taken:
+                self.trained.add(group.group_id)
+                self._unacked[group.group_id] = eid
+            self.consumed += sum(len(g) for g in trajs)
             self.counters["dropped_stale"] += result.dropped_stale
             self.counters["downweighted_stale"] += result.downweighted_stale
             self.counters["dropped_groups"] += result.dropped_groups
@@ -297,7 +300,7 @@ class TrainerService(pb_grpc.TrainerServicer):
             meta = {
                 "step": learner.step_count,
                 "version": learner.version,
-                "trained_ids": self.trained.as_list(),
+                "trained_groups": self.trained.as_list(),
                 "history": self.history,
                 "consumed": self.consumed,
                 "counters": dict(self.counters),
@@ -312,7 +315,7 @@ class TrainerService(pb_grpc.TrainerServicer):
         metrics.published = True
         metrics.weightsync_raw_bytes = reply.raw_bytes
         metrics.weightsync_encoded_bytes = reply.encoded_bytes
-        await self.stream.ack(self.config.group, list(self._unacked.values()))
+        await self.transport.ack(list(self._unacked.values()))
         self._unacked.clear()
         self.recent.extend(self._uncommitted)
         self._uncommitted.clear()
@@ -326,7 +329,7 @@ class TrainerService(pb_grpc.TrainerServicer):
             step=learner.step_count if learner else 0,
             policy_version=learner.version if learner else 0,
             trajectories_consumed=self.consumed,
-            trajectories_pending=self.buffer.pending(),
+            trajectories_pending=sum(len(group.trajectories) for _, group in self.ready.values()),
             recent_steps=[*self.recent, *self._uncommitted],
             model=self.config.model,
             dropped_stale_total=c["dropped_stale"],

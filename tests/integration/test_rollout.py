@@ -12,7 +12,7 @@ import torch
 
 from meridian import stack as stack_mod
 from meridian.grpc_runtime import open_channel
-from meridian.trajectory_stream import TrajectoryStream
+from meridian.trajectory_transport import RedisGroupTransport, TransportConfig, decode_entry
 from meridian.v1 import rollout_pb2 as pb
 from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from services.weightsync.client import WeightSubscriber
@@ -80,10 +80,11 @@ def test_run_episodes_trajectories_are_consistent_and_land_in_the_stream(stack: 
         assert t.prompt_token_ids and 0.0 <= t.reward <= 1.0
 
     async def stream_ids() -> set[str]:
-        stream = TrajectoryStream.from_url(stack.redis_url)
+        stream = RedisGroupTransport(TransportConfig(url=stack.redis_url))
         try:
-            entries = await stream.redis.xrange(stream.name)
-            return {fields[b"trajectory_id"].decode() for _, fields in entries}
+            entries = [decode_entry(eid, fields) for eid, fields in await stream.redis.xrange(stream.config.stream)]
+            # Whole groups travel: the group's three trajectories are in one entry.
+            return {t.trajectory_id for e in entries if e.group for t in e.group.trajectories}
         finally:
             await stream.close()
 

@@ -10,7 +10,7 @@ import pytest
 
 from meridian import stack as stack_mod
 from meridian.grpc_runtime import check_health, open_channel
-from meridian.trajectory_stream import TrajectoryStream
+from meridian.trajectory_transport import TransportConfig, open_transport
 from meridian.v1 import rollout_pb2 as pb
 from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from meridian.v1 import envsandbox_pb2 as sbx
@@ -32,6 +32,11 @@ async def _greedy(address: str) -> tuple[list[int], list[int]]:
         return ids, versions
 
 
+async def _score(address: str, token_ids: list[int]) -> pb.ScoreResponse:
+    async with open_channel(address) as channel:
+        return await pb_grpc.RolloutStub(channel).Score(pb.ScoreRequest(token_ids=token_ids))
+
+
 async def _rollout_status(address: str) -> pb.RolloutStatus:
     async with open_channel(address) as channel:
         return await pb_grpc.RolloutStub(channel).Status(pb.RolloutStatusRequest())
@@ -51,11 +56,12 @@ def test_one_rl_step_end_to_end(stack: stack_mod.Stack, otlp: OtlpReceiver) -> N
     v0 = start.policy_version
     before_ids, before_versions = asyncio.run(_greedy(rollout))
     assert before_ids and set(before_versions) == {v0}
+    before_score = asyncio.run(_score(rollout, before_ids))
 
     async def stream_counts() -> tuple[int, int]:
-        stream = TrajectoryStream.from_url(stack.redis_url)
+        stream = open_transport(TransportConfig(url=stack.redis_url))
         try:
-            return await stream.length(), await stream.pending("trainer")
+            return await stream.length(), await stream.pending()
         finally:
             await stream.close()
 
@@ -82,10 +88,14 @@ def test_one_rl_step_end_to_end(stack: stack_mod.Stack, otlp: OtlpReceiver) -> N
         time.sleep(0.5)
     assert status.policy_version == v0 + 1 and status.updates_applied == start.updates_applied + 1
 
-    after_ids, after_versions = asyncio.run(_greedy(rollout))
+    _, after_versions = asyncio.run(_greedy(rollout))
     assert set(after_versions) == {v0 + 1}
-    assert after_ids != before_ids, "the new version's greedy output should differ from the old one's"
-    assert asyncio.run(stream_counts()) == (length_before + GROUP, 0), "every trajectory consumed and acked"
+    # Greedy tokens of a random model can survive one small step; their log-probs cannot.
+    after_score = asyncio.run(_score(rollout, before_ids))
+    assert after_score.policy_version == v0 + 1 and before_score.policy_version == v0
+    moved = max(abs(a - b) for a, b in zip(after_score.logprobs, before_score.logprobs))
+    assert moved > 1e-3, f"the served policy should change with the update (max log-prob change {moved})"
+    assert asyncio.run(stream_counts()) == (length_before + 1, 0), "the group travels as one entry, consumed and acked"
 
     episode_spans = {(t.trace_context["traceparent"].split("-")[1], t.trace_context["traceparent"].split("-")[2]) for t in trajs}
     assert otlp.wait_for(lambda r: any(set(s.links) & episode_spans for s in r.spans("trainer.step"))), (

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from meridian.grpc_runtime import open_channel
-from meridian.trajectory_stream import TrajectoryStream
+from meridian.trajectory_transport import DEAD_LETTER_SUFFIX, RedisGroupTransport, TransportConfig
 from meridian.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weightsync_pb2, weightsync_pb2_grpc
 from services.trainer import checkpoint as ckpt
 from services.trainer.config import TrainerConfig
@@ -159,7 +159,7 @@ class Job:
         """Waits for the last step's checkpoint and for every entry to be acked."""
         self.wait_step(proc, step)
         deadline = time.monotonic() + TIMEOUT_S
-        while stream_call(self.redis_url, lambda s: s.pending("trainer")) > 0:
+        while stream_call(self.redis_url, lambda s: s.pending()) > 0:
             assert time.monotonic() < deadline, "entries stay pending"
             time.sleep(0.05)
         return self.status()
@@ -193,7 +193,7 @@ def job(tmp_path: Path, redis_url: str, tiny_model: Path) -> Iterator[Job]:
 
 def stream_call(url: str, body: Any) -> Any:
     async def main() -> Any:
-        stream = TrajectoryStream.from_url(url, STREAM)
+        stream = RedisGroupTransport(TransportConfig(url=url, stream=STREAM))
         try:
             return await body(stream)
         finally:
@@ -202,21 +202,20 @@ def stream_call(url: str, body: Any) -> Any:
     return asyncio.run(main())
 
 
-def produce(url: str, items: list[common_pb2.Trajectory | dict[str, bytes]]) -> None:
-    """XADDs trajectories (or raw field dicts, for poison entries) in order."""
+Item = list[common_pb2.Trajectory] | dict[bytes, bytes]
 
-    async def body(stream: TrajectoryStream) -> None:
+
+def produce(url: str, items: list[Item]) -> None:
+    """Publishes whole groups (or raw field dicts, for poison entries) in order."""
+
+    async def body(stream: RedisGroupTransport) -> None:
         for item in items:
-            if isinstance(item, common_pb2.Trajectory):
-                await stream.publish(item)
+            if isinstance(item, list):
+                await stream.publish_group(item)
             else:
-                await stream.redis.xadd(stream.name, item)
+                await stream.redis.xadd(STREAM, item)
 
     stream_call(url, body)
-
-
-def flat(groups: list[list[common_pb2.Trajectory]]) -> list[common_pb2.Trajectory]:
-    return [t for g in groups for t in g]
 
 
 def assert_same_as_reference(job: Job, reference: list[dict[str, Any]]) -> None:
@@ -232,7 +231,7 @@ def assert_same_as_reference(job: Job, reference: list[dict[str, Any]]) -> None:
 def test_kill_9_at_random_moments_then_resume_gives_identical_weights(job: Job, groups: list[list[common_pb2.Trajectory]], reference: list[dict[str, Any]]) -> None:
     rng = random.Random(6)
     last = reference[-1]["step"]
-    produce(job.redis_url, flat(groups[: GROUPS // 2]))
+    produce(job.redis_url, list(groups[: GROUPS // 2]))
     kills = sorted(rng.sample(range(0, last), 3))
     for i, after_step in enumerate(kills):
         proc = job.start_trainer()
@@ -241,7 +240,7 @@ def test_kill_9_at_random_moments_then_resume_gives_identical_weights(job: Job, 
         time.sleep(rng.uniform(0.0, 0.4))  # mid-step, mid-checkpoint, mid-publish or idle
         _stop(proc, signal.SIGKILL)
         if i == 0:
-            produce(job.redis_url, flat(groups[GROUPS // 2 :]))
+            produce(job.redis_url, list(groups[GROUPS // 2 :]))
     proc = job.start_trainer()
     status = job.wait_settled(proc, last)
     assert status.resumed_from_step >= kills[-1]
@@ -250,37 +249,35 @@ def test_kill_9_at_random_moments_then_resume_gives_identical_weights(job: Job, 
 
 
 def test_duplicate_deliveries_change_nothing(job: Job, groups: list[list[common_pb2.Trajectory]], reference: list[dict[str, Any]]) -> None:
-    items: list[common_pb2.Trajectory | dict[str, bytes]] = []
+    items: list[Item] = []
     for i, group in enumerate(groups):
-        items += group
+        items.append(group)
         if i == 3:
-            items += groups[0]  # a whole group again, after it was trained on
+            items.append(groups[0])  # a group again, after it was trained on
         if i == 6:
-            items.append(groups[7][0])  # a member again while its group is still incomplete
-    items.append(groups[7][0])
-    produce(job.redis_url, items[:-1])
+            items.append(groups[6])  # a second copy while the first waits for its step partner
+    produce(job.redis_url, items)
     proc = job.start_trainer()
     job.wait_step(proc, reference[-1]["step"])
-    produce(job.redis_url, items[-1:])  # and once more after everything was trained
+    produce(job.redis_url, [groups[7]])  # and once more after everything was trained
     status = job.wait_settled(proc, reference[-1]["step"])
-    assert status.duplicates_skipped == 4
+    assert status.duplicates_skipped == 3
     assert status.trajectories_consumed == GROUPS * GROUP_SIZE
     assert_same_as_reference(job, reference)
 
 
 def test_dead_consumers_pending_entries_are_claimed(job: Job, groups: list[list[common_pb2.Trajectory]], reference: list[dict[str, Any]]) -> None:
-    # Consumer a trains a few steps and also holds an incomplete group when it dies.
-    first = flat(groups[:6]) + [groups[6][0]]
-    produce(job.redis_url, first)
+    # Consumer a trains a few steps and also holds a group waiting for its step partner when it dies.
+    produce(job.redis_url, list(groups[:7]))
     a = job.start_trainer("trainer-a")
-    job.wait_step(a, 3)  # groups 0-5 trained and acked; group 6's first member waits in a's buffer
+    job.wait_step(a, 3)  # groups 0-5 trained and acked; group 6 waits in a's hands, pending
     time.sleep(0.3)
     _stop(a, signal.SIGKILL)
     held_by_a = stream_call(job.redis_url, lambda s: s.redis.xpending_range(STREAM, "trainer", "-", "+", 100, "trainer-a"))
     assert [e["message_id"] for e in held_by_a], "the dead consumer should leave entries pending"
     time.sleep(SETTINGS["claim_idle_ms"] / 1000 + 0.2)
     b = job.start_trainer("trainer-b")
-    produce(job.redis_url, [groups[6][1], *flat(groups[7:])])
+    produce(job.redis_url, list(groups[7:]))
     status = job.wait_settled(b, reference[-1]["step"])
     assert status.claimed >= 1
     assert stream_call(job.redis_url, lambda s: s.redis.xpending_range(STREAM, "trainer", "-", "+", 100, "trainer-a")) == []
@@ -288,23 +285,25 @@ def test_dead_consumers_pending_entries_are_claimed(job: Job, groups: list[list[
 
 
 def test_poison_entries_go_to_the_dead_letter_stream(job: Job, groups: list[list[common_pb2.Trajectory]], reference: list[dict[str, Any]]) -> None:
-    bad_tokens = common_pb2.Trajectory()
-    bad_tokens.CopyFrom(groups[2][0])
-    bad_tokens.trajectory_id = "poison-tokens"
-    bad_tokens.logprobs.pop()
-    poison = [{b"other": b"x"}, {b"trajectory": b"\x0a\x7fshort"}, {b"trajectory": bad_tokens.SerializeToString()}]
-    items: list[common_pb2.Trajectory | dict[str, bytes]] = []
+    bad_tokens = common_pb2.TrajectoryGroup(group_id="poison", trajectories=groups[2])
+    for t in bad_tokens.trajectories:
+        t.group_id = "poison"
+    bad_tokens.trajectories[0].logprobs.pop()
+    old_format = groups[3][0].SerializeToString()
+    poison = [{b"other": b"x"}, {b"group": b"\x0a\x7fshort"}, {b"group": bad_tokens.SerializeToString()}, {b"trajectory": old_format}]
+    items: list[Item] = []
     for i, group in enumerate(groups):
-        items += group
+        items.append(group)
         if i < len(poison):
             items.append(poison[i])
     produce(job.redis_url, items)
     proc = job.start_trainer()
     status = job.wait_settled(proc, reference[-1]["step"])
-    assert status.dead_lettered == 3
-    dead = stream_call(job.redis_url, lambda s: s.redis.xrange(s.dead_letter))
+    assert status.dead_lettered == 4
+    dead = stream_call(job.redis_url, lambda s: s.redis.xrange(STREAM + DEAD_LETTER_SUFFIX))
     reasons = [fields[b"reason"].decode() for _, fields in dead]
-    assert len(reasons) == 3
-    assert "no 'trajectory'" in reasons[0] and "does not parse" in reasons[1] and "per-token" in reasons[2]
+    assert len(reasons) == 4
+    assert "no 'group'" in reasons[0] and "does not parse" in reasons[1] and "per-token" in reasons[2]
+    assert "format before groups" in reasons[3]  # an entry of the earlier format is not stuck
     assert all(fields[b"source_id"] for _, fields in dead)
     assert_same_as_reference(job, reference)

@@ -1,4 +1,4 @@
-"""GRPO loss, batch building and group buffering, against hand-computed values."""
+"""GRPO loss and batch building, against hand-computed values."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from meridian.v1 import common_pb2
-from services.trainer.batch import GroupBuffer, build_batch, token_logprobs
+from services.trainer.batch import build_batch, token_logprobs
 from services.trainer.loss import LossConfig, clipped_pg_loss, group_advantages
 
 F64 = torch.float64
@@ -253,59 +253,12 @@ def test_build_batch_feeds_clipped_pg_loss() -> None:
     assert loss.item() == pytest.approx(0.25)
 
 
-# ---------------------------------------------------------------- GroupBuffer
-
-
-def test_group_buffer_dedupes_redelivery() -> None:
-    buf = GroupBuffer()
-    t = _traj("t1", "g", [1], [2], 1.0)
-    assert buf.add("1-0", t) is True
-    assert buf.add("2-0", t) is False  # same trajectory_id redelivered under a new entry id
-    assert buf.pending() == 1
-
-
-def test_group_buffer_dedupes_after_pop() -> None:
-    # A redelivery that arrives after its group was trained on must not start a new group.
-    buf = GroupBuffer()
-    buf.add("1-0", _traj("a", "g", [1], [2], 1.0))
-    buf.add("2-0", _traj("b", "g", [1], [2], 0.0))
-    assert len(buf.pop_complete(1)) == 1
-    assert buf.add("1-0", _traj("a", "g", [1], [2], 1.0)) is False
-    assert buf.pending() == 0
-
-
-def test_group_buffer_pop_complete_exact_count_or_nothing() -> None:
-    buf = GroupBuffer()
-    buf.add("1", _traj("a1", "A", [1], [2], 1.0))          # A: 1 of 2
-    buf.add("2", _traj("b1", "B", [1], [2], 1.0))
-    buf.add("3", _traj("b2", "B", [1], [2], 0.0))          # B complete
-    assert buf.pop_complete(2) == []                        # only one complete group
-    assert buf.pending() == 3                               # nothing was removed
-    buf.add("4", _traj("a2", "A", [1], [2], 0.0))          # A complete
-    buf.add("5", _traj("c1", "C", [1], [2], 0.0))          # C: 1 of 2
-    groups = buf.pop_complete(1)
-    assert len(groups) == 1
-    # Oldest group first: A was started before B.
-    assert [(eid, t.trajectory_id) for eid, t in groups[0]] == [("1", "a1"), ("4", "a2")]
-    rest = buf.pop_complete(1)
-    assert [[t.trajectory_id for _, t in g] for g in rest] == [["b1", "b2"]]
-    assert buf.pop_complete(1) == []
-    assert buf.pending() == 1                               # C still waits
-
-
-def test_group_buffer_respects_each_groups_size() -> None:
-    buf = GroupBuffer()
-    for i in range(3):
-        buf.add(str(i), _traj(f"x{i}", "X", [1], [2], float(i), group_size=4))
-    assert buf.pop_complete(1) == []
-    buf.add("3", _traj("x3", "X", [1], [2], 3.0, group_size=4))
-    (group,) = buf.pop_complete(1)
-    assert len(group) == 4
+# ---------------------------------------------------------------- validation
 
 
 def test_trajectory_with_empty_prompt_is_rejected_before_batching() -> None:
     """Its first completion token has nothing to be predicted from; it must go to the dead letters."""
-    from meridian.trajectory_stream import validate
+    from meridian.trajectory_transport import validate
 
     no_prompt = _traj("a", "g", [], [5, 6], 1.0)
     assert "prompt" in validate(no_prompt)
@@ -432,12 +385,3 @@ def test_build_batch_carries_sequence_weights() -> None:
     batch = build_batch([_two_trajectories()], pad_id=PAD, weights=[[1.0, 0.25]])
     assert batch.token_weights.squeeze(1).tolist() == [1.0, 0.25]
     assert build_batch([_two_trajectories()], pad_id=PAD).token_weights.squeeze(1).tolist() == [1.0, 1.0]
-
-
-def test_group_buffer_holds_reports_entry_until_popped() -> None:
-    buf = GroupBuffer()
-    buf.add("1-0", _traj("a", "g", [1], [2], 1.0))
-    assert buf.holds("a") == "1-0" and buf.holds("b") is None
-    buf.add("2-0", _traj("b", "g", [1], [2], 0.0))
-    buf.pop_complete(1)
-    assert buf.holds("a") is None
