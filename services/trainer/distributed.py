@@ -20,10 +20,16 @@ import datetime
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meridian.config import add_config_args, config_from_args
+from meridian.tensors import RawTensor
+from meridian.v1 import common_pb2, weightsync_pb2
 from services.trainer.config import TrainerConfig
+from services.trainer.learner_protocol import StepResult
+
+if TYPE_CHECKING:  # torch is imported only by the ranks that train
+    from services.trainer.learner import Learner
 
 
 def _init() -> tuple[int, int, str]:
@@ -46,22 +52,24 @@ def _serialize(groups: list[list[Any]]) -> list[list[bytes]]:
 
 
 def _parse(groups: list[list[bytes]]) -> list[list[Any]]:
-    from meridian.v1 import common_pb2
-
     return [[common_pb2.Trajectory.FromString(b) for b in g] for g in groups]
 
 
 class BroadcastLearner:
-    """Rank 0's learner: every state-changing call is first broadcast to the followers.
+    """Rank 0's learner (a :class:`PolicyLearner`): every state-changing call is first
+    broadcast to the followers. Reads (policy_weights, canary, master_hash, state) are
+    local: the ranks' weights are equal."""
 
-    Reads (policy_weights, master_hash, state) are local: the ranks' weights are equal.
-    """
-
-    def __init__(self, learner: Any) -> None:
+    def __init__(self, learner: Learner) -> None:
         self.inner = learner
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @property
+    def step_count(self) -> int:
+        return self.inner.step_count
 
     @staticmethod
     def _send(command: str, payload: Any) -> None:
@@ -69,7 +77,7 @@ class BroadcastLearner:
 
         dist.broadcast_object_list([command, payload], src=0)
 
-    def step(self, groups: list[list[Any]]) -> Any:
+    def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
         self._send("step", _serialize(groups))
         return self.inner.step(groups)
 
@@ -77,9 +85,21 @@ class BroadcastLearner:
         self._send("load_state", state)
         self.inner.load_state(state)
 
-    def load_policy_weights(self, weights: Any, version: int) -> None:
+    def load_policy_weights(self, weights: dict[str, RawTensor], version: int) -> None:
         self._send("load_policy_weights", (weights, version))
         self.inner.load_policy_weights(weights, version)
+
+    def policy_weights(self) -> dict[str, RawTensor]:
+        return self.inner.policy_weights()
+
+    def canary(self, weights: dict[str, RawTensor]) -> weightsync_pb2.Canary:
+        return self.inner.canary(weights)
+
+    def master_hash(self) -> str:
+        return self.inner.master_hash()
+
+    def state(self) -> dict[str, Any]:
+        return self.inner.state()
 
     def close(self) -> None:
         self._send("stop", None)

@@ -26,30 +26,11 @@ from meridian.v1 import common_pb2
 from meridian.v1 import weightsync_pb2
 from services.trainer.batch import Batch, build_batch, policy_lag, token_logprobs
 from services.trainer.config import TrainerConfig
+from services.trainer.learner_protocol import StepResult
 from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal, staleness_weight
 from meridian.tensors import RawTensor, from_torch, to_torch
 
 PASS_REWARD = 1.0  # a trajectory passes when its reward reaches this (every test passed)
-
-
-@dataclasses.dataclass
-class StepResult:
-    step: int
-    loss: float
-    reward_mean: float
-    trajectories: int
-    groups: int
-    grad_norm: float
-    seconds: float
-    dropped_stale: int
-    stats: dict[str, float]
-    stepped: bool = True
-    downweighted_stale: int = 0
-    dropped_groups: int = 0
-    pass_rate: float = 0.0
-    lag_mean: float = 0.0
-    lag_max: int = 0
-    lr: float = 0.0
 
 
 @dataclasses.dataclass

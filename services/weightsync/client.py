@@ -77,9 +77,16 @@ async def publish(
 
 
 async def latest_version(address: str, timeout_s: float = 10.0) -> int:
+    """The newest version the weightsync service at ``address`` holds (-1: none)."""
     async with open_channel(address) as channel:
         reply = await pb_grpc.WeightSyncStub(channel).Status(pb.WeightSyncStatusRequest(), timeout=timeout_s)
         return reply.latest_version
+
+
+async def manifest(address: str, version: int, timeout_s: float = 10.0) -> pb.Manifest:
+    """The manifest of one stored version (NOT_FOUND when the origin does not hold it)."""
+    async with open_channel(address) as channel:
+        return await pb_grpc.WeightSyncStub(channel).GetManifest(pb.GetManifestRequest(version=version), timeout=timeout_s)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,155 @@
+"""The trainer's side of the trajectory transport: accepts each GRPO group once.
+
+One ledger answers every de-duplication question (``GroupConsumer.accept``): a group
+is either ready (received, not trained on), trained but unacked (its effect is in the
+weights, not yet in a checkpoint), or trained and acked (remembered by id, in
+checkpoints, for ``dedupe_window`` groups). A delivery of a group in any of those
+states is a duplicate: acked at once unless it is the very entry held, which is acked
+with its commit. Poison entries go to the dead letters.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+
+from meridian.trajectory_transport import GroupEntry, GroupTransport
+from meridian.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+#: How many entries a restarted consumer takes back from its own pending list at once.
+OWN_PENDING_MAX = 10_000
+#: Entries per claim call; claiming continues while full batches of new groups come back.
+CLAIM_BATCH = 100
+
+
+class TrainedIds:
+    """Group ids already trained on, oldest first, bounded to ``window`` ids."""
+
+    def __init__(self, window: int, ids: list[str] | None = None) -> None:
+        self.window = window
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict((i, None) for i in (ids or [])[-window:])
+
+    def __contains__(self, gid: str) -> bool:
+        return gid in self._ids
+
+    def add(self, gid: str) -> None:
+        self._ids[gid] = None
+        while len(self._ids) > self.window:
+            self._ids.popitem(last=False)
+
+    def as_list(self) -> list[str]:
+        return list(self._ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerConfig:
+    """Who this consumer is and how it treats entries other consumers left behind."""
+
+    consumer: str
+    dedupe_window: int
+    claim_idle_ms: int
+    claim_every_s: float
+
+
+Taken = tuple[str, common_pb2.TrajectoryGroup]  # (entry id, group)
+
+
+class GroupConsumer:
+    """Reads groups from ``transport`` and keeps the exactly-once ledger.
+
+    Usage: :meth:`start` and :meth:`recover`, then :meth:`poll` in a loop, :meth:`take` batches, report them
+    with :meth:`trained_on` once the learner stepped on them, and :meth:`ack_trained`
+    once a checkpoint holds that step. ``counters`` may be shared with the caller.
+    """
+
+    def __init__(self, transport: GroupTransport, config: ConsumerConfig, counters: collections.Counter[str] | None = None) -> None:
+        self.transport = transport
+        self.config = config
+        self.counters = counters if counters is not None else collections.Counter[str]()
+        self.trained = TrainedIds(config.dedupe_window)
+        # Received and not trained on yet, oldest first: group id -> (entry id, group).
+        self._ready: dict[str, Taken] = {}
+        # Trained on, not yet covered by a checkpoint: group id -> entry id, acked at commit.
+        self._unacked: dict[str, str] = {}
+        self._next_claim = 0.0
+
+    def restore(self, trained_ids: list[str]) -> None:
+        """Remembers the group ids a checkpoint says were trained on."""
+        self.trained = TrainedIds(self.config.dedupe_window, trained_ids)
+
+    async def start(self) -> None:
+        """Joins the consumer group (created at the stream's start when new)."""
+        await self.transport.ensure_consumer_group()
+
+    async def recover(self) -> None:
+        """Takes back what this consumer held before a restart, then what dead consumers
+        left behind, before any new entry: stream order is kept where it can be."""
+        for entry in await self.transport.read_own_pending(self.config.consumer, OWN_PENDING_MAX):
+            await self.accept(entry)
+        await self.claim()
+
+    async def poll(self, count: int, block_ms: int) -> None:
+        """Claims stale entries when due, then reads new ones (waiting up to ``block_ms``)."""
+        if time.monotonic() >= self._next_claim:
+            await self.claim()
+        for entry in await self.transport.read(self.config.consumer, count, block_ms):
+            await self.accept(entry)
+
+    async def claim(self) -> None:
+        """Takes over entries another (dead) consumer left pending for ``claim_idle_ms``."""
+        self._next_claim = time.monotonic() + self.config.claim_every_s
+        while True:
+            entries = await self.transport.claim_stale(self.config.consumer, self.config.claim_idle_ms, CLAIM_BATCH)
+            fresh = 0
+            for entry in entries:
+                fresh += await self.accept(entry)
+            if entries:
+                self.counters["claimed"] += fresh
+                log.info("claimed %d stale entries (%d new groups)", len(entries), fresh)
+            # Our own pending entries come back too: stop once a batch brings nothing new.
+            if not fresh or len(entries) < CLAIM_BATCH:
+                return
+
+    async def accept(self, entry: GroupEntry) -> bool:
+        """Routes one delivered entry; True when its group is new to this trainer."""
+        if entry.group is None:
+            log.warning("dead-lettering entry %s: %s", entry.entry_id, entry.error)
+            await self.transport.dead_letter(entry)
+            self.counters["dead_lettered"] += 1
+            return False
+        gid = entry.group.group_id
+        held = self._ready[gid][0] if gid in self._ready else self._unacked.get(gid)
+        if held == entry.entry_id:
+            return False  # the same entry again (a claim of our own): acked with its step
+        if held is not None or gid in self.trained:
+            # A second copy, or a redelivery of something a checkpoint already holds. The
+            # copy we hold (if any) keeps its entry pending until its own commit.
+            self.counters["duplicates_skipped"] += 1
+            await self.transport.ack([entry.entry_id])
+            return False
+        self._ready[gid] = (entry.entry_id, entry.group)
+        return True
+
+    def take(self, n: int) -> list[Taken]:
+        """The ``n`` oldest ready groups, or nothing while fewer are ready."""
+        if len(self._ready) < n:
+            return []
+        return [self._ready.pop(gid) for gid in list(self._ready)[:n]]
+
+    def trained_on(self, taken: list[Taken]) -> None:
+        """Records that the learner stepped on ``taken``: their acks wait for a checkpoint."""
+        for entry_id, group in taken:
+            self.trained.add(group.group_id)
+            self._unacked[group.group_id] = entry_id
+
+    async def ack_trained(self) -> None:
+        """Acks every group trained on so far (call once a checkpoint holds them)."""
+        await self.transport.ack(list(self._unacked.values()))
+        self._unacked.clear()
+
+    def ready_trajectories(self) -> int:
+        """Trajectories received and waiting for a step."""
+        return sum(len(group.trajectories) for _, group in self._ready.values())

@@ -1,0 +1,72 @@
+"""What the trainer's loop needs from a learner, as a typed protocol: the single-process
+:class:`services.trainer.learner.Learner`, rank 0 of a distributed job, or a test double.
+Kept free of torch so the loop, the consumer and the servicer import it cheaply."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+from meridian.tensors import RawTensor
+from meridian.v1 import common_pb2, weightsync_pb2
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one call of :meth:`PolicyLearner.step` did."""
+
+    step: int
+    loss: float
+    reward_mean: float
+    trajectories: int
+    groups: int
+    grad_norm: float
+    seconds: float
+    dropped_stale: int
+    stats: dict[str, float]
+    stepped: bool = True
+    downweighted_stale: int = 0
+    dropped_groups: int = 0
+    pass_rate: float = 0.0
+    lag_mean: float = 0.0
+    lag_max: int = 0
+    lr: float = 0.0
+
+
+class PolicyLearner(Protocol):
+    """A policy under training: ``version`` is the policy version its weights are,
+    ``step_count`` the optimizer steps taken (they differ after a start from a
+    published version)."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def step_count(self) -> int: ...
+
+    def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
+        """One optimizer step on complete groups (no step when nothing is left to learn)."""
+        ...
+
+    def policy_weights(self) -> dict[str, RawTensor]:
+        """The current policy as published (bf16, checkpoint names)."""
+        ...
+
+    def canary(self, weights: dict[str, RawTensor]) -> weightsync_pb2.Canary:
+        """The canary log-probs this learner computes with exactly ``weights``."""
+        ...
+
+    def load_policy_weights(self, weights: dict[str, RawTensor], version: int) -> None:
+        """Starts from a published version."""
+        ...
+
+    def master_hash(self) -> str:
+        """A hash of the full-precision master weights."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bit for bit."""
+        ...
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state`."""
+        ...

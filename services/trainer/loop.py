@@ -1,0 +1,105 @@
+"""The trainer's main loop: poll the consumer, step the learner on every ``groups_per_step``
+complete groups, and every ``publish_every`` steps hand the result to the committer."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+
+from opentelemetry.trace import Link
+
+from meridian import telemetry
+from meridian.v1 import trainer_pb2 as pb
+from services.trainer.commit import Committer, Progress
+from services.trainer.consumer import GroupConsumer, Taken
+from services.trainer.learner_protocol import PolicyLearner, StepResult
+
+log = logging.getLogger(__name__)
+tracer = telemetry.tracer(__name__)
+
+READ_BLOCK_MS = 500
+READ_COUNT = 64
+RECENT_STEPS = 256
+
+
+def step_metrics(result: StepResult, version: int) -> pb.StepMetrics:
+    """The learner's step as reported over gRPC (publish figures are filled in at commit)."""
+    return pb.StepMetrics(
+        step=result.step,
+        policy_version=version,
+        loss=result.loss,
+        reward_mean=result.reward_mean,
+        trajectories=result.trajectories,
+        groups=result.groups,
+        step_seconds=result.seconds,
+        grad_norm=result.grad_norm,
+        dropped_stale=result.dropped_stale,
+        downweighted_stale=result.downweighted_stale,
+        dropped_groups=result.dropped_groups,
+        pass_rate=result.pass_rate,
+        policy_lag_mean=result.lag_mean,
+        policy_lag_max=result.lag_max,
+        lr=result.lr,
+        stepped=result.stepped,
+        tis_weight_mean=result.stats.get("is_weight_mean", 0.0),
+        kl=result.stats.get("kl", 0.0),
+    )
+
+
+class TrainingLoop:
+    """Consumes, steps, commits; ``recent_steps`` is what ``Status`` reports."""
+
+    def __init__(
+        self, learner: PolicyLearner, consumer: GroupConsumer, committer: Committer, progress: Progress, groups_per_step: int, publish_every: int
+    ) -> None:
+        self.learner = learner
+        self.consumer = consumer
+        self.committer = committer
+        self.progress = progress
+        self.groups_per_step = groups_per_step
+        self.publish_every = publish_every
+        self._committed: collections.deque[pb.StepMetrics] = collections.deque(maxlen=RECENT_STEPS)
+        self._uncommitted: list[pb.StepMetrics] = []
+
+    def recent_steps(self) -> list[pb.StepMetrics]:
+        return [*self._committed, *self._uncommitted]
+
+    async def run(self) -> None:
+        """Runs until cancelled; a failed step is logged and retried from the transport."""
+        await self.consumer.recover()
+        while True:
+            try:
+                await self.consumer.poll(READ_COUNT, READ_BLOCK_MS)
+                while taken := self.consumer.take(self.groups_per_step):
+                    await self.train(taken)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("training loop iteration failed; retrying")
+                await asyncio.sleep(1.0)
+
+    async def train(self, taken: list[Taken]) -> None:
+        """One learner step on ``taken``, committed when it is a publishing step."""
+        trajs = [list(group.trajectories) for _, group in taken]
+        links = [Link(ctx) for g in trajs for t in g if (ctx := telemetry.span_context_of(dict(t.trace_context)))]
+        with tracer.start_as_current_span("trainer.step", links=links) as span:
+            result = await asyncio.to_thread(self.learner.step, trajs)
+            span.set_attribute("meridian.step", result.step)
+            span.set_attribute("meridian.trajectories", result.trajectories)
+            self.consumer.trained_on(taken)
+            counters = self.progress.counters
+            self.progress.consumed += sum(len(g) for g in trajs)
+            counters["dropped_stale"] += result.dropped_stale
+            counters["downweighted_stale"] += result.downweighted_stale
+            counters["dropped_groups"] += result.dropped_groups
+            metrics = step_metrics(result, self.learner.version)
+            self._uncommitted.append(metrics)
+            if result.stepped and self.learner.step_count % self.publish_every == 0:
+                await self.committer.commit(metrics, span)
+                self._committed.extend(self._uncommitted)
+                self._uncommitted.clear()
+        log.info(
+            "step %d -> version %d: loss %.4f reward %.3f (%d trajectories, %d stale dropped, %d down-weighted, %d flat groups)",
+            result.step, self.learner.version, result.loss, result.reward_mean, result.trajectories,
+            result.dropped_stale, result.downweighted_stale, result.dropped_groups,
+        )
