@@ -13,8 +13,12 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from meridian.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,23 @@ class Delta:
     finished: bool
     finish_reason: str
     all_versions: list[int] | None = None
+
+
+@runtime_checkable
+class PolicyEngine(Protocol):
+    """What episodes and the OpenAI-compatible front door need from an engine: the
+    policy version being served, its tokenizer, prompt validation, generation that
+    labels every token with its version, and scoring. :class:`Engine` is the vLLM one;
+    the weight-update primitives stay on it, as only the update procedure uses them."""
+
+    version: int
+    tokenizer: PreTrainedTokenizerBase | None  # None until the engine has started
+
+    def prompt_problem(self, ids: list[int]) -> str: ...
+
+    def generate(self, prompt_ids: list[int], sampling: Sampling, priority: int, request_id: str = "") -> AsyncIterator[Delta]: ...
+
+    async def score(self, token_ids: list[int]) -> list[float]: ...
 
 
 class ProductionFirst:
@@ -106,7 +127,7 @@ class Engine:
         self.update_policy = update_policy
         self.version = 0
         self._llm = None
-        self.tokenizer = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         self.update_lock = asyncio.Lock()
         self.admission = ProductionFirst(rl_quiet_s)
         # Closed while a weight update is applied and verified: new requests wait here.

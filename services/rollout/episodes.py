@@ -24,7 +24,7 @@ from services.rollout.agent import (
     format_observation,
     parse_tool_call,
 )
-from services.rollout.engine import PRIORITY_RL, Engine, Sampling
+from services.rollout.engine import PRIORITY_RL, PolicyEngine, Sampling
 
 tracer = telemetry.tracer(__name__)
 
@@ -38,7 +38,7 @@ class EpisodeLimits:
     max_model_len: int = 2048
 
 
-def chat_prompt(engine: Engine, task: sbx.Task) -> list[int]:
+def chat_prompt(engine: PolicyEngine, task: sbx.Task) -> list[int]:
     """The prompt's token ids through the model's own chat template."""
     assert engine.tokenizer is not None
     messages = [
@@ -52,7 +52,7 @@ def chat_prompt(engine: Engine, task: sbx.Task) -> list[int]:
 _PROBE = "MERIDIAN-PROBE-7f3a"
 
 
-def observation_template(engine: Engine) -> str:
+def observation_template(engine: PolicyEngine) -> str:
     """What the chat template puts between the end of a model turn and the start of the
     next one when a user message carries tool output: ``{observation}`` marks the output.
     Derived from the model's own template, so it holds for any chat format."""
@@ -65,7 +65,7 @@ def observation_template(engine: Engine) -> str:
     return tail.replace(_PROBE + "-OBS", "{observation}")
 
 
-def observation_ids(engine: Engine, template: str, text: str, model_ended_turn: bool) -> list[int]:
+def observation_ids(engine: PolicyEngine, template: str, text: str, model_ended_turn: bool) -> list[int]:
     """Tokens that close the model's turn, carry the tool output and open its next turn."""
     tok = engine.tokenizer
     assert tok is not None
@@ -76,7 +76,7 @@ def observation_ids(engine: Engine, template: str, text: str, model_ended_turn: 
     return list(tok(wrapped, add_special_tokens=False)["input_ids"])
 
 
-async def _model_turn(engine: Engine, ids: list[int], sampling: Sampling) -> tuple[list[int], list[float], list[int], str, str]:
+async def _model_turn(engine: PolicyEngine, ids: list[int], sampling: Sampling) -> tuple[list[int], list[float], list[int], str, str]:
     out_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
@@ -129,7 +129,7 @@ class EpisodeResult:
 
 
 async def run_episode(
-    engine: Engine, sandboxes: sbx_grpc.EnvSandboxStub, sandbox_id: str, task: sbx.Task, prompt_ids: list[int], sampling: Sampling, limits: EpisodeLimits
+    engine: PolicyEngine, sandboxes: sbx_grpc.EnvSandboxStub, sandbox_id: str, task: sbx.Task, prompt_ids: list[int], sampling: Sampling, limits: EpisodeLimits
 ) -> EpisodeResult:
     """The agent loop: model turn, tool call, observation, … until submit or a limit."""
     ledger = Ledger()
@@ -173,7 +173,7 @@ async def run_episode(
 
 
 async def run_group(
-    engine: Engine,
+    engine: PolicyEngine,
     sandboxes: sbx_grpc.EnvSandboxStub,
     task: sbx.Task,
     group_size: int,

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.rollout.engine import PRIORITY_PRODUCTION, Engine, Sampling
+from services.rollout.engine import PRIORITY_PRODUCTION, PolicyEngine, Sampling
 
 MAX_STOP = 16
 
@@ -60,7 +60,7 @@ def parse_sampling(body: dict[str, Any], max_model_len: int, default_max_tokens:
     )
 
 
-def chat_prompt_ids(engine: Engine, messages: Any) -> list[int]:
+def chat_prompt_ids(engine: PolicyEngine, messages: Any) -> list[int]:
     """Token ids of a chat through the model's own template."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
@@ -74,7 +74,7 @@ def chat_prompt_ids(engine: Engine, messages: Any) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def completion_prompt_ids(engine: Engine, prompt: Any) -> list[int]:
+def completion_prompt_ids(engine: PolicyEngine, prompt: Any) -> list[int]:
     assert engine.tokenizer is not None
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -85,7 +85,7 @@ def completion_prompt_ids(engine: Engine, prompt: Any) -> list[int]:
     raise RequestError("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
 
 
-def create_app(engine: Engine, model_name: str, max_model_len: int, default_max_tokens: int) -> FastAPI:
+def create_app(engine: PolicyEngine, model_name: str, max_model_len: int, default_max_tokens: int) -> FastAPI:
     """The ASGI app; ``model_name`` is what ``/v1/models`` lists and responses echo."""
     app = FastAPI(title="Meridian rollout (OpenAI-compatible)")
 

@@ -2,7 +2,7 @@
 weightsync decoder's undo logs, in checkpoint coordinates.
 
 The decoder updates its buffers in place and records, per version, which elements it
-changed (:class:`~services.weightsync.receiver.UndoLog`). The engine only needs those
+changed (:class:`~services.weightsync.client.UndoLog`). The engine only needs those
 elements' new values: a version touches well under 1 % of them. When the engine did not
 take one or more versions (a rejected update), the change set spans all of them since
 the version the engine serves: the union of their positions, with today's values.
@@ -17,7 +17,7 @@ import numpy as np
 
 from meridian.errors import FailedPrecondition
 from services.rollout import rpc_arrays
-from services.weightsync.receiver import UndoLog
+from services.weightsync.client import UndoLog
 from meridian.tensors import RawTensor
 
 

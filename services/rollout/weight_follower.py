@@ -16,7 +16,7 @@ from meridian.v1 import weightsync_pb2 as wpb
 from services.rollout.weight_changes import ChangeSet
 from services.rollout.weight_updates import UpdateReport, WeightUpdater
 from services.weightsync import client as weightsync
-from services.weightsync.receiver import UndoLog
+from services.weightsync.client import UndoLog
 
 log = logging.getLogger(__name__)
 
