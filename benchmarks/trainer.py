@@ -46,7 +46,7 @@ def bench_step(model: str, steps: int, groups: int, group_size: int, tokens: int
     bare_model = type(learner.module).from_pretrained(model_dir, dtype=torch.float32)
     bare_model.train()
     bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    batch = build_batch(batch_groups, learner.pad_id, config.normalize_std)
+    batch = build_batch(batch_groups, learner.pad_id, learner.loss_config)
 
     def bare_step() -> float:
         start = time.perf_counter()
@@ -54,7 +54,7 @@ def bench_step(model: str, steps: int, groups: int, group_size: int, tokens: int
         with ctx:
             out = bare_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
         logprobs = token_logprobs(out.logits, batch.input_ids)
-        loss, _ = clipped_pg_loss(logprobs, batch.behaviour_logprobs, batch.advantages, batch.target_mask, learner.loss_config, batch.token_weights)
+        loss, _ = clipped_pg_loss(logprobs, batch.behaviour_logprobs, batch.advantages, batch.target_mask, learner.loss_config, batch.token_weights, scale=batch.token_scale)
         bare_opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(bare_model.parameters(), config.max_grad_norm)

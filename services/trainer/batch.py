@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from meridian.v1 import common_pb2
-from services.trainer.loss import group_advantages
+from services.trainer.loss import LossConfig, group_advantages, token_scale
 
 
 @dataclasses.dataclass
@@ -19,18 +19,21 @@ class Batch:
     advantages: torch.Tensor         # [B, 1]
     rewards: torch.Tensor            # [B]
     token_weights: torch.Tensor      # [B, 1] staleness weight of each sequence (1 within the bound)
+    token_scale: torch.Tensor        # [B, T-1] each token's factor in the aggregated loss (whole batch)
 
 
 def build_batch(
     groups: Iterable[list[common_pb2.Trajectory]],
     pad_id: int,
-    normalize_std: bool = True,
+    loss: LossConfig | None = None,
     weights: Iterable[list[float]] | None = None,
 ) -> Batch:
-    """Pads every trajectory of ``groups`` into one batch with per-sequence advantages.
+    """Pads every trajectory of ``groups`` into one batch with per-sequence advantages
+    and the loss aggregation's per-token factors (both as ``loss`` says).
 
     ``weights`` (same shape as ``groups``) are per-sequence loss weights, 1 by default.
     """
+    loss = loss or LossConfig()
     groups = list(groups)
     weights = list(weights) if weights is not None else [[1.0] * len(g) for g in groups]
     trajs: list[common_pb2.Trajectory] = []
@@ -38,7 +41,7 @@ def build_batch(
     flat_weights: list[float] = []
     for group, group_weights in zip(groups, weights, strict=True):
         rewards = torch.tensor([t.reward for t in group], dtype=torch.float32)
-        advantages.append(group_advantages(rewards, normalize_std))
+        advantages.append(group_advantages(rewards, loss.std_scaling, loss.eps, loss.sample_std))
         trajs.extend(group)
         flat_weights.extend(group_weights)
     length = max(len(t.prompt_token_ids) + len(t.completion_token_ids) for t in trajs)
@@ -62,6 +65,7 @@ def build_batch(
         advantages=torch.cat(advantages).unsqueeze(1),
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         token_weights=torch.tensor(flat_weights, dtype=torch.float32).unsqueeze(1),
+        token_scale=token_scale(target_mask, loss.aggregation, loss.token_budget),
     )
 
 

@@ -7,6 +7,8 @@ from meridian import trajectory_transport as transport
 from meridian.config import opt
 
 STALE_MODES = ("drop", "downweight")
+#: How per-token loss terms are aggregated (see services.trainer.loss).
+AGGREGATIONS = ("token-mean", "seq-mean", "dr-grpo")
 
 
 @dataclasses.dataclass
@@ -25,6 +27,9 @@ class TrainerConfig:
     clip_low: float = opt(0.2, "lower ratio clip epsilon")
     clip_high: float = opt(0.28, "upper ratio clip epsilon")
     normalize_std: bool = opt(True, "divide group-relative advantages by the group's reward std")
+    sample_std: bool = opt(False, "that std is the sample std (n - 1) instead of the population std (n)")
+    loss_aggregation: str = opt("token-mean", "token-mean (DAPO), seq-mean (GRPO paper) or dr-grpo (constant divisor, no std scaling)")
+    token_budget: int = opt(128, "dr-grpo's constant divisor per sequence: the generation budget in tokens (the rollout's max tokens)")
     drop_equal_reward_groups: bool = opt(True, "skip groups whose rewards are all equal (they carry no signal)")
     tis_cap: float = opt(2.0, "truncated importance sampling cap on pi_trainer / pi_behaviour per token (0: off, ratio against behaviour log-probs)")
     kl_coef: float = opt(0.0, "KL penalty to a frozen copy of the initial model (0: off, no reference model kept)")
@@ -49,6 +54,10 @@ class TrainerConfig:
             raise ValueError("groups_per_step, lr and threads must be positive")
         if self.clip_low < 0 or self.clip_high < 0 or self.max_policy_lag < 0:
             raise ValueError("clip bounds and max_policy_lag must be >= 0")
+        if self.loss_aggregation not in AGGREGATIONS:
+            raise ValueError(f"loss_aggregation must be one of {AGGREGATIONS}, got {self.loss_aggregation!r}")
+        if self.token_budget <= 0:
+            raise ValueError(f"token_budget must be positive, got {self.token_budget}")
         if self.stale_mode not in STALE_MODES:
             raise ValueError(f"stale_mode must be one of {STALE_MODES}, got {self.stale_mode!r}")
         if not 0 <= self.stale_weight <= 1:

@@ -135,7 +135,14 @@ class Learner:
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
         self.loss_config = LossConfig(
-            clip_low=config.clip_low, clip_high=config.clip_high, normalize_std=config.normalize_std, tis_cap=config.tis_cap, kl_coef=config.kl_coef
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            normalize_std=config.normalize_std,
+            sample_std=config.sample_std,
+            tis_cap=config.tis_cap,
+            kl_coef=config.kl_coef,
+            aggregation=config.loss_aggregation,
+            token_budget=config.token_budget,
         )
         self.step_count = 0
         self.version = 0
@@ -211,7 +218,6 @@ class Learner:
 
     def loss_on(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Forward and loss of this rank's shard of ``batch`` (normalised by the whole batch)."""
-        total_tokens = float(batch.target_mask.sum())
         shard = _shard(batch, self.rank, self.world) if self.world > 1 else batch
         shard = Batch(**{f.name: getattr(shard, f.name).to(self.device) for f in dataclasses.fields(Batch)})
         with self._autocast():
@@ -222,7 +228,7 @@ class Learner:
             with torch.no_grad(), self._autocast():
                 ref = token_logprobs(self.reference(input_ids=shard.input_ids, attention_mask=shard.attention_mask).logits, shard.input_ids)
         loss, stats = clipped_pg_loss(
-            logprobs, shard.behaviour_logprobs, shard.advantages, shard.target_mask, self.loss_config, shard.token_weights, ref, total_tokens
+            logprobs, shard.behaviour_logprobs, shard.advantages, shard.target_mask, self.loss_config, shard.token_weights, ref, shard.token_scale
         )
         # DDP averages gradients over ranks; scale so they add up to the full batch's.
         return loss * self.world, stats
@@ -247,7 +253,7 @@ class Learner:
         }
         if not prepared.groups:
             return StepResult(self.step_count, 0.0, trajectories=0, groups=0, grad_norm=0.0, seconds=time.perf_counter() - start, stats={}, stepped=False, **common)
-        batch = build_batch(prepared.groups, self.pad_id, self.config.normalize_std, prepared.weights)
+        batch = build_batch(prepared.groups, self.pad_id, self.loss_config, prepared.weights)
         loss, stats = self.loss_on(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

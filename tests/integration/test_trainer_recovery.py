@@ -25,6 +25,7 @@ from meridian.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weightsync_pb
 from services.trainer import checkpoint as ckpt
 from services.trainer.config import TrainerConfig
 from benchmarks.support.synthetic import fixed_groups
+from tests.integration.plain_grpo import PlainGrpo, relative_distance
 
 STREAM = "meridian:trajectories"
 GROUPS = 12
@@ -49,6 +50,7 @@ SETTINGS = {
     "tis_cap": 2.0,
 }
 TIMEOUT_S = 90
+PLAIN_TOLERANCE = 1e-3  # relative distance to the plain loop (see test_learner_reference)
 
 
 pytestmark = pytest.mark.engine
@@ -70,9 +72,17 @@ def reference(tiny_model: Path, groups: list[list[common_pb2.Trajectory]]) -> li
     from meridian.tensors import weights_hash
 
     learner = Learner(tiny_model, TrainerConfig(model=str(tiny_model), **SETTINGS))  # type: ignore[arg-type]
+    # An independent loop checks the reference itself, so a learner defect that the
+    # restarted trainers would share cannot pass as "identical to the reference".
+    plain = PlainGrpo(tiny_model, lr=SETTINGS["lr"], max_policy_lag=MAX_LAG, tis_cap=SETTINGS["tis_cap"])
+    start = plain.parameters()
     history = []
     for i in range(0, len(groups), PER_STEP):
-        if learner.step(groups[i : i + PER_STEP]).stepped:
+        stepped = learner.step(groups[i : i + PER_STEP]).stepped
+        assert stepped == plain.step(groups[i : i + PER_STEP])
+        if stepped:
+            ours = {name: p.detach() for name, p in learner.module.named_parameters()}
+            assert relative_distance(ours, plain.parameters(), start) < PLAIN_TOLERANCE
             history.append({"step": learner.step_count, "version": learner.version, "master_hash": learner.master_hash(), "bf16": weights_hash(learner.policy_weights())})
     assert 3 <= len(history) < GROUPS // PER_STEP, "the fixture should exercise skipped batches and real steps"
     return history

@@ -8,7 +8,7 @@ import torch
 
 from meridian.v1 import common_pb2
 from services.trainer.batch import build_batch, token_logprobs
-from services.trainer.loss import LossConfig, clipped_pg_loss, group_advantages
+from services.trainer.loss import LossConfig, clipped_pg_loss, group_advantages, token_scale
 
 F64 = torch.float64
 
@@ -236,7 +236,7 @@ def test_token_logprobs_matches_log_softmax_gather() -> None:
 def test_build_batch_advantages_per_group() -> None:
     g1 = [_traj("a", "g1", [1], [2], 1.0), _traj("b", "g1", [1], [2], 0.0)]
     g2 = [_traj("c", "g2", [1], [2], 0.5), _traj("d", "g2", [1], [2], 0.5)]
-    batch = build_batch([g1, g2], pad_id=PAD, normalize_std=False)
+    batch = build_batch([g1, g2], pad_id=PAD, loss=LossConfig(normalize_std=False))
     assert batch.advantages.shape == (4, 1)
     assert batch.advantages.squeeze(1).tolist() == [0.5, -0.5, 0.0, 0.0]
     assert batch.rewards.tolist() == [1.0, 0.0, 0.5, 0.5]
@@ -246,7 +246,7 @@ def test_build_batch_advantages_per_group() -> None:
 
 def test_build_batch_feeds_clipped_pg_loss() -> None:
     # End to end on-policy: logprobs equal to behaviour give -mean(A) over target tokens.
-    batch = build_batch([_two_trajectories()], pad_id=PAD, normalize_std=False)
+    batch = build_batch([_two_trajectories()], pad_id=PAD, loss=LossConfig(normalize_std=False))
     loss, stats = clipped_pg_loss(batch.behaviour_logprobs.clone(), batch.behaviour_logprobs, batch.advantages, batch.target_mask)
     # advantages +0.5 (1 token of a) and -0.5 (3 tokens of b) -> -(0.5 - 1.5) / 4
     assert stats["tokens"] == 4
@@ -315,8 +315,79 @@ def test_token_weights_and_global_token_count() -> None:
     loss, _ = clipped_pg_loss(logprobs, behaviour, adv, mask, LossConfig(), token_weights=weights)
     assert loss.item() == pytest.approx((-2.2 - 2.56 - 1.0) / N_TOKENS, abs=1e-12)
     # A shard divides by the whole batch's token count, so shard losses add up.
-    rows = [clipped_pg_loss(logprobs[i : i + 1], behaviour[i : i + 1], adv[i : i + 1], mask[i : i + 1], LossConfig(), num_tokens=N_TOKENS)[0] for i in range(2)]
+    scale = token_scale(mask)
+    rows = [clipped_pg_loss(logprobs[i : i + 1], behaviour[i : i + 1], adv[i : i + 1], mask[i : i + 1], LossConfig(), scale=scale[i : i + 1])[0] for i in range(2)]
     assert sum(r.item() for r in rows) == pytest.approx(EXPECTED_LOSS, abs=1e-12)
+
+
+# Per-token terms of _loss_inputs: row 0 (3 tokens) sums to -5.76, row 1 (2 tokens) to 2.3.
+ROW_SUMS, ROW_TOKENS = (-2.2 - 2.56 - 1.0, 1.5 + 0.8), (3, 2)
+
+
+@pytest.mark.parametrize(
+    ("loss_config", "expected"),
+    [
+        # DAPO: every token of the batch weighs the same.
+        (LossConfig(), sum(ROW_SUMS) / sum(ROW_TOKENS)),
+        # GRPO paper: mean per sequence, then over sequences.
+        (LossConfig(aggregation="seq-mean"), (ROW_SUMS[0] / 3 + ROW_SUMS[1] / 2) / 2),
+        # Dr. GRPO: sum per sequence over a constant budget (4 tokens), mean over sequences.
+        (LossConfig(aggregation="dr-grpo", token_budget=4), (ROW_SUMS[0] + ROW_SUMS[1]) / (4 * 2)),
+    ],
+    ids=["token-mean", "seq-mean", "dr-grpo"],
+)
+def test_loss_aggregations_match_hand_values_and_shards_add_up(loss_config: LossConfig, expected: float) -> None:
+    logprobs, behaviour, adv, mask = _loss_inputs()
+    scale = token_scale(mask, loss_config.aggregation, loss_config.token_budget)
+    loss, _ = clipped_pg_loss(logprobs, behaviour, adv, mask, loss_config, scale=scale)
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    rows = [clipped_pg_loss(logprobs[i : i + 1], behaviour[i : i + 1], adv[i : i + 1], mask[i : i + 1], loss_config, scale=scale[i : i + 1])[0] for i in range(2)]
+    assert sum(r.item() for r in rows) == pytest.approx(expected, abs=1e-12)
+
+
+def test_seq_mean_ignores_rows_without_trained_tokens() -> None:
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    scale = token_scale(mask, "seq-mean")
+    # Two sequences carry tokens: 1 / (2 * 2) for the first, 1 / (2 * 1) for the third.
+    assert scale[0, 0].item() == pytest.approx(0.25) and scale[2, 0].item() == pytest.approx(0.5)
+
+
+def test_unknown_aggregation_and_missing_budget_are_refused() -> None:
+    with pytest.raises(ValueError, match="loss aggregation"):
+        LossConfig(aggregation="sum")
+    with pytest.raises(ValueError, match="token budget"):
+        LossConfig(aggregation="dr-grpo")
+
+
+def test_sample_std_divides_by_n_minus_one() -> None:
+    rewards = torch.tensor([0.0, 1.0, 2.0], dtype=F64)
+    # Sample std of (0, 1, 2) is 1; the population std is sqrt(2/3).
+    assert group_advantages(rewards, eps=0.0, sample_std=True).tolist() == pytest.approx([-1.0, 0.0, 1.0])
+    assert group_advantages(rewards, eps=0.0).tolist() == pytest.approx([-1.0 / math.sqrt(2 / 3), 0.0, 1.0 / math.sqrt(2 / 3)])
+
+
+def test_dr_grpo_batches_have_no_std_scaling() -> None:
+    g = _two_trajectories()
+    rewards = [t.reward for t in g]
+    batch = build_batch([g], pad_id=PAD, loss=LossConfig(aggregation="dr-grpo", token_budget=8))
+    mean = sum(rewards) / len(rewards)
+    assert batch.advantages.squeeze(1).tolist() == pytest.approx([r - mean for r in rewards])
+    # The batch carries Dr. GRPO's constant factor for every token: 1 / (budget * sequences).
+    assert torch.all(batch.token_scale == 1.0 / (8 * len(g)))
+
+
+def test_ratio_is_taken_against_the_behaviour_logprobs_not_the_current_ones() -> None:
+    # Coupled objective (tis_cap 0): the ratio is pi / pi_behaviour. With the current
+    # log-probs in place of the behaviour ones every ratio would be 1 and the loss -A.
+    behaviour = torch.tensor([[-1.0]], dtype=F64)
+    logprobs = torch.tensor([[-1.0 + math.log(1.1)]], dtype=F64)
+    adv = torch.ones(1, 1, dtype=F64)
+    loss, _ = clipped_pg_loss(logprobs, behaviour, adv, torch.ones(1, 1))
+    assert loss.item() == pytest.approx(-1.1)
+    # Decoupled (tis_cap 2): ratio 1 against the proximal policy, weighted by
+    # min(pi / pi_behaviour, cap).
+    loss_tis, stats = clipped_pg_loss(logprobs, behaviour, adv, torch.ones(1, 1), LossConfig(tis_cap=2.0))
+    assert loss_tis.item() == pytest.approx(-1.1) and stats["is_weight_mean"] == pytest.approx(1.1)
 
 
 # ---------------------------------------------------------------- staleness and group filtering
