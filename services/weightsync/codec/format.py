@@ -1,0 +1,299 @@
+"""Lossless delta codec for model weights travelling between regions: the byte format.
+
+This module writes and parses everything around the delta bit stream; the
+numba kernels that write and read the stream itself are in kernels.py, the
+public API in the package's __init__.
+
+A new policy version is sent as chunks, each coding a contiguous run of one
+tensor's elements either as a *keyframe* (self-contained) or as a *delta*
+against the previous version, which the receiver already holds. The codec
+works on raw bit patterns (uint16 for bf16/fp16, uint32 for fp32), so every
+bit pattern -- NaN payloads, infinities, -0.0, denormals -- round-trips
+exactly.
+
+Why the delta coding looks the way it does
+------------------------------------------
+After one RL step (AdamW, lr ~1e-6) only ~0.3 % of bf16 elements change, and
+*whether* an element changes depends mostly on its old exponent: an Adam step
+is ~lr in absolute size while the bf16 grid spacing is 2**(exponent - 7), so a
+weight of 1e-3 changes ~100x more often than a weight of 0.1. The decoder
+knows every old exponent, so we use it as the coding context:
+
+* Each element belongs to a *stream* ``(lane, class)`` where ``class`` is the
+  old value's exponent field and ``lane = index % 4``. Within a stream the
+  changed elements are an (almost) i.i.d. Bernoulli process with a
+  per-class rate, whose gaps are geometric; Rice codes with a per-class
+  parameter are within ~1 % of the entropy of a geometric source. The lanes
+  carry no statistical meaning: they give the per-element decode loop four
+  independent counters, so it is not serialised on one memory location.
+* A changed element's value is coded as the signed number of steps on the
+  *ordered integer* image of the float grid (a monotone bijection of bit
+  patterns to integers), so an Adam step of "one ulp up" is ``+1``. We code
+  a sign bit plus a per-class Rice code of ``|steps| - 1``; classes where
+  every change is one step send no magnitude bits at all.
+* Codes are grouped per class, so the decoder expands them into arrays in
+  short serial loops that touch only the changes; the per-element pass
+  (one per chunk) then only counts down and, at a change, pops the next gap.
+
+Payload format (all integers little endian; "uv" = unsigned LEB128 varint)
+------------------------------------------------------------------------
+Header::
+
+    b"MW"  magic            (2 bytes)
+    u8     format version   (currently 1)
+    u8     mode             (0 = keyframe, 1 = delta)
+    u8     dtype code       (0 = bf16, 1 = fp16, 2 = fp32)
+    uv     start, count     (element range of this chunk)
+    uv     total            (element count of the whole tensor)
+    u32    crc32 of the body
+    ...    body             (rest of the payload)
+
+Keyframe body::
+
+    u8     number of byte planes P (2 for 16-bit dtypes, 4 for fp32)
+    P x uv compressed size of each plane
+    P x    zstd frame of byte plane p (bits 8p..8p+7 of every element)
+
+  Splitting bytes into planes puts the low-entropy sign/exponent byte of
+  bf16 in its own plane, where zstd's entropy stage can exploit it.
+
+Delta body::
+
+    u8     number of lanes L (currently 4)
+    uv     number of active classes C (classes with at least one change)
+    C x    (u8 class, u8 k_gap, u8 k_mag, uv changes n_c)   ascending class;
+           k_mag = 255 means every change in the class is +-1 step
+    bits   for each active class c in table order:
+             Rice(k_gap) of the first gap of stream (lane, c), lane 0..L-1;
+             Rice(k_gap) of the gap after each change of class c (element
+               order) -- the last one of a stream overshoots its end;
+             Rice(k_mag) of |steps| - 1 of each change (unless k_mag = 255);
+           then one raw sign bit per change in element order (1 = negative);
+           zero padding to a byte.
+
+  A "gap" counts the unchanged elements of the same stream that are
+  skipped. Bits are written LSB first (the decoder reads the stream as
+  little-endian 64-bit words). A Rice code of ``v`` with parameter ``k`` is
+  ``q = v >> k`` zero bits, a one bit, then the low ``k`` bits of ``v``; if
+  ``q >= 24`` it is 24 zero bits followed by ``v`` in 40 raw bits.
+
+A delta chunk carries no fingerprint of its base (hashing the base would
+cost a full extra pass): decoding against the wrong base yields wrong values
+or, often, a CodecError, so callers must track versions themselves.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+DTYPES: dict[str, type] = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.uint32}
+
+_MAGIC = b"MW"
+_VERSION = 1
+MODE_KEYFRAME = 0
+MODE_DELTA = 1
+_DTYPE_CODES = {"bf16": 0, "fp16": 1, "fp32": 2}
+_DTYPE_NAMES = {v: k for k, v in _DTYPE_CODES.items()}
+# Where the exponent field sits (shift, mask) and the width of the raw word.
+_EXP_FIELD = {"bf16": (7, 0xFF), "fp16": (10, 0x1F), "fp32": (23, 0xFF)}
+_BITS = {"bf16": 16, "fp16": 16, "fp32": 32}
+
+_LANES = 4  # independent counter sets in the decode loop (see module doc)
+_NCLASS = 256  # class = exponent field; fp16 only uses the first 32
+_KMAG_UNIT = 255  # k_mag sentinel: every change in the class is +-1 step
+_QMAX = 24  # Rice escape: this many zeros, then the value in _RAW_BITS bits
+_RAW_BITS = 40
+_MAX_CHUNK = 1 << 39  # gaps must fit the 40-bit escape
+_PAD = 40  # zero bytes appended to a bit stream before decoding (see kernels._peek)
+_ZSTD_LEVEL = 3
+
+
+class CodecError(ValueError):
+    """Raised for malformed or truncated payloads and for inputs that do not
+    match a payload (dtype, length, missing base for a delta)."""
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    """One independently decodable piece of a tensor."""
+
+    tensor: str  # tensor name
+    start: int  # first element index (flat) this chunk covers
+    count: int  # number of elements covered
+    payload: bytes  # self-describing, see module docstring
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """Decoded payload header; ``body_offset`` is where the body starts."""
+
+    mode: int
+    dtype: str
+    start: int
+    count: int
+    total: int
+    crc: int
+    body_offset: int
+
+
+# --------------------------------------------------------------------------
+# Small byte helpers
+# --------------------------------------------------------------------------
+
+
+def _uv_encode(value: int) -> bytes:
+    """Unsigned LEB128."""
+    if value < 0:
+        raise ValueError(f"varint must be non-negative, got {value}")
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _uv_decode(buf: bytes, pos: int, what: str) -> tuple[int, int]:
+    """Read an unsigned LEB128 at ``pos``; return (value, new_pos)."""
+    value = 0
+    shift = 0
+    while True:
+        if pos >= len(buf):
+            raise CodecError(f"truncated payload while reading {what}")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise CodecError(f"varint too long while reading {what}")
+
+
+def _header_bytes(mode: int, dtype: str, start: int, count: int, total: int, body: bytes) -> bytes:
+    return b"".join(
+        (
+            _MAGIC,
+            bytes((_VERSION, mode, _DTYPE_CODES[dtype])),
+            _uv_encode(start),
+            _uv_encode(count),
+            _uv_encode(total),
+            struct.pack("<I", zlib.crc32(body)),
+        )
+    )
+
+
+def parse_header(payload: bytes) -> ChunkHeader:
+    """Parse and validate a payload header (not the body checksum)."""
+    if len(payload) < 5:
+        raise CodecError(f"payload too short for a header ({len(payload)} bytes)")
+    if payload[:2] != _MAGIC:
+        raise CodecError(f"bad magic {payload[:2]!r}, expected {_MAGIC!r}")
+    if payload[2] != _VERSION:
+        raise CodecError(f"unsupported format version {payload[2]} (this codec reads {_VERSION})")
+    mode = payload[3]
+    if mode not in (MODE_KEYFRAME, MODE_DELTA):
+        raise CodecError(f"unknown chunk mode {mode}")
+    if payload[4] not in _DTYPE_NAMES:
+        raise CodecError(f"unknown dtype code {payload[4]}")
+    dtype = _DTYPE_NAMES[payload[4]]
+    pos = 5
+    start, pos = _uv_decode(payload, pos, "start")
+    count, pos = _uv_decode(payload, pos, "count")
+    total, pos = _uv_decode(payload, pos, "total")
+    if start + count > total:
+        raise CodecError(f"chunk range [{start}, {start + count}) exceeds tensor length {total}")
+    if pos + 4 > len(payload):
+        raise CodecError("truncated payload while reading body checksum")
+    (crc,) = struct.unpack_from("<I", payload, pos)
+    return ChunkHeader(mode, dtype, start, count, total, crc, pos + 4)
+
+
+# --------------------------------------------------------------------------
+# Keyframes: byte planes + zstd
+# --------------------------------------------------------------------------
+
+
+def _keyframe_body(values: np.ndarray, dtype: str) -> bytes:
+    nplanes = _BITS[dtype] // 8
+    cctx = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+    wide = values.astype(np.uint32, copy=False)
+    frames = [
+        cctx.compress((wide >> np.uint32(8 * p)).astype(np.uint8).tobytes()) for p in range(nplanes)
+    ]
+    head = bytes((nplanes,)) + b"".join(_uv_encode(len(f)) for f in frames)
+    return head + b"".join(frames)
+
+
+def _decode_keyframe(body: bytes, out: np.ndarray, dtype: str, count: int) -> None:
+    nplanes = _BITS[dtype] // 8
+    if not body or body[0] != nplanes:
+        raise CodecError(f"keyframe body must start with plane count {nplanes}")
+    pos = 1
+    sizes = []
+    for p in range(nplanes):
+        size, pos = _uv_decode(body, pos, f"keyframe plane {p} size")
+        sizes.append(size)
+    if pos + sum(sizes) != len(body):
+        raise CodecError(
+            f"keyframe planes need {pos + sum(sizes)} body bytes, payload has {len(body)}"
+        )
+    dctx = zstandard.ZstdDecompressor()
+    acc = np.zeros(count, dtype=np.uint32)
+    for p, size in enumerate(sizes):
+        try:
+            plane = dctx.decompress(body[pos : pos + size], max_output_size=count)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"keyframe plane {p} is corrupt: {exc}") from exc
+        if len(plane) != count:
+            raise CodecError(f"keyframe plane {p} has {len(plane)} bytes, expected {count}")
+        acc |= np.frombuffer(plane, dtype=np.uint8).astype(np.uint32) << np.uint32(8 * p)
+        pos += size
+    out[:] = acc  # narrowing to uint16 is exact: only 2 planes were filled
+
+
+# --------------------------------------------------------------------------
+# Delta bodies (the bit stream itself is written and read by kernels.py)
+# --------------------------------------------------------------------------
+
+
+def _delta_body(classes: np.ndarray, k_gap: np.ndarray, k_mag: np.ndarray, nev: np.ndarray, words: np.ndarray, nbits: int) -> bytes:
+    """Lane count, class table and the first ``nbits`` of the bit stream ``words``."""
+    table = bytearray()
+    for c, kg, km, m in zip(classes.tolist(), k_gap.tolist(), k_mag.tolist(), nev.tolist()):
+        table += bytes((c, kg, km)) + _uv_encode(m)
+    stream = words.astype("<u8").tobytes()[: (nbits + 7) // 8]
+    return b"".join((bytes((_LANES,)), _uv_encode(len(classes)), bytes(table), stream))
+
+
+def _parse_delta_table(body: bytes, dtype: str) -> tuple[np.ndarray, ...]:
+    """Parse the delta class table; return (classes, k_gap, k_mag, events
+    per class, offset of the bit stream)."""
+    if len(body) < 1:
+        raise CodecError("truncated delta body (lane count)")
+    lanes = body[0]
+    if lanes != _LANES:
+        raise CodecError(f"delta uses {lanes} lanes, this codec decodes {_LANES}")
+    nclass, pos = _uv_decode(body, 1, "delta class count")
+    _, emask = _EXP_FIELD[dtype]
+    if nclass > emask + 1:
+        raise CodecError(f"delta lists {nclass} classes, {dtype} has {emask + 1}")
+    rows = []
+    for j in range(nclass):
+        if pos + 3 > len(body):
+            raise CodecError(f"truncated delta class table (entry {j} of {nclass})")
+        c, kg, km = body[pos], body[pos + 1], body[pos + 2]
+        nev, pos = _uv_decode(body, pos + 3, f"event count of class {c}")
+        if c > emask or (rows and c <= rows[-1][0]) or kg > _RAW_BITS or (km > 32 and km != _KMAG_UNIT):
+            raise CodecError(f"delta class table entry {j} is corrupt ({c}, {kg}, {km})")
+        rows.append((c, kg, km, nev))
+    table = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    return table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy(), table[:, 3].copy(), pos
