@@ -1,21 +1,34 @@
-"""Making a training step durable, in the one order that makes every ack safe:
-checkpoint (the learner's state, the trained group ids, the progress) → publish the
-version to weightsync → ack the groups the step consumed.
+"""Making training steps visible and durable without waiting on either.
 
-- A crash before the checkpoint replays the groups (still pending) into the same step.
-- A crash between checkpoint and publish is repaired at start (:meth:`Committer.sync_initial_version`
-  publishes the checkpoint's version), so weightsync never holds weights no checkpoint has.
-- A crash between publish and ack redelivers groups the checkpoint already lists: the
-  consumer recognises and acks them without training.
+After a publishing step the loop hands the step to the :class:`Committer`, which
+publishes the version in the background (the next step runs meanwhile; one publish in
+flight, in version order) and, every ``checkpoint_every`` publishing steps or when the
+trainer goes idle, writes a checkpoint in the background from a copy of the learner's
+state. Acks follow checkpoints: a group is acked only once a checkpoint on disk holds
+its effect (with no checkpoint folder, once its version is published).
+
+- A crash before the checkpoint that covers a step leaves that step's groups pending:
+  the restarted trainer replays them from the checkpoint, in the same order, to
+  bit-identical weights (the learner is deterministic), so every version it publishes
+  again is the same bytes; weightsync accepts an identical republish and refuses
+  different weights under a version it holds (:class:`CommitRefused`).
+- A crash between a checkpoint and the publish of its version is repaired at start
+  (:meth:`Committer.sync_initial_version` publishes the checkpoint's version).
+- A crash between a checkpoint and its acks redelivers groups the checkpoint already
+  lists: the consumer recognises and acks them without training.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 from meridian import telemetry
 from meridian.tensors import RawTensor, weights_hash
@@ -45,16 +58,33 @@ class CommitConfig:
     weightsync: str  # the origin's address
     checkpoint_dir: str  # empty: no checkpoints
     keep_checkpoints: int
+    checkpoint_every: int = 1  # publishing steps per checkpoint
+    checkpoint_idle_s: float = 5.0  # checkpoint uncovered steps after this long without a step
+
+
+class CommitRefused(RuntimeError):
+    """Weightsync refused a version (other weights under a version it holds): this
+    trainer's history is not the one weightsync serves. Retrying cannot help."""
+
+
+#: Weightsync's answers that mean "not this version, ever".
+_REFUSALS = frozenset({grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT})
+_PUBLISH_RETRY_S = (0.5, 1.0, 2.0, 5.0)
 
 
 class Committer:
-    """Resumes from the newest checkpoint, keeps weightsync in step with it, and commits steps."""
+    """Resumes from the newest checkpoint, keeps weightsync in step with it, and commits
+    steps: publishes and checkpoints in the background, acks what checkpoints cover."""
 
     def __init__(self, config: CommitConfig, learner: PolicyLearner, consumer: GroupConsumer, progress: Progress) -> None:
         self.config = config
         self.learner = learner
         self.consumer = consumer
         self.progress = progress
+        self._publishing: asyncio.Task[None] | None = None
+        self._checkpointing: asyncio.Task[None] | None = None
+        self._since_checkpoint = 0  # publishing steps not covered by a checkpoint
+        self.last_step_at = time.monotonic()
 
     def _root(self) -> Path | None:
         return Path(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
@@ -85,25 +115,31 @@ class Committer:
         """Makes weightsync hold the trainer's version.
 
         Fresh start: publish version 0, or start from weightsync's latest if it holds other
-        weights. Resumed: publish the checkpoint's version when a crash came between the
-        checkpoint and its publish; weightsync never holds a newer one (it is written second).
+        weights. Resumed: publish the checkpoint's version when a crash came before its
+        publish; when weightsync holds newer versions (published after the checkpoint),
+        the replay publishes them again, and weightsync checks they are the same.
         """
         learner = self.learner
         latest = await weightsync.latest_version(self.config.weightsync)
         if resumed:
             if latest < learner.version:
                 weights = await asyncio.to_thread(learner.policy_weights)
-                await self.publish(learner.version, weights)
+                await self._publish_now(learner.version, weights, {}, {})
                 log.info("published version %d from the checkpoint", learner.version)
             elif latest > learner.version:
-                raise RuntimeError(
-                    f"weightsync holds version {latest}, newer than the newest checkpoint's {learner.version}: "
-                    f"the checkpoint folder {self.config.checkpoint_dir!r} is not this job's, or lost checkpoints"
-                )
+                log.info("weightsync holds versions up to %d, the checkpoint is at %d: replaying publishes them again", latest, learner.version)
             return
+        await self._fresh_start(latest)
+        # A checkpoint of the start: what a crash before the first periodic one replays from.
+        self._since_checkpoint = 1
+        await self.checkpoint()
+        await self.flush()
+
+    async def _fresh_start(self, latest: int) -> None:
+        learner = self.learner
         weights = await asyncio.to_thread(learner.policy_weights)
         if latest < 0:
-            await self.publish(0, weights)
+            await self._publish_now(0, weights, {}, {})
             log.info("published initial version 0")
             return
         manifest = await weightsync.manifest(self.config.weightsync, latest)
@@ -117,37 +153,113 @@ class Committer:
         finally:
             await subscriber.close()
 
-    async def publish(
-        self, version: int, weights: dict[str, RawTensor], trace_context: dict[str, str] | None = None, metrics: dict[str, float] | None = None
+    async def _publish_now(
+        self, version: int, weights: dict[str, RawTensor], trace_context: dict[str, str], metrics: dict[str, float], probe: weightsync_pb2.Canary | None = None
     ) -> weightsync_pb2.PublishResponse:
-        """Publishes ``version`` with its canary (what the learner computes with exactly these weights)."""
-        probe = await asyncio.to_thread(self.learner.canary, weights)
-        return await weightsync.publish(self.config.weightsync, version, weights, trace_context, metrics, probe)
+        """Publishes ``version`` with its canary; transient failures are retried, a refusal is final."""
+        if probe is None:
+            probe = await asyncio.to_thread(self.learner.canary, weights)
+        for attempt, pause in enumerate((*_PUBLISH_RETRY_S, None)):
+            try:
+                return await weightsync.publish(self.config.weightsync, version, weights, trace_context, metrics, probe)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _REFUSALS:
+                    raise CommitRefused(f"weightsync refused version {version}: {exc.details()}") from exc
+                if pause is None:
+                    raise
+                log.warning("publishing version %d failed (%s, attempt %d); retrying in %.1f s", version, exc.code().name, attempt + 1, pause)
+                await asyncio.sleep(pause)
+        raise AssertionError("unreachable")
 
     async def commit(self, metrics: pb.StepMetrics, span: Any) -> None:
-        """Checkpoint, then publish, then ack; fills the publish figures into ``metrics``."""
+        """Starts publishing the learner's new version, and a checkpoint when one is due.
+
+        Waits only for the weights to be copied (and for the previous publish or
+        checkpoint, if it is still running: at most one of each is in flight)."""
         learner = self.learner
-        root = self._root()
         p = self.progress
-        if root is not None:
+        self.last_step_at = time.monotonic()
+        if self._root() is not None:
             p.history.append({"step": learner.step_count, "version": learner.version, "master_hash": await asyncio.to_thread(learner.master_hash)})
-            state = await asyncio.to_thread(learner.state)
-            meta = {
-                "step": learner.step_count,
-                "version": learner.version,
-                "trained_groups": self.consumer.trained.as_list(),
-                "history": p.history,
-                "consumed": p.consumed,
-                "counters": dict(p.counters),
-            }
-            await asyncio.to_thread(ckpt.save_checkpoint, root, learner.step_count, state, meta, self.config.keep_checkpoints)
-            p.checkpoint_step = learner.step_count
         weights = await asyncio.to_thread(learner.policy_weights)
+        # The canary runs the learner's model: here, not beside the next step.
+        probe = await asyncio.to_thread(learner.canary, weights)
         values = {"loss": metrics.loss, "reward_mean": metrics.reward_mean, "grad_norm": metrics.grad_norm, "pass_rate": metrics.pass_rate}
-        reply = await self.publish(learner.version, weights, telemetry.inject(span), values)
-        span.set_attribute("meridian.version", reply.version)
-        span.set_attribute("meridian.encoded_bytes", reply.encoded_bytes)
+        # Without checkpoints a publish is the only durable record: it acks what it covers.
+        acks = self.consumer.unacked() if self._root() is None else None
+        await _finished(self._publishing)
+        self._publishing = asyncio.create_task(self._publish(learner.version, weights, probe, telemetry.inject(span), values, metrics, acks))
+        self._since_checkpoint += 1
+        if self._root() is not None and self._since_checkpoint >= self.config.checkpoint_every:
+            await self.checkpoint()
+
+    async def _publish(
+        self, version: int, weights: dict[str, RawTensor], probe: weightsync_pb2.Canary, trace: dict[str, str], values: dict[str, float],
+        metrics: pb.StepMetrics, acks: dict[str, str] | None,
+    ) -> None:
+        try:
+            reply = await self._publish_now(version, weights, trace, values, probe)
+        except CommitRefused:
+            raise
+        except Exception:
+            # Weightsync unreachable for every retry: the next version goes out as a delta
+            # on what it holds; without checkpoints these groups stay pending and replay.
+            log.exception("version %d was not published", version)
+            return
         metrics.published = True
         metrics.weightsync_raw_bytes = reply.raw_bytes
         metrics.weightsync_encoded_bytes = reply.encoded_bytes
-        await self.consumer.ack_trained()
+        if acks is not None:
+            await self.consumer.ack(acks)
+
+    async def checkpoint(self) -> None:
+        """Starts writing a checkpoint of the learner as it is now; its acks follow it."""
+        root = self._root()
+        if root is None or self._since_checkpoint == 0:
+            return
+        learner = self.learner
+        p = self.progress
+        await _finished(self._checkpointing)
+        # A copy: the next step changes the weights and the optimiser state in place.
+        state = await asyncio.to_thread(lambda: copy.deepcopy(learner.state()))
+        meta = {
+            "step": learner.step_count,
+            "version": learner.version,
+            "trained_groups": self.consumer.trained.as_list(),
+            "history": list(p.history),
+            "consumed": p.consumed,
+            "counters": dict(p.counters),
+        }
+        acks = self.consumer.unacked()
+        self._since_checkpoint = 0
+        self._checkpointing = asyncio.create_task(self._write_checkpoint(root, state, meta, acks))
+
+    async def _write_checkpoint(self, root: Path, state: dict[str, Any], meta: dict[str, Any], acks: dict[str, str]) -> None:
+        try:
+            await asyncio.to_thread(ckpt.save_checkpoint, root, meta["step"], state, meta, self.config.keep_checkpoints)
+        except Exception:
+            # Nothing is acked, so nothing is lost; the next checkpoint covers these steps.
+            log.exception("checkpoint of step %d failed", meta["step"])
+            self._since_checkpoint += 1
+            return
+        self.progress.checkpoint_step = meta["step"]
+        await self.consumer.ack(acks)
+
+    async def idle(self) -> None:
+        """Called when no batch is ready: checkpoints uncovered steps after ``checkpoint_idle_s``
+        so that a quiet trainer leaves nothing to replay; raises a refused publish."""
+        if self._publishing is not None and self._publishing.done():
+            self._publishing.result()
+        if self._since_checkpoint and time.monotonic() - self.last_step_at >= self.config.checkpoint_idle_s:
+            await self.checkpoint()
+
+    async def flush(self) -> None:
+        """Waits for the publish and the checkpoint in flight (ordered shutdown)."""
+        await _finished(self._publishing)
+        await _finished(self._checkpointing)
+
+
+async def _finished(task: asyncio.Task[None] | None) -> None:
+    """Waits for ``task``; only a refusal escapes it (see :class:`CommitRefused`)."""
+    if task is not None:
+        await task

@@ -37,7 +37,9 @@ class TrainerConfig:
     stale_mode: str = opt("drop", "what happens to stale samples: drop or downweight")
     stale_weight: float = opt(0.25, "loss weight of a stale sample in downweight mode")
     autocast_bf16: bool = opt(False, "run forward and backward under bf16 autocast (master weights stay fp32)")
-    publish_every: int = opt(1, "publish (and checkpoint) every k optimizer steps")
+    publish_every: int = opt(1, "publish every k optimizer steps")
+    checkpoint_every: int = opt(10, "checkpoint every k publishing steps, in the background (groups are acked once a checkpoint covers them)")
+    checkpoint_idle_s: float = opt(5.0, "checkpoint steps no checkpoint covers after this long without a step")
     checkpoint_dir: str = opt("", "folder for checkpoints; the trainer resumes from the newest complete one (empty: none, resume from weightsync's latest version without optimiser state)")
     keep_checkpoints: int = opt(2, "complete checkpoints kept on disk")
     claim_idle_ms: int = opt(60_000, "claim entries another consumer left pending this long (XAUTOCLAIM)")
@@ -64,7 +66,9 @@ class TrainerConfig:
             raise ValueError(f"stale_weight must be in [0, 1], got {self.stale_weight}")
         if self.tis_cap < 0 or self.kl_coef < 0 or self.warmup_steps < 0:
             raise ValueError("tis_cap, kl_coef and warmup_steps must be >= 0")
-        if self.publish_every <= 0 or self.keep_checkpoints <= 0 or self.dedupe_window <= 0:
-            raise ValueError("publish_every, keep_checkpoints and dedupe_window must be positive")
+        if self.publish_every <= 0 or self.checkpoint_every <= 0 or self.keep_checkpoints <= 0 or self.dedupe_window <= 0:
+            raise ValueError("publish_every, checkpoint_every, keep_checkpoints and dedupe_window must be positive")
+        if self.checkpoint_idle_s < 0:
+            raise ValueError(f"checkpoint_idle_s must be >= 0, got {self.checkpoint_idle_s}")
         if self.claim_idle_ms <= 0 or self.claim_every_s <= 0:
             raise ValueError("claim_idle_ms and claim_every_s must be positive")

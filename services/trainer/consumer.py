@@ -61,8 +61,8 @@ class GroupConsumer:
     """Reads groups from ``transport`` and keeps the exactly-once ledger.
 
     Usage: :meth:`start` and :meth:`recover`, then :meth:`poll` in a loop, :meth:`take` batches, report them
-    with :meth:`trained_on` once the learner stepped on them, and :meth:`ack_trained`
-    once a checkpoint holds that step. ``counters`` may be shared with the caller.
+    with :meth:`trained_on` once the learner stepped on them, and :meth:`ack` what
+    :meth:`unacked` listed once a checkpoint holds that step. ``counters`` may be shared with the caller.
     """
 
     def __init__(self, transport: GroupTransport, config: ConsumerConfig, counters: collections.Counter[str] | None = None) -> None:
@@ -145,10 +145,18 @@ class GroupConsumer:
             self.trained.add(group.group_id)
             self._unacked[group.group_id] = entry_id
 
-    async def ack_trained(self) -> None:
-        """Acks every group trained on so far (call once a checkpoint holds them)."""
-        await self.transport.ack(list(self._unacked.values()))
-        self._unacked.clear()
+    def unacked(self) -> dict[str, str]:
+        """The groups trained on and not acked yet (group id -> entry id), as of now."""
+        return dict(self._unacked)
+
+    async def ack(self, groups: dict[str, str]) -> None:
+        """Acks ``groups`` (from :meth:`unacked`) once a checkpoint or a publish holds them."""
+        if not groups:
+            return
+        await self.transport.ack(list(groups.values()))
+        for gid, entry_id in groups.items():
+            if self._unacked.get(gid) == entry_id:
+                del self._unacked[gid]
 
     def ready_trajectories(self) -> int:
         """Trajectories received and waiting for a step."""

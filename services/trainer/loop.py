@@ -1,5 +1,6 @@
 """The trainer's main loop: poll the consumer, step the learner on every ``groups_per_step``
-complete groups, and every ``publish_every`` steps hand the result to the committer."""
+complete groups, and every ``publish_every`` steps hand the result to the committer,
+which publishes and checkpoints in the background while the next step runs."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ from opentelemetry.trace import Link
 
 from meridian import telemetry
 from meridian.v1 import trainer_pb2 as pb
-from services.trainer.commit import Committer, Progress
+from services.trainer.commit import CommitRefused, Committer, Progress
 from services.trainer.consumer import GroupConsumer, Taken
 from services.trainer.learner_protocol import PolicyLearner, StepResult
 
@@ -65,14 +66,19 @@ class TrainingLoop:
         return [*self._committed, *self._uncommitted]
 
     async def run(self) -> None:
-        """Runs until cancelled; a failed step is logged and retried from the transport."""
+        """Runs until cancelled or refused (:class:`CommitRefused`); any other failure is
+        logged and the loop goes on from the transport."""
         await self.consumer.recover()
         while True:
             try:
                 await self.consumer.poll(READ_COUNT, READ_BLOCK_MS)
+                trained = False
                 while taken := self.consumer.take(self.groups_per_step):
                     await self.train(taken)
-            except asyncio.CancelledError:
+                    trained = True
+                if not trained:
+                    await self.committer.idle()
+            except (asyncio.CancelledError, CommitRefused):
                 raise
             except Exception:
                 log.exception("training loop iteration failed; retrying")

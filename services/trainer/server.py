@@ -11,8 +11,9 @@ Exactly-once effect on the weights:
   recognised after a restart and acked without training;
 - entries are acked only after the checkpoint that contains their effect is on disk,
   so a crash before that replays them, from that checkpoint, into the same step;
-- a published version always has a checkpoint (it is written first), so a restart
-  never publishes different weights under a version weightsync already holds.
+- versions are published before the checkpoint that covers them (nothing waits on
+  disk); the replay publishes them again with the same bytes, and weightsync refuses
+  different weights under a version it holds, which stops the trainer.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from meridian.model_store import resolve_model
 from meridian.trajectory_transport import GroupTransport, open_transport
 from meridian.v1 import trainer_pb2 as pb
 from meridian.v1 import trainer_pb2_grpc as pb_grpc
-from services.trainer.commit import CommitConfig, Committer, Progress
+from services.trainer.commit import CommitConfig, CommitRefused, Committer, Progress
 from services.trainer.config import TrainerConfig
 from services.trainer.consumer import ConsumerConfig, GroupConsumer
 from services.trainer.learner_protocol import PolicyLearner
@@ -45,6 +46,7 @@ class TrainerService(pb_grpc.TrainerServicer):
         consumer_config = ConsumerConfig(config.consumer, config.dedupe_window, config.claim_idle_ms, config.claim_every_s)
         self.consumer = GroupConsumer(self.transport, consumer_config, self.progress.counters)
         self.loop: TrainingLoop | None = None
+        self.committer: Committer | None = None
         self._task: asyncio.Task[None] | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -58,7 +60,8 @@ class TrainerService(pb_grpc.TrainerServicer):
             model_dir = await asyncio.to_thread(resolve_model, self.config.model)
             self.learner = await asyncio.to_thread(Learner, model_dir, self.config)
         cfg = self.config
-        committer = Committer(CommitConfig(cfg.weightsync, cfg.checkpoint_dir, cfg.keep_checkpoints), self.learner, self.consumer, self.progress)
+        commit_config = CommitConfig(cfg.weightsync, cfg.checkpoint_dir, cfg.keep_checkpoints, cfg.checkpoint_every, cfg.checkpoint_idle_s)
+        committer = self.committer = Committer(commit_config, self.learner, self.consumer, self.progress)
         resumed = await asyncio.to_thread(committer.resume)
         await self.consumer.start()
         await committer.sync_initial_version(resumed)
@@ -66,10 +69,14 @@ class TrainerService(pb_grpc.TrainerServicer):
         self._task = asyncio.create_task(self.loop.run())
 
     async def stop(self) -> None:
+        """The loop first, then the publish and checkpoint in flight, then the transport."""
         if self._task:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, CommitRefused):
                 await self._task
+        if self.committer is not None:
+            with contextlib.suppress(CommitRefused):
+                await self.committer.flush()
         await self.transport.close()
 
     async def Status(self, request: pb.TrainerStatusRequest, context: grpc.aio.ServicerContext) -> pb.TrainerStatus:

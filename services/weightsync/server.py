@@ -197,12 +197,15 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             raise InvalidArgument("Publish stream had no header")
         assembly.check_complete()
         async with self._store_lock:
+            republish = header.version <= self.store.latest
             with tracer.start_as_current_span("weightsync.encode", context=telemetry.extract(dict(header.trace_context))) as span:
                 span.set_attribute("meridian.version", header.version)
                 enc: Encoded = await asyncio.to_thread(
                     self.store.publish, header.version, assembly.tensors, header.weights_hash, dict(header.trace_context), header.canary
                 )
                 span.set_attribute("meridian.encoded_bytes", enc.size)
+        if republish:  # identical to what is held: subscribers have nothing new
+            return pb.PublishResponse(version=header.version, raw_bytes=enc.manifest.raw_bytes, encoded_bytes=enc.size)
         self._stamp(header.version)
         await self._announce()
         log.info("version %d stored: %d raw bytes -> %d encoded", header.version, enc.manifest.raw_bytes, enc.size)

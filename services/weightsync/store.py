@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 
-from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
-from meridian.tensors import RawTensor, Weights
+from meridian.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from meridian.tensors import RawTensor, Weights, weights_hash
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync.receiver import decode_all
 from services.weightsync.versions import CODEC_NAME, Encoded, encode_version
@@ -67,16 +67,33 @@ class VersionStore:
         trace_context: Mapping[str, str] | None = None,
         canary: pb.Canary | None = None,
     ) -> Encoded:
-        """Stores ``version`` (a delta on the latest, or a keyframe for the first)."""
-        if version <= self.latest:
-            raise FailedPrecondition(f"version {version} is not newer than the latest, {self.latest}")
+        """Stores ``version`` (a delta on the latest, or a keyframe for the first).
+
+        A version already held may be published again with the same weights (a trainer
+        replaying from its checkpoint after a crash): that returns the stored encoding
+        and changes nothing. Other weights under a held version are refused."""
         if not weights:
             raise InvalidArgument(f"version {version} has no tensors")
+        if version <= self.latest:
+            return self._republished(version, weights)
         base = self.weights if self.latest >= 0 else None
         enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary)
         if expected_hash and expected_hash != enc.manifest.weights_hash:
             raise DataLoss(f"version {version}: received weights hash {enc.manifest.weights_hash[:12]} != publisher's {expected_hash[:12]}")
         return self.add_encoded(enc, weights)
+
+    def _republished(self, version: int, weights: Weights) -> Encoded:
+        held = self.deltas.get(version) or self.keyframes.get(version)
+        if held is None:
+            raise FailedPrecondition(f"version {version} is older than the latest ({self.latest}) and no longer held: a republish cannot be checked")
+        received = weights_hash(weights)
+        if received != held.manifest.weights_hash:
+            raise AlreadyExists(
+                f"version {version} is held with weights hash {held.manifest.weights_hash[:12]}; the republished weights hash to {received[:12]} "
+                "(a trainer that did not replay deterministically, or another job publishing to this origin)"
+            )
+        log.info("version %d republished with identical weights; nothing changes", version)
+        return held
 
     def add_encoded(self, enc: Encoded, weights: Weights) -> Encoded:
         """Records an encoded version whose decoded ``weights`` the caller already holds."""

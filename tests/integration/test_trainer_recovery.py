@@ -43,6 +43,8 @@ SETTINGS = {
     "groups_per_step": PER_STEP,
     "max_policy_lag": MAX_LAG,
     "publish_every": 1,
+    "checkpoint_every": 2,  # steps published before their checkpoint: replayed after a crash
+    "checkpoint_idle_s": 0.5,
     "keep_checkpoints": 50,
     "claim_idle_ms": 500,
     "claim_every_s": 0.5,
@@ -133,13 +135,13 @@ class Job:
         self.trainer_address = ""
         self._n = 0
 
-    def start_trainer(self, consumer: str = "trainer-0") -> subprocess.Popen[bytes]:
+    def start_trainer(self, consumer: str = "trainer-0", **overrides: Any) -> subprocess.Popen[bytes]:
         self._n += 1
         log = self.tmp / f"trainer-{self._n}.log"
         argv = [
             sys.executable, "-m", "meridian.cli", "serve", "trainer", "--port", "0", "--model", str(self.model),
             "--redis-url", self.redis_url, "--weightsync", self.weightsync, "--checkpoint-dir", str(self.ckpt_dir),
-            "--consumer", consumer, *_flags(SETTINGS),
+            "--consumer", consumer, *_flags({**SETTINGS, **overrides}),
         ]
         proc = _spawn(argv, log)
         self.procs.append(proc)
@@ -166,13 +168,24 @@ class Job:
         return asyncio.run(call())
 
     def wait_settled(self, proc: subprocess.Popen[bytes], step: int) -> trainer_pb2.TrainerStatus:
-        """Waits for the last step's checkpoint and for every entry to be acked."""
+        """Waits for the last step's checkpoint, every entry acked, and the trainer's
+        version published (publishes run beside checkpoints: either may finish first)."""
         self.wait_step(proc, step)
         deadline = time.monotonic() + TIMEOUT_S
         while stream_call(self.redis_url, lambda s: s.pending()) > 0:
             assert time.monotonic() < deadline, "entries stay pending"
             time.sleep(0.05)
-        return self.status()
+        while self.latest_version() < (status := self.status()).policy_version:
+            assert time.monotonic() < deadline, f"version {status.policy_version} is not published"
+            time.sleep(0.05)
+        return status
+
+    def latest_version(self) -> int:
+        async def call() -> int:
+            async with open_channel(self.weightsync) as ch:
+                return (await weightsync_pb2_grpc.WeightSyncStub(ch).Status(weightsync_pb2.WeightSyncStatusRequest(), timeout=10)).latest_version
+
+        return asyncio.run(call())
 
     def manifest_hashes(self, versions: list[int]) -> list[str]:
         async def call() -> list[str]:
@@ -256,6 +269,26 @@ def test_kill_9_at_random_moments_then_resume_gives_identical_weights(job: Job, 
     assert status.resumed_from_step >= kills[-1]
     assert_same_as_reference(job, reference)
     assert status.trajectories_consumed == GROUPS * GROUP_SIZE
+
+
+def test_kill_between_publishes_and_the_checkpoint_that_covers_them(job: Job, groups: list[list[common_pb2.Trajectory]], reference: list[dict[str, Any]]) -> None:
+    """Versions go out before their checkpoint; after a crash the replay publishes them
+    again, byte for byte, and weightsync accepts them as the same versions."""
+    produce(job.redis_url, list(groups))
+    # No checkpoint but the initial one while this trainer lives: every version it
+    # publishes is uncovered when it dies.
+    proc = job.start_trainer(checkpoint_every=1000, checkpoint_idle_s=3600)
+    deadline = time.monotonic() + TIMEOUT_S
+    while job.latest_version() < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, job.trainer_log.read_text()[-3000:]
+        time.sleep(0.05)
+    _stop(proc, signal.SIGKILL)
+    assert ckpt.latest_checkpoint(job.ckpt_dir) is not None and job.checkpoint_step() == 0 and job.latest_version() >= 3
+    proc = job.start_trainer()
+    status = job.wait_settled(proc, reference[-1]["step"])
+    assert status.resumed_from_step == 0
+    assert_same_as_reference(job, reference)
+    assert "republished with identical weights" in (job.tmp / "weightsync.log").read_text()
 
 
 def test_duplicate_deliveries_change_nothing(job: Job, groups: list[list[common_pb2.Trajectory]], reference: list[dict[str, Any]]) -> None:

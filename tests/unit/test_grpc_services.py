@@ -203,8 +203,11 @@ def test_weightsync_publish_errors_map_to_status(tmp_path: Path, grpc_serving: S
             await client.publish(address, 0, v0)
             async with grpc.aio.insecure_channel(address) as channel:
                 stub = ws_grpc.WeightSyncStub(channel)
-                # Re-publishing the same version: FAILED_PRECONDITION.
-                await expect_code(grpc.StatusCode.FAILED_PRECONDITION, stub.Publish(client.publish_requests(0, v0)))
+                # Re-publishing the same version with the same weights is accepted (a
+                # trainer's replay); with other weights it is ALREADY_EXISTS.
+                again = await stub.Publish(client.publish_requests(0, v0))
+                assert again.version == 0
+                await expect_code(grpc.StatusCode.ALREADY_EXISTS, stub.Publish(client.publish_requests(0, _nudged(v0, 1))))
                 # A header hash that does not match the pieces: DATA_LOSS.
                 requests = list(client.publish_requests(1, _nudged(v0, 1)))
                 requests[0].header.weights_hash = weights_hash(v0)

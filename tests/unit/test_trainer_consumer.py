@@ -38,9 +38,11 @@ def _group(name: str, size: int = 2) -> list[common_pb2.Trajectory]:
     ]
 
 
-def _consumer(streams: MemoryStreams, name: str = "trainer-0", claim_idle_ms: int = 60_000, counters: collections.Counter[str] | None = None) -> GroupConsumer:
+def _consumer(
+    streams: MemoryStreams, name: str = "trainer-0", claim_idle_ms: int = 60_000, counters: collections.Counter[str] | None = None, claim_every_s: float = 3600
+) -> GroupConsumer:
     transport = InMemoryGroupTransport(CONFIG, streams)
-    return GroupConsumer(transport, ConsumerConfig(name, dedupe_window=100, claim_idle_ms=claim_idle_ms, claim_every_s=3600), counters)
+    return GroupConsumer(transport, ConsumerConfig(name, dedupe_window=100, claim_idle_ms=claim_idle_ms, claim_every_s=claim_every_s), counters)
 
 
 def _entry(entry_id: str, name: str) -> GroupEntry:
@@ -199,7 +201,29 @@ def test_a_dead_consumers_groups_are_claimed_once_and_acked_only_after_commit() 
         assert b.counters["claimed"] == 1 and await b.transport.pending() == 1
         b.trained_on(taken)
         assert await b.transport.pending() == 1  # not acked until the commit
-        await b.ack_trained()
+        await b.ack(b.unacked())
         assert await b.transport.pending() == 0
+
+    run(body)
+
+
+def test_a_running_consumer_claims_what_a_consumer_dying_later_left_pending() -> None:
+    """Not only at start-up: B is already polling when A takes a group and dies."""
+
+    async def body() -> None:
+        streams = MemoryStreams()
+        b = _consumer(streams, "trainer-b", claim_idle_ms=20, claim_every_s=0.01)
+        await b.start()
+        await b.recover()  # nothing to take back yet
+        a = _consumer(streams, "trainer-a")
+        await a.transport.publish_group(_group("g0"))
+        await a.poll(10, 0)  # A holds g0 and dies
+        assert b.take(1) == []
+        for _ in range(100):  # B's ordinary polls, as its loop makes them
+            await b.poll(10, 0)
+            if taken := b.take(1):
+                break
+            await asyncio.sleep(0.01)
+        assert _ids(taken) == ["g0"] and b.counters["claimed"] == 1
 
     run(body)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from meridian.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from services.weightsync.receiver import Decoder, decode_all
 from services.weightsync.store import VersionStore
 from services.weightsync.versions import Encoded, encode_version
@@ -142,11 +142,23 @@ def test_plan_prefers_keyframe_when_smaller_than_chain(tmp_path: Path) -> None:
     _assert_same(decode_all([only]).weights, ws[2])
 
 
-def test_publishing_an_old_or_equal_version_fails(filled: VersionStore, versions: list[Weights]) -> None:
-    for v in (5, 3, -1):
-        with pytest.raises(FailedPrecondition):
-            filled.publish(v, versions[5])
+def test_republishing_a_held_version_is_accepted_only_with_identical_weights(filled: VersionStore, versions: list[Weights]) -> None:
+    # A trainer replaying from its checkpoint publishes the same bytes again: accepted, nothing changes.
+    stored = filled.stored_bytes()
+    for v in (5, 3):
+        held = filled.manifest(v)
+        assert filled.publish(v, versions[v]).manifest == held
+    assert (filled.latest, filled.stored_bytes()) == (5, stored)
+    # Different weights under a held version are refused, and nothing changes.
+    with pytest.raises(AlreadyExists, match="version 3 is held with weights hash"):
+        filled.publish(3, versions[5])
+    with pytest.raises(AlreadyExists):
+        filled.publish(5, versions[4])
+    # A version older than anything held cannot be checked.
+    with pytest.raises(FailedPrecondition, match="no longer held"):
+        filled.publish(-1, versions[0])
     assert filled.latest == 5
+    _assert_same(filled.weights, versions[5])
 
 
 def test_empty_version_is_invalid(tmp_path: Path) -> None:

@@ -1,0 +1,175 @@
+"""The commit step against a real weightsync (in-process, loopback) and the in-memory
+transport: versions go out before their checkpoint, groups are acked only once a
+checkpoint covers them, and a replay after a crash republishes the same bytes while
+other weights under a held version stop the trainer."""
+from __future__ import annotations
+
+import asyncio
+import collections
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from opentelemetry import trace
+
+from meridian.tensors import RawTensor
+from meridian.trajectory_transport import InMemoryGroupTransport, MemoryStreams, TransportConfig
+from meridian.v1 import common_pb2, trainer_pb2, weightsync_pb2
+from services.trainer import checkpoint as ckpt
+from services.trainer.commit import CommitConfig, CommitRefused, Committer, Progress
+from services.trainer.consumer import ConsumerConfig, GroupConsumer
+from services.trainer.learner_protocol import StepResult
+from services.weightsync import client as weightsync
+from services.weightsync.config import WeightSyncConfig
+from services.weightsync.server import WeightSyncService
+from tests.conftest import serving
+
+TRANSPORT = TransportConfig(url="memory://", stream="test:trajectories")
+
+
+class CountingLearner:
+    """A PolicyLearner whose weights are a function of its version (and a skew, to
+    stand for a learner that does not replay deterministically)."""
+
+    def __init__(self, skew: int = 0) -> None:
+        self.version = 0
+        self.step_count = 0
+        self.skew = skew
+
+    def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
+        self.version += 1
+        self.step_count += 1
+        return StepResult(self.step_count, 0.0, trajectories=sum(len(g) for g in groups), groups=len(groups), grad_norm=0.0, seconds=0.0, stats={}, reward_mean=0.0, dropped_stale=0)
+
+    def policy_weights(self) -> dict[str, RawTensor]:
+        bits = np.arange(64, dtype=np.uint16) + np.uint16(self.version * 7 + self.skew)
+        return {"w": RawTensor("bf16", (64,), bits)}
+
+    def canary(self, weights: dict[str, RawTensor]) -> weightsync_pb2.Canary:
+        return weightsync_pb2.Canary()
+
+    def load_policy_weights(self, weights: dict[str, RawTensor], version: int) -> None:
+        self.version = version
+
+    def master_hash(self) -> str:
+        return f"master-{self.version}-{self.skew}"
+
+    def state(self) -> dict[str, Any]:
+        return {"version": self.version, "step": self.step_count}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.version, self.step_count = state["version"], state["step"]
+
+
+def _group(name: str) -> list[common_pb2.Trajectory]:
+    return [
+        common_pb2.Trajectory(
+            trajectory_id=f"{name}-{k}", task_id="t", group_id=name, group_size=2, prompt_token_ids=[1], completion_token_ids=[2],
+            logprobs=[-0.5], loss_mask=[1], policy_versions=[0], reward=float(k),
+        )
+        for k in range(2)
+    ]
+
+
+class Trainer:
+    """The trainer's components over shared streams, a weightsync and a checkpoint folder."""
+
+    def __init__(self, streams: MemoryStreams, address: str, ckpt_dir: Path, learner: CountingLearner, checkpoint_every: int) -> None:
+        self.learner = learner
+        self.progress = Progress()
+        self.transport = InMemoryGroupTransport(TRANSPORT, streams)
+        self.consumer = GroupConsumer(self.transport, ConsumerConfig("trainer-0", 100, 60_000, 3600), self.progress.counters)
+        config = CommitConfig(address, str(ckpt_dir), keep_checkpoints=10, checkpoint_every=checkpoint_every, checkpoint_idle_s=3600)
+        self.committer = Committer(config, learner, self.consumer, self.progress)
+
+    async def start(self) -> None:
+        resumed = self.committer.resume()
+        await self.consumer.start()
+        await self.committer.sync_initial_version(resumed)
+        await self.consumer.recover()
+
+    async def train_one(self) -> None:
+        await self.consumer.poll(10, 0)
+        taken = self.consumer.take(1)
+        assert taken, "a group should be ready"
+        result = self.learner.step([list(g.trajectories) for _, g in taken])
+        self.consumer.trained_on(taken)
+        metrics = trainer_pb2.StepMetrics(step=result.step, policy_version=self.learner.version)
+        await self.committer.commit(metrics, trace.INVALID_SPAN)
+        await self.committer.flush()  # the test looks at the outcome, not the overlap
+
+
+def test_acks_follow_checkpoints_and_a_replay_republishes_the_same_versions(tmp_path: Path) -> None:
+    async def body() -> None:
+        streams = MemoryStreams()
+        ckpt_dir = tmp_path / "ckpt"
+        async with serving(WeightSyncService(WeightSyncConfig(role="origin", data_dir=str(tmp_path / "ws")))) as address:
+            first = Trainer(streams, address, ckpt_dir, CountingLearner(), checkpoint_every=2)
+            for name in ("g1", "g2", "g3"):
+                await first.transport.publish_group(_group(name))
+            await first.start()
+            await first.train_one()
+            # Version 1 is out, but no checkpoint holds it: its group stays pending
+            # (with the two delivered and not trained yet).
+            assert await weightsync.latest_version(address) == 1
+            assert await first.transport.pending() == 3 and list(first.consumer.unacked()) == ["g1"]
+            await first.train_one()
+            # The checkpoint of step 2 is on disk: both trained groups are acked.
+            assert ckpt.read_meta(ckpt.latest_checkpoint(ckpt_dir))["step"] == 2  # type: ignore[arg-type]
+            assert await first.transport.pending() == 1 and first.consumer.unacked() == {}
+            await first.train_one()
+            assert await weightsync.latest_version(address) == 3 and list(first.consumer.unacked()) == ["g3"]
+            assert await first.transport.pending() == 1
+            held = (await weightsync.manifest(address, 3)).weights_hash
+
+            # The trainer dies here. Its successor resumes at step 2, gets g3 again and
+            # publishes version 3 again: the same bytes, accepted.
+            second = Trainer(streams, address, ckpt_dir, CountingLearner(), checkpoint_every=2)
+            await second.start()
+            assert second.learner.version == 2
+            await second.train_one()
+            assert (await weightsync.manifest(address, 3)).weights_hash == held
+            assert await weightsync.latest_version(address) == 3
+
+            # A trainer whose replay differs is refused, and says why.
+            third = Trainer(streams, address, ckpt_dir, CountingLearner(skew=1), checkpoint_every=2)
+            await third.transport.publish_group(_group("g4"))
+            await third.start()
+            await third.consumer.poll(10, 0)
+            taken = third.consumer.take(1)
+            third.learner.step([list(g.trajectories) for _, g in taken])
+            third.consumer.trained_on(taken)
+            await third.committer.commit(trainer_pb2.StepMetrics(step=3), trace.INVALID_SPAN)
+            with pytest.raises(CommitRefused, match="version 3 is held with weights hash"):
+                await third.committer.flush()
+
+    asyncio.run(body())
+
+
+def test_checkpoints_copy_the_state_the_next_step_changes(tmp_path: Path) -> None:
+    """The background write must not see the step that follows it."""
+
+    class MutableLearner(CountingLearner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.buffer = np.zeros(4)
+
+        def state(self) -> dict[str, Any]:
+            return {**super().state(), "buffer": self.buffer}  # a reference, as torch's state_dict
+
+    async def body() -> None:
+        learner = MutableLearner()
+        progress = Progress(counters=collections.Counter())
+        consumer = GroupConsumer(InMemoryGroupTransport(TRANSPORT, MemoryStreams()), ConsumerConfig("c", 10, 60_000, 3600), progress.counters)
+        committer = Committer(CommitConfig("unused:1", str(tmp_path), 5, checkpoint_every=1), learner, consumer, progress)
+        committer._since_checkpoint = 1
+        learner.step_count = learner.version = 1
+        await committer.checkpoint()
+        learner.buffer += 1.0  # the next step, while the checkpoint is being written
+        await committer.flush()
+        state, _ = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))  # type: ignore[arg-type]
+        assert np.array_equal(state["buffer"], np.zeros(4))
+        assert state["step"] == 1
+
+    asyncio.run(body())
