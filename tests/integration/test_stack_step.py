@@ -95,7 +95,12 @@ def test_one_rl_step_end_to_end(stack: stack_mod.Stack, otlp: OtlpReceiver) -> N
     assert after_score.policy_version == v0 + 1 and before_score.policy_version == v0
     moved = max(abs(a - b) for a, b in zip(after_score.logprobs, before_score.logprobs))
     assert moved > 1e-3, f"the served policy should change with the update (max log-prob change {moved})"
-    assert asyncio.run(stream_counts()) == (length_before + 1, 0), "the group travels as one entry, consumed and acked"
+    # One entry for the group, acked once a checkpoint covers its step (the trainer
+    # checkpoints when it goes idle, --checkpoint-idle-s after the step).
+    while (counts := asyncio.run(stream_counts())) != (length_before + 1, 0):
+        assert counts[0] == length_before + 1, "the group travels as one entry"
+        assert time.monotonic() < deadline, f"the group's entry is still pending: {counts}"
+        time.sleep(0.5)
 
     episode_spans = {(t.trace_context["traceparent"].split("-")[1], t.trace_context["traceparent"].split("-")[2]) for t in trajs}
     assert otlp.wait_for(lambda r: any(set(s.links) & episode_spans for s in r.spans("trainer.step"))), (
