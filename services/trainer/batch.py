@@ -75,7 +75,25 @@ def policy_lag(traj: common_pb2.Trajectory, trainer_version: int) -> int:
     return max(0, trainer_version - oldest)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Log-prob of each next token: [B, T-1] from logits [B, T, V]."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+#: Positions per chunk of the log-prob computation: 512 x 49,152 fp32 logits is 96 MiB.
+LOGPROB_CHUNK = 512
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+    """Log-prob of each next token: [B, T-1] from logits [B, T, V].
+
+    ``logit[target] - logsumexp(logits)`` over ``chunk`` positions at a time: the
+    full-vocabulary log-softmax of the batch (4 x B x T x V bytes, kept for the backward
+    pass) is never built, nor, under bf16 autocast, an fp32 copy of all the logits.
+    """
+    rows = []
+    positions = logits.shape[1] - 1  # the last position predicts nothing
+    for b in range(logits.shape[0]):
+        parts = []
+        for start in range(0, positions, chunk):
+            stop = min(start + chunk, positions)
+            piece = logits[b, start:stop].float()
+            targets = input_ids[b, start + 1 : stop + 1]
+            parts.append(piece.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(piece, dim=-1))
+        rows.append(torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32))
+    return torch.stack(rows)

@@ -36,6 +36,7 @@ class TrainerConfig:
     max_policy_lag: int = opt(4, "samples whose policy lags the trainer by more versions are stale")
     stale_mode: str = opt("drop", "what happens to stale samples: drop or downweight")
     stale_weight: float = opt(0.25, "loss weight of a stale sample in downweight mode")
+    micro_batch: int = opt(4, "sequences per forward and backward pass; gradients accumulate over the batch (fewer: less memory; 0: the whole batch at once)")
     autocast_bf16: bool = opt(False, "run forward and backward under bf16 autocast (master weights stay fp32)")
     publish_every: int = opt(1, "publish every k optimizer steps")
     checkpoint_every: int = opt(10, "checkpoint every k publishing steps, in the background (groups are acked once a checkpoint covers them)")
@@ -68,6 +69,8 @@ class TrainerConfig:
             raise ValueError("tis_cap, kl_coef and warmup_steps must be >= 0")
         if self.publish_every <= 0 or self.checkpoint_every <= 0 or self.keep_checkpoints <= 0 or self.dedupe_window <= 0:
             raise ValueError("publish_every, checkpoint_every, keep_checkpoints and dedupe_window must be positive")
+        if self.micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
         if self.checkpoint_idle_s < 0:
             raise ValueError(f"checkpoint_idle_s must be >= 0, got {self.checkpoint_idle_s}")
         if self.claim_idle_ms <= 0 or self.claim_every_s <= 0:

@@ -9,6 +9,7 @@ so the result equals the single-process step up to floating-point summation orde
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -216,22 +217,63 @@ class Learner:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
-    def loss_on(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Forward and loss of this rank's shard of ``batch`` (normalised by the whole batch)."""
-        shard = _shard(batch, self.rank, self.world) if self.world > 1 else batch
-        shard = Batch(**{f.name: getattr(shard, f.name).to(self.device) for f in dataclasses.fields(Batch)})
+    def _micro_batches(self, shard: Batch) -> list[Batch]:
+        """``micro_batch`` rows at a time, each cut to its own longest sequence (rows are
+        right-padded to the whole batch's)."""
+        rows = shard.input_ids.shape[0]
+        size = self.config.micro_batch or rows
+        parts = []
+        for start in range(0, rows, size):
+            part = Batch(**{f.name: getattr(shard, f.name)[start : start + size].to(self.device) for f in dataclasses.fields(Batch)})
+            length = max(2, int(part.attention_mask.sum(dim=1).max()))
+            parts.append(
+                dataclasses.replace(
+                    part,
+                    input_ids=part.input_ids[:, :length],
+                    attention_mask=part.attention_mask[:, :length],
+                    target_mask=part.target_mask[:, : length - 1],
+                    behaviour_logprobs=part.behaviour_logprobs[:, : length - 1],
+                    token_scale=part.token_scale[:, : length - 1],
+                )
+            )
+        return parts
+
+    def _loss(self, part: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         with self._autocast():
-            out = self.model(input_ids=shard.input_ids, attention_mask=shard.attention_mask)
-        logprobs = token_logprobs(out.logits, shard.input_ids)
+            out = self.model(input_ids=part.input_ids, attention_mask=part.attention_mask)
+        logprobs = token_logprobs(out.logits, part.input_ids)
         ref = None
         if self.reference is not None:
             with torch.no_grad(), self._autocast():
-                ref = token_logprobs(self.reference(input_ids=shard.input_ids, attention_mask=shard.attention_mask).logits, shard.input_ids)
-        loss, stats = clipped_pg_loss(
-            logprobs, shard.behaviour_logprobs, shard.advantages, shard.target_mask, self.loss_config, shard.token_weights, ref, shard.token_scale
+                ref = token_logprobs(self.reference(input_ids=part.input_ids, attention_mask=part.attention_mask).logits, part.input_ids)
+        return clipped_pg_loss(
+            logprobs, part.behaviour_logprobs, part.advantages, part.target_mask, self.loss_config, part.token_weights, ref, part.token_scale
         )
-        # DDP averages gradients over ranks; scale so they add up to the full batch's.
-        return loss * self.world, stats
+
+    def backward(self, batch: Batch) -> tuple[float, dict[str, float]]:
+        """Forward and backward passes over this rank's shard of ``batch``, ``micro_batch``
+        sequences at a time: every loss is normalised by the whole batch, so the gradients
+        accumulate to the whole batch's (the activations of one micro-batch are the
+        trainer's peak memory). Returns this rank's part of the loss and its stats
+        (token-weighted over the micro-batches)."""
+        shard = _shard(batch, self.rank, self.world) if self.world > 1 else batch
+        parts = self._micro_batches(shard)
+        loss_sum, tokens = 0.0, 0.0
+        weighted: collections.Counter[str] = collections.Counter()
+        for i, part in enumerate(parts):
+            # DDP all-reduces gradients once, after the last micro-batch.
+            sync = contextlib.nullcontext() if self.world == 1 or i == len(parts) - 1 else self.model.no_sync()  # type: ignore[operator]
+            with sync:
+                loss, stats = self._loss(part)
+                # DDP averages gradients over ranks; scale so they add up to the full batch's.
+                (loss * self.world).backward()
+            loss_sum += float(loss.detach())
+            tokens += stats["tokens"]
+            for key, value in stats.items():
+                weighted[key] += value * stats["tokens"]
+        merged = {key: value / max(tokens, 1.0) for key, value in weighted.items()}
+        merged["tokens"] = tokens
+        return loss_sum, merged
 
     def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
         """One optimizer step on complete groups; advances the policy version.
@@ -254,16 +296,15 @@ class Learner:
         if not prepared.groups:
             return StepResult(self.step_count, 0.0, trajectories=0, groups=0, grad_norm=0.0, seconds=time.perf_counter() - start, stats={}, stepped=False, **common)
         batch = build_batch(prepared.groups, self.pad_id, self.loss_config, prepared.weights)
-        loss, stats = self.loss_on(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        local_loss, stats = self.backward(batch)
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
         self.optimizer.step()
         self.scheduler.step()
         self.step_count += 1
         self.version += 1
-        reported = loss.detach() / self.world  # this shard's part of the whole batch's loss
+        reported = torch.tensor(local_loss, dtype=torch.float64)  # this shard's part of the whole batch's loss
         if self.world > 1:
             torch.distributed.all_reduce(reported)
         return StepResult(

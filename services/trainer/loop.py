@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import resource
 
 from opentelemetry.trace import Link
 
@@ -21,6 +22,11 @@ tracer = telemetry.tracer(__name__)
 READ_BLOCK_MS = 500
 READ_COUNT = 64
 RECENT_STEPS = 256
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def step_metrics(result: StepResult, version: int) -> pb.StepMetrics:
@@ -44,6 +50,7 @@ def step_metrics(result: StepResult, version: int) -> pb.StepMetrics:
         stepped=result.stepped,
         tis_weight_mean=result.stats.get("is_weight_mean", 0.0),
         kl=result.stats.get("kl", 0.0),
+        peak_rss_mb=peak_rss_mb(),
     )
 
 
@@ -105,7 +112,7 @@ class TrainingLoop:
                 self._committed.extend(self._uncommitted)
                 self._uncommitted.clear()
         log.info(
-            "step %d -> version %d: loss %.4f reward %.3f (%d trajectories, %d stale dropped, %d down-weighted, %d flat groups)",
+            "step %d -> version %d: loss %.4f reward %.3f (%d trajectories, %d stale dropped, %d down-weighted, %d flat groups), peak RSS %.0f MiB",
             result.step, self.learner.version, result.loss, result.reward_mean, result.trajectories,
-            result.dropped_stale, result.downweighted_stale, result.dropped_groups,
+            result.dropped_stale, result.downweighted_stale, result.dropped_groups, metrics.peak_rss_mb,
         )

@@ -14,7 +14,8 @@ from services.trainer.config import TrainerConfig
 from services.trainer.distributed import save_batches
 from benchmarks.support.synthetic import fixed_groups
 
-SETTINGS = ["--lr", "1e-3", "--groups-per-step", "2", "--threads", "1", "--max-policy-lag", "8"]
+# Micro-batches of 2: each rank's 3 rows take two passes, the first without a gradient all-reduce.
+SETTINGS = ["--lr", "1e-3", "--groups-per-step", "2", "--threads", "1", "--max-policy-lag", "8", "--micro-batch", "2"]
 
 
 pytestmark = pytest.mark.engine
@@ -43,7 +44,8 @@ def test_two_processes_match_one(tmp_path: Path, tiny_model: Path) -> None:
     assert run.returncode == 0, run.stderr[-4000:]
     assert (out / "rank-0.hash").read_text() == (out / "rank-1.hash").read_text(), "ranks diverged"
 
-    single = Learner(tiny_model, TrainerConfig(model=str(tiny_model), lr=1e-3, groups_per_step=2, threads=1, max_policy_lag=8))
+    # One process, the whole batch in one pass.
+    single = Learner(tiny_model, TrainerConfig(model=str(tiny_model), lr=1e-3, groups_per_step=2, threads=1, max_policy_lag=8, micro_batch=0))
     initial = {k: v.clone() for k, v in single.module.state_dict().items()}
     losses = [single.step(b).loss for b in batches]
     result = torch.load(out / "result.pt", weights_only=False)

@@ -233,6 +233,22 @@ def test_token_logprobs_matches_log_softmax_gather() -> None:
             assert lp[i, pos].item() == pytest.approx(want.item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_chunked_token_logprobs_give_the_full_log_softmax_values_and_gradients(chunk: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 6, 11, generator=gen, dtype=F64, requires_grad=True)
+    ids = torch.randint(0, 11, (3, 6), generator=gen)
+    weights = torch.randn(3, 5, generator=gen, dtype=F64)
+    full = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    (full * weights).sum().backward()
+    want_grad = logits.grad.clone()
+    logits.grad = None
+    lp = token_logprobs(logits, ids, chunk=chunk)
+    torch.testing.assert_close(lp, full.detach().float(), atol=1e-6, rtol=0)
+    (lp.double() * weights).sum().backward()
+    torch.testing.assert_close(logits.grad, want_grad, atol=1e-6, rtol=0)
+
+
 def test_build_batch_advantages_per_group() -> None:
     g1 = [_traj("a", "g1", [1], [2], 1.0), _traj("b", "g1", [1], [2], 0.0)]
     g2 = [_traj("c", "g2", [1], [2], 0.5), _traj("d", "g2", [1], [2], 0.5)]
