@@ -12,6 +12,7 @@ TARGETS = {
     "sandbox": "benchmarks.sandbox",
     "rollout": "benchmarks.rollout",
     "trainer": "benchmarks.trainer",
+    "e2e": "benchmarks.e2e",
 }
 
 

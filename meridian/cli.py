@@ -57,6 +57,12 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return demo.main(args.rest)
 
 
+def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from meridian import train
+
+    return train.main(args.rest)
+
+
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from meridian import bench
 
@@ -86,7 +92,8 @@ COMMANDS = {
     "up": (_stack_command, "start the local stack (redis-server and the four services)"),
     "down": (_stack_command, "stop the local stack"),
     "status": (_stack_command, "health, policy versions and stream length of the local stack"),
-    "demo": (_demo, "start the stack, run a short RL job, print a summary, stop the stack"),
+    "train": (_train, "run an RL job on a running stack (--rollout, --trainer) or on a local one it starts"),
+    "demo": (_demo, "start the stack, evaluate, run a short RL job, evaluate again, report, stop the stack"),
     "bench": (_bench, "run a benchmark and print JSON"),
     "model": (_model, "prepare model folders (built-in, tiny)"),
 }

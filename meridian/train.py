@@ -1,0 +1,309 @@
+"""``meridian train``: an RL job on a running stack (``--rollout`` and ``--trainer``), or
+on a local stack it starts and stops. Prints live progress (trainer steps, trained
+samples per second, reward, policy lag, the version rollout serves) and writes a report
+folder at the end (``summary.json`` and, with matplotlib, ``training.png``).
+
+Two modes:
+- ``async`` (the default, the pipeline): ``--in-flight`` samplers keep RL episodes
+  running on rollout while the trainer steps on complete groups as they arrive and
+  publishes in the background; samplers pause while two batches wait untrained, so
+  samples stay within the staleness bound;
+- ``sync``: sample a batch, wait for the trainer's step and for rollout to serve it,
+  repeat (for comparison).
+
+Trainer settings (learning rate, staleness bound, groups per step) and the task folder
+apply when this command starts the stack; a running stack keeps its own.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from meridian import stack as stack_mod
+from meridian.config import add_config_args, config_from_args, opt
+
+# Easy python_function tasks of the training split: the built-in 135M model solves them
+# some of the time, so GRPO groups have reward variance to learn from.
+TRAIN_TASKS = (
+    "python/add,python/square,python/multiply,python/is_even,python/last_element,python/max_of_list,"
+    "python/factorial,python/sum_of_squares,python/count_vowels,python/reverse_words,python/clamp,python/gcd"
+)
+MODES = ("async", "sync")
+POLL_S = 0.25
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = opt(8, "trainer steps (new policy versions) to run")
+    mode: str = opt("async", "async: sampling beside training (the pipeline); sync: sample, then train, alternating")
+    model: str = opt("builtin", "model folder, or 'builtin' for SmolLM2-135M-Instruct (when this command starts the stack)")
+    tasks_per_step: int = opt(2, "GRPO groups per trainer step")
+    group_size: int = opt(6, "samples per task")
+    max_tokens: int = opt(128, "generated tokens per model turn")
+    lr: float = opt(1e-5, "trainer learning rate (when this command starts the stack)")
+    max_policy_lag: int = opt(2, "staleness bound in versions (when this command starts the stack)")
+    train_tasks: str = opt(TRAIN_TASKS, "comma-separated training task ids, cycled through (empty: the server picks)")
+    tasks_dir: str = opt("", "folder of your own task files (JSON, SWE-bench JSONL) for envsandbox (when this command starts the stack)")
+    temperature: float = opt(0.6, "sampling temperature of the training episodes")
+    in_flight: int = opt(2, "async: RunEpisodes requests kept running at once")
+    rollout: str = opt("", "rollout address of a running stack (empty: start a local stack)")
+    trainer: str = opt("", "trainer address of a running stack")
+    step_timeout_s: float = opt(600.0, "seconds without a new trainer step before the job gives up")
+    run_dir: str = opt("", "stack run folder when this command starts the stack (empty: a temporary one)")
+    report_dir: str = opt("", "report folder (empty: <run_dir>/report, or ./meridian-report on a running stack)")
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.steps <= 0 or self.tasks_per_step <= 0 or self.group_size < 2 or self.in_flight <= 0:
+            raise ValueError("steps, tasks_per_step and in_flight must be positive, group_size >= 2")
+        if self.temperature < 0 or self.max_policy_lag < 0 or self.lr <= 0:
+            raise ValueError("temperature and max_policy_lag must be >= 0, lr > 0")
+        if bool(self.rollout) != bool(self.trainer):
+            raise ValueError("a running stack needs both --rollout and --trainer")
+
+    def trainer_args(self) -> list[str]:
+        """The trainer flags this job needs when it starts the stack."""
+        return ["--lr", repr(self.lr), "--groups-per-step", str(self.tasks_per_step), "--max-policy-lag", str(self.max_policy_lag), "--threads", "2"]
+
+
+def task_ids(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+async def service_status(address: str, kind: str) -> Any:
+    """``Status`` of a rollout or trainer."""
+    from meridian.grpc_runtime import open_channel
+    from meridian.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+    async with open_channel(address) as channel:
+        if kind == "rollout":
+            return await rollout_pb2_grpc.RolloutStub(channel).Status(rollout_pb2.RolloutStatusRequest(), timeout=10)
+        return await trainer_pb2_grpc.TrainerStub(channel).Status(trainer_pb2.TrainerStatusRequest(), timeout=10)
+
+
+class Job:
+    """One RL job's sampling and its view of the trainer's progress."""
+
+    def __init__(self, addresses: dict[str, str], config: TrainConfig, progress: bool) -> None:
+        self.addresses = addresses
+        self.config = config
+        self.progress = progress
+        self.tasks = task_ids(config.train_tasks)
+        self._next_task = 0
+        self.sampled = 0  # trajectories published by this job
+        self.rewards: list[float] = []
+        self.consumed = 0  # trajectories the trainer consumed since the job started
+        self.started = 0.0
+
+    def _pick(self, n: int) -> list[str]:
+        if not self.tasks:
+            return []
+        picked = [self.tasks[(self._next_task + i) % len(self.tasks)] for i in range(n)]
+        self._next_task += n
+        return picked
+
+    async def _sample(self, rollout: Any, groups: int) -> None:
+        from meridian.v1 import rollout_pb2
+
+        picked = self._pick(groups)
+        reply = await rollout.RunEpisodes(
+            rollout_pb2.RunEpisodesRequest(
+                task_ids=picked,
+                num_tasks=0 if picked else groups,
+                group_size=self.config.group_size,
+                publish=True,
+                sampling=rollout_pb2.SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature),
+            )
+        )
+        self.sampled += len(reply.trajectories)
+        self.rewards.extend(t.reward for t in reply.trajectories)
+
+    async def _sampler(self, rollout: Any) -> None:
+        """Async mode: one group per request, pausing while two batches wait untrained."""
+        backlog = 2 * self.config.tasks_per_step * self.config.group_size
+        while True:
+            if self.sampled - self.consumed >= backlog:
+                await asyncio.sleep(POLL_S)
+                continue
+            await self._sample(rollout, 1)
+
+    async def run(self) -> dict[str, Any]:
+        """Runs ``steps`` trainer steps; returns the summary."""
+        from meridian.grpc_runtime import open_channel
+        from meridian.v1 import rollout_pb2_grpc
+
+        cfg = self.config
+        first = await service_status(self.addresses["trainer"], "trainer")
+        start_step, consumed0 = first.step, first.trajectories_consumed
+        start_version = (await service_status(self.addresses["rollout"], "rollout")).policy_version
+        self.started = time.monotonic()
+        async with open_channel(self.addresses["rollout"]) as channel:
+            rollout = rollout_pb2_grpc.RolloutStub(channel)
+            samplers = [asyncio.create_task(self._sampler(rollout)) for _ in range(cfg.in_flight)] if cfg.mode == "async" else []
+            try:
+                trainer, served = await self._follow(rollout, start_step, consumed0, samplers)
+            finally:
+                for task in samplers:
+                    task.cancel()
+                await asyncio.gather(*samplers, return_exceptions=True)
+        seconds = time.monotonic() - self.started
+        steps = [m for m in trainer.recent_steps if m.step > start_step and m.stepped]
+        trained = sum(m.trajectories for m in steps)
+        return {
+            "mode": cfg.mode,
+            "steps": len(steps),
+            "seconds": round(seconds, 1),
+            "trained_samples": trained,
+            "samples_per_s": round(trained / seconds, 3) if seconds else 0.0,
+            "trajectories_sampled": self.sampled,
+            "trajectories_consumed": trainer.trajectories_consumed - consumed0,
+            "sample_reward_mean": round(sum(self.rewards) / len(self.rewards), 4) if self.rewards else None,
+            "policy_version_start": start_version,
+            "policy_version_end": served,
+            "dropped_stale_total": trainer.dropped_stale_total - first.dropped_stale_total,
+            "model": trainer.model,
+            "trainer_steps": [step_summary(m) for m in steps],
+        }
+
+    async def _follow(self, rollout: Any, start_step: int, consumed0: int, samplers: list[asyncio.Task[None]]) -> tuple[Any, int]:
+        """Waits for ``steps`` trainer steps served by rollout (sampling, in sync mode);
+        prints a line per step. Returns the last trainer status and the served version."""
+        cfg = self.config
+        reported = start_step
+        last_progress = time.monotonic()
+        while True:
+            if cfg.mode == "sync":
+                await self._sample(rollout, cfg.tasks_per_step)
+            while True:
+                for task in samplers:
+                    if task.done():
+                        task.result()  # a sampler's failure ends the job with its error
+                trainer = await service_status(self.addresses["trainer"], "trainer")
+                served = (await service_status(self.addresses["rollout"], "rollout")).policy_version
+                self.consumed = trainer.trajectories_consumed - consumed0
+                if trainer.step > reported:
+                    reported = trainer.step
+                    last_progress = time.monotonic()
+                    self._report(trainer, served, start_step)
+                done = trainer.step - start_step >= cfg.steps and served >= trainer.policy_version
+                if done:
+                    return trainer, served
+                if cfg.mode == "sync" and self.consumed >= self.sampled and served >= trainer.policy_version:
+                    break  # this batch is trained (or was flat) and served: sample the next
+                if time.monotonic() - last_progress > cfg.step_timeout_s:
+                    raise TimeoutError(f"no trainer step for {cfg.step_timeout_s:.0f} s (trainer at step {trainer.step}, rollout serves version {served})")
+                await asyncio.sleep(POLL_S)
+
+    def _report(self, trainer: Any, served: int, start_step: int) -> None:
+        if not self.progress:
+            return
+        last = trainer.recent_steps[-1] if trainer.recent_steps else None
+        seconds = time.monotonic() - self.started
+        trained = sum(m.trajectories for m in trainer.recent_steps if m.step > start_step and m.stepped)
+        detail = f"reward {last.reward_mean:.3f}, lag {last.policy_lag_mean:.2f}, stale dropped {last.dropped_stale}" if last else ""
+        print(
+            f"step {trainer.step - start_step}/{self.config.steps} (version {trainer.policy_version}): "
+            f"{trained / seconds:.2f} trained samples/s, {detail}, rollout serves version {served} [{seconds:.0f} s]",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def step_summary(m: Any) -> dict[str, Any]:
+    """One trainer step as the report keeps it."""
+    return {
+        "step": m.step,
+        "policy_version": m.policy_version,
+        "reward_mean": m.reward_mean,
+        "pass_rate": m.pass_rate,
+        "policy_lag_mean": m.policy_lag_mean,
+        "trajectories": m.trajectories,
+        "dropped_stale": m.dropped_stale,
+        "downweighted_stale": m.downweighted_stale,
+        "weightsync_encoded_bytes": m.weightsync_encoded_bytes,
+        "weightsync_raw_bytes": m.weightsync_raw_bytes,
+        "loss": m.loss,
+        "grad_norm": m.grad_norm,
+        "step_seconds": m.step_seconds,
+        "peak_rss_mb": m.peak_rss_mb,
+    }
+
+
+def write_report(report_dir: Path, summary: dict[str, Any], title: str) -> Path:
+    """Writes summary.json and training.png (reward, pass rate, policy lag, weight-sync bytes per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    steps = summary["trainer_steps"]
+    x = [s["step"] for s in steps]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    panels = [
+        ("reward (mean of the batch)", "reward_mean", axes[0][0]),
+        ("pass rate (reward 1)", "pass_rate", axes[0][1]),
+        ("policy lag (versions, mean)", "policy_lag_mean", axes[1][0]),
+        ("weight-sync bytes (encoded)", "weightsync_encoded_bytes", axes[1][1]),
+    ]
+    for name, key, ax in panels:
+        ax.plot(x, [s[key] for s in steps], marker="o")
+        ax.set_title(name)
+        ax.set_xlabel("trainer step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = report_dir / "training.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def start_stack(config: TrainConfig, run_dir: str) -> tuple[stack_mod.Stack, stack_mod.StackConfig]:
+    """A local stack with the job's trainer settings and task folder."""
+    stack_config = stack_mod.StackConfig(run_dir=run_dir, model=config.model, ports="auto")
+    extra = {"trainer": config.trainer_args()}
+    if config.tasks_dir:
+        extra["envsandbox"] = ["--tasks-dir", str(Path(config.tasks_dir).resolve())]
+    print(f"starting the local stack in {run_dir} (model {config.model}) ...", file=sys.stderr, flush=True)
+    return stack_mod.start(stack_config, extra_args=extra), stack_config
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="meridian train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser, TrainConfig, "train")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    ns = parser.parse_args(argv)
+    try:
+        config = config_from_args(TrainConfig, ns, "train")
+    except ValueError as exc:
+        parser.error(str(exc))
+    if config.rollout:
+        summary = asyncio.run(Job({"rollout": config.rollout, "trainer": config.trainer}, config, progress=True).run())
+        report_dir = Path(config.report_dir or "meridian-report")
+    else:
+        run_dir = config.run_dir or tempfile.mkdtemp(prefix="meridian-train-")
+        stack, stack_config = start_stack(config, run_dir)
+        try:
+            summary = asyncio.run(Job(stack.addresses, config, progress=True).run())
+        finally:
+            stack.stop(stack_config.stop_timeout_s)
+        report_dir = Path(config.report_dir or Path(run_dir) / "report")
+    plot = write_report(report_dir, summary, f"meridian train ({summary['model']}, {config.mode}): {summary['samples_per_s']} trained samples/s")
+    print(f"report: {plot} and {report_dir / 'summary.json'}", file=sys.stderr, flush=True)
+    if ns.json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            if key != "trainer_steps":
+                print(f"  {key:<22} {value}")
+    return 0
