@@ -6,17 +6,13 @@ JSON object), and stops the stack. The plot needs matplotlib."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
-import json
 import random
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from meridian.config import add_config_args, config_from_args, opt
-from meridian.train import Job, TrainConfig, start_stack, task_ids, write_report
+from meridian.train import Job, TrainConfig, print_summary, run_job, task_ids, write_report
 
 # The held-out split (tasks marked "eval") of the same kind as the training tasks.
 EVAL_TASKS = (
@@ -115,27 +111,10 @@ def main(argv: list[str]) -> int:
         config = config_from_args(DemoConfig, ns, "demo")
     except ValueError as exc:
         parser.error(str(exc))
-    if config.rollout:
-        summary = asyncio.run(run_demo({"rollout": config.rollout, "trainer": config.trainer}, config))
-        report_dir = Path(config.report_dir or "meridian-report")
-    else:
-        run_dir = config.run_dir or tempfile.mkdtemp(prefix="meridian-demo-")
-        stack, stack_config = start_stack(config, run_dir)
-        try:
-            summary = asyncio.run(run_demo(stack.addresses, config))
-        finally:
-            stack.stop(stack_config.stop_timeout_s)
-        report_dir = Path(config.report_dir or Path(run_dir) / "report")
+    summary, report_dir = run_job(config, lambda addresses: run_demo(addresses, config), "meridian-demo-")
     summary["report_dir"] = str(report_dir)
-    change = summary.get("eval_pass_at_1_change")
-    title = f"Meridian demo ({summary['model']}, {config.mode}): held-out pass@1 change {change}"
+    title = f"Meridian demo ({summary['model']}, {config.mode}): held-out pass@1 change {summary.get('eval_pass_at_1_change')}"
     plot = write_report(report_dir, summary, title)
     print(f"report: {plot} and {report_dir / 'summary.json'}", file=sys.stderr, flush=True)
-    if ns.json:
-        print(json.dumps(summary))
-    else:
-        print("\nMeridian demo summary")
-        for key, value in summary.items():
-            if key != "trainer_steps":
-                print(f"  {key:<22} {value}")
+    print_summary(summary, ns.json, "Meridian demo summary")
     return 0 if summary["policy_version_end"] > summary["policy_version_start"] else 1

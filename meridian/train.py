@@ -23,6 +23,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +279,33 @@ def start_stack(config: TrainConfig, run_dir: str) -> tuple[stack_mod.Stack, sta
     return stack_mod.start(stack_config, extra_args=extra), stack_config
 
 
+def run_job(config: TrainConfig, body: Callable[[dict[str, str]], Awaitable[dict[str, Any]]], prefix: str) -> tuple[dict[str, Any], Path]:
+    """Runs ``body`` (addresses -> summary) on the running stack the config names, or on a
+    local stack started (in a ``prefix`` run folder) and stopped around it; returns the
+    summary and the report folder."""
+    if config.rollout:
+        summary = asyncio.run(body({"rollout": config.rollout, "trainer": config.trainer}))
+        return summary, Path(config.report_dir or "meridian-report")
+    run_dir = config.run_dir or tempfile.mkdtemp(prefix=prefix)
+    stack, stack_config = start_stack(config, run_dir)
+    try:
+        summary = asyncio.run(body(stack.addresses))
+    finally:
+        stack.stop(stack_config.stop_timeout_s)
+    return summary, Path(config.report_dir or Path(run_dir) / "report")
+
+
+def print_summary(summary: dict[str, Any], as_json: bool, heading: str) -> None:
+    """One JSON object, or the summary without its per-step list."""
+    if as_json:
+        print(json.dumps(summary))
+        return
+    print(f"\n{heading}")
+    for key, value in summary.items():
+        if key != "trainer_steps":
+            print(f"  {key:<22} {value}")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="meridian train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser, TrainConfig, "train")
@@ -287,23 +315,8 @@ def main(argv: list[str]) -> int:
         config = config_from_args(TrainConfig, ns, "train")
     except ValueError as exc:
         parser.error(str(exc))
-    if config.rollout:
-        summary = asyncio.run(Job({"rollout": config.rollout, "trainer": config.trainer}, config, progress=True).run())
-        report_dir = Path(config.report_dir or "meridian-report")
-    else:
-        run_dir = config.run_dir or tempfile.mkdtemp(prefix="meridian-train-")
-        stack, stack_config = start_stack(config, run_dir)
-        try:
-            summary = asyncio.run(Job(stack.addresses, config, progress=True).run())
-        finally:
-            stack.stop(stack_config.stop_timeout_s)
-        report_dir = Path(config.report_dir or Path(run_dir) / "report")
+    summary, report_dir = run_job(config, lambda addresses: Job(addresses, config, progress=True).run(), "meridian-train-")
     plot = write_report(report_dir, summary, f"meridian train ({summary['model']}, {config.mode}): {summary['samples_per_s']} trained samples/s")
     print(f"report: {plot} and {report_dir / 'summary.json'}", file=sys.stderr, flush=True)
-    if ns.json:
-        print(json.dumps(summary))
-    else:
-        for key, value in summary.items():
-            if key != "trainer_steps":
-                print(f"  {key:<22} {value}")
+    print_summary(summary, ns.json, "Meridian train summary")
     return 0
