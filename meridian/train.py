@@ -122,7 +122,8 @@ class Job:
                 group_size=self.config.group_size,
                 publish=True,
                 sampling=rollout_pb2.SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature),
-            )
+            ),
+            timeout=self.config.step_timeout_s,  # a stalled rollout ends the job with its error
         )
         self.sampled += len(reply.trajectories)
         self.rewards.extend(t.reward for t in reply.trajectories)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
 import signal
 
@@ -74,19 +75,40 @@ async def spawn(
             if fd >= 0:
                 os.close(fd)
     proc = SpawnedProcess(pid)
+    pending = [fd for fd in (in_w, out_r, err_r) if fd >= 0]  # ours until a transport owns them
     try:
-        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(in_w, "wb", 0))
+        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, _pipe_file(loop, in_w, "wb"))
+        pending.remove(in_w)
         proc.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
         proc.stdout = await _reader(loop, out_r)
+        pending.remove(out_r)
         if stderr:
             proc.stderr = await _reader(loop, err_r)
+            pending.remove(err_r)
     except BaseException:
         proc.kill()
+        for fd in pending:
+            os.close(fd)
         raise
     return proc
 
 
+def _pipe_file(loop: asyncio.AbstractEventLoop, fd: int, mode: str) -> io.FileIO:
+    """The file object a pipe transport takes over, closing ``fd`` exactly once.
+
+    uvloop hands the descriptor itself to libuv, which closes it with the transport, and
+    the file object closes the same number again when it is closed or collected
+    (MagicStack/uvloop#763): by then the number may belong to another sandbox's pipe or to
+    a pidfd the loop watches, whose exec then never ends. Under uvloop the file object
+    must not close it; asyncio's own transports close it through the file object."""
+    return io.FileIO(fd, mode, closefd=not _is_uvloop(loop))
+
+
+def _is_uvloop(loop: asyncio.AbstractEventLoop) -> bool:
+    return type(loop).__module__.split(".")[0] == "uvloop"
+
+
 async def _reader(loop: asyncio.AbstractEventLoop, fd: int) -> asyncio.StreamReader:
     reader = asyncio.StreamReader(limit=1 << 20)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), _pipe_file(loop, fd, "rb"))
     return reader

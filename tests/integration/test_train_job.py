@@ -3,6 +3,8 @@ drives the trainer the requested number of steps and rollout ends up serving the
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,13 +14,26 @@ from meridian.train import Job, TrainConfig
 pytestmark = [pytest.mark.stack, pytest.mark.engine]
 
 
+@pytest.fixture(scope="module")
+def job_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[stack_mod.Stack]:
+    """A stack of its own: the shared one trains at lr 1e-2 for other tests, and after
+    enough of that the tiny model's samples all earn the same reward (no step to take)."""
+    config = stack_mod.StackConfig(run_dir=str(tmp_path_factory.mktemp("job-stack")), model=str(tiny_model), ports="auto", ready_timeout_s=600)
+    running = stack_mod.start(config, extra_args={"trainer": ["--lr", "1e-4"]})
+    try:
+        yield running
+    finally:
+        running.stop(config.stop_timeout_s)
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_a_job_runs_its_steps_and_rollout_serves_the_result(stack: stack_mod.Stack, mode: str) -> None:
-    # The session stack's trainer steps on one group at a time.
+def test_a_job_runs_its_steps_and_rollout_serves_the_result(job_stack: stack_mod.Stack, mode: str) -> None:
+    # The stack's trainer steps on one group at a time.
     config = TrainConfig(steps=2, mode=mode, tasks_per_step=1, group_size=4, max_tokens=16, train_tasks="text/shout", temperature=1.0, step_timeout_s=300)
-    summary = asyncio.run(Job(stack.addresses, config, progress=False).run())
+    summary = asyncio.run(Job(job_stack.addresses, config, progress=False).run())
     assert summary["mode"] == mode and summary["steps"] >= 2
     assert summary["policy_version_end"] >= summary["policy_version_start"] + 2
-    assert summary["trained_samples"] >= 2 * 4 and summary["samples_per_s"] > 0
-    assert summary["trajectories_sampled"] >= summary["trained_samples"]
+    # Leftovers of the previous job may be trained here too, some dropped as stale.
+    assert summary["trained_samples"] > 0 and summary["samples_per_s"] > 0
+    assert summary["trajectories_sampled"] >= 2 * 4
     assert [s["step"] for s in summary["trainer_steps"]] == sorted(s["step"] for s in summary["trainer_steps"])
