@@ -1,4 +1,4 @@
-"""Tests for the weight-sync delta codec (services/weightsync/codec.py)."""
+"""Tests for the weight-sync delta codec (services/weightsync/codec/)."""
 
 from __future__ import annotations
 
