@@ -13,6 +13,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -399,40 +400,35 @@ HIDDEN_TEST_READER = (
 )
 
 
-def test_the_hidden_tests_are_never_on_the_sandbox_disk(env: tuple[Loop, SandboxManager]) -> None:
-    """A solution that answers by reading the expected values from any file it can find
-    scores 0: the tests reach the harness on its standard input only."""
+def _graded(env: tuple[Loop, SandboxManager], task_id: str, files: dict[str, bytes]) -> tuple[Any, str]:
+    """RunTests on a fresh sandbox of ``task_id`` holding ``files``: (outcome, output)."""
     loop, m = env
-    task = TaskSuite.builtin().get("python/add")
 
-    async def main() -> None:
-        box = await m.create(task=task, files={"solution.py": HIDDEN_TEST_READER.encode()})
+    async def main() -> tuple[Any, str]:
+        box = await m.create(task=TaskSuite.builtin().get(task_id), files=files)
         try:
             outcome, _, output = await m.run_tests(box.sandbox_id)
-            assert outcome.reward == 0.0, output
+            return outcome, output
         finally:
             await m.close(box.sandbox_id)
 
-    loop.run(main())
+    return loop.run(main())
+
+
+def test_the_hidden_tests_are_never_on_the_sandbox_disk(env: tuple[Loop, SandboxManager]) -> None:
+    """A solution that answers by reading the expected values from any file it can find
+    scores 0: the tests reach the harness on its standard input only."""
+    outcome, output = _graded(env, "python/add", {"solution.py": HIDDEN_TEST_READER.encode()})
+    assert outcome.reward == 0.0, output
 
 
 def test_a_workspace_module_cannot_shadow_the_standard_library(env: tuple[Loop, SandboxManager]) -> None:
     """A subprocess.py in the workspace does not stand in for the harness checks' own
     ``import subprocess``: a broken script still fails its syntax check."""
-    loop, m = env
-    task = TaskSuite.builtin().get("terminal/fix_shell_script")
     fake = b"class _R:\n    returncode = 0\n    stdout = stderr = ''\ndef run(*a, **k):\n    return _R()\n"
-
-    async def main() -> None:
-        box = await m.create(task=task, files={"build.sh": b"if then fi (\n", "subprocess.py": fake})
-        try:
-            outcome, _, output = await m.run_tests(box.sandbox_id)
-            syntax = [ok for name, ok, _ in outcome.cases if name == "syntax"]
-            assert syntax == [False] and outcome.reward == 0.0, output
-        finally:
-            await m.close(box.sandbox_id)
-
-    loop.run(main())
+    outcome, output = _graded(env, "terminal/fix_shell_script", {"build.sh": b"if then fi (\n", "subprocess.py": fake})
+    syntax = [ok for name, ok, _ in outcome.cases if name == "syntax"]
+    assert syntax == [False] and outcome.reward == 0.0, output
 
 
 PRINTED_REPORTS = (
@@ -447,18 +443,8 @@ PRINTED_REPORTS = (
 
 
 def test_printed_reports_do_not_reach_the_harness(env: tuple[Loop, SandboxManager]) -> None:
-    loop, m = env
-    task = TaskSuite.builtin().get("python/add")
-
-    async def main() -> None:
-        box = await m.create(task=task, files={"solution.py": PRINTED_REPORTS.encode()})
-        try:
-            outcome, _, output = await m.run_tests(box.sandbox_id)
-            assert outcome.reward == 0.0, output
-        finally:
-            await m.close(box.sandbox_id)
-
-    loop.run(main())
+    outcome, output = _graded(env, "python/add", {"solution.py": PRINTED_REPORTS.encode()})
+    assert outcome.reward == 0.0, output
 
 
 SYSCALL_PROBE = r"""
