@@ -7,6 +7,8 @@ from meridian import trajectory_transport as transport
 from meridian.config import opt
 
 STALE_MODES = ("drop", "downweight")
+#: How ranks under torchrun hold the model (see services.trainer.distributed).
+DATA_PARALLEL = ("ddp", "fsdp")
 #: How per-token loss terms are aggregated (see services.trainer.loss).
 AGGREGATIONS = ("token-mean", "seq-mean", "dr-grpo")
 
@@ -46,6 +48,7 @@ class TrainerConfig:
     claim_idle_ms: int = opt(60_000, "claim entries another consumer left pending this long (XAUTOCLAIM)")
     claim_every_s: float = opt(10.0, "seconds between claims of stale pending entries")
     dedupe_window: int = opt(1_000_000, "trained group ids remembered (in checkpoints) to drop redeliveries")
+    data_parallel: str = opt("ddp", "under torchrun: ddp (every rank a full replica) or fsdp (FSDP2: parameters, gradients and optimiser state sharded over the ranks)")
     threads: int = opt(1, "torch CPU threads")
     seed: int = opt(0, "torch seed")
 
@@ -61,6 +64,8 @@ class TrainerConfig:
             raise ValueError(f"loss_aggregation must be one of {AGGREGATIONS}, got {self.loss_aggregation!r}")
         if self.token_budget <= 0:
             raise ValueError(f"token_budget must be positive, got {self.token_budget}")
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {self.data_parallel!r}")
         if self.stale_mode not in STALE_MODES:
             raise ValueError(f"stale_mode must be one of {STALE_MODES}, got {self.stale_mode!r}")
         if not 0 <= self.stale_weight <= 1:

@@ -4,11 +4,14 @@
 
 Rank 0 is the ordinary trainer service (consumer group, checkpoints, weightsync,
 ``Status`` over gRPC); it broadcasts every batch of complete groups to the other
-ranks, and each rank trains on its shard of the trajectories under
-DistributedDataParallel (gloo on CPU, NCCL on GPU). The weights stay identical on
-every rank because DDP all-reduces the gradients before each optimizer step, so only
-rank 0 checkpoints and publishes. ``--replay FILE --out DIR`` runs saved batches
-instead of the stream (tests and benchmarks use it).
+ranks, and each rank trains on its shard of the trajectories (gloo on CPU, NCCL on
+GPU). ``--data-parallel ddp`` (the default): DistributedDataParallel all-reduces the
+gradients, every rank holds the same weights, and rank 0 alone checkpoints and
+publishes. ``--data-parallel fsdp``: FSDP2 shards parameters, gradients and optimiser
+state, so reading the whole policy or the training state is a gather every rank joins:
+rank 0 broadcasts those reads as commands too. (Rank 0 then still assembles each
+published version; publishing per shard belongs to weightsync.) ``--replay FILE --out
+DIR`` runs saved batches instead of the stream (tests and benchmarks use it).
 
 ``meridian serve trainer`` stays the single-process path; this entry only adds the
 process group and the broadcast.
@@ -16,7 +19,9 @@ process group and the broadcast.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
+import json
 import os
 import sys
 from pathlib import Path
@@ -57,11 +62,13 @@ def _parse(groups: list[list[bytes]]) -> list[list[Any]]:
 
 class BroadcastLearner:
     """Rank 0's learner (a :class:`PolicyLearner`): every state-changing call is first
-    broadcast to the followers. Reads (policy_weights, canary, master_hash, state) are
-    local: the ranks' weights are equal."""
+    broadcast to the followers. Reads of the policy and the state are local when the
+    ranks hold equal replicas (DDP) and broadcast when they are gathers (FSDP); the
+    canary is always rank 0's alone."""
 
     def __init__(self, learner: Learner) -> None:
         self.inner = learner
+        self.collective_reads = learner.sharded
 
     @property
     def version(self) -> int:
@@ -89,20 +96,29 @@ class BroadcastLearner:
         self._send("load_policy_weights", (weights, version))
         self.inner.load_policy_weights(weights, version)
 
+    def _read(self, command: str) -> Any:
+        if self.collective_reads:
+            self._send(command, None)
+        return getattr(self.inner, command)()
+
     def policy_weights(self) -> dict[str, RawTensor]:
-        return self.inner.policy_weights()
+        return self._read("policy_weights")  # type: ignore[no-any-return]
 
     def canary(self, weights: dict[str, RawTensor]) -> weightsync_pb2.Canary:
         return self.inner.canary(weights)
 
     def master_hash(self) -> str:
-        return self.inner.master_hash()
+        return self._read("master_hash")  # type: ignore[no-any-return]
 
     def state(self) -> dict[str, Any]:
-        return self.inner.state()
+        return self._read("state")  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self._send("stop", None)
+
+
+#: Rank 0's reads a follower joins (gathers under FSDP) and whose result it drops.
+COLLECTIVE_READS = ("policy_weights", "master_hash", "state")
 
 
 def follow(learner: Any) -> None:
@@ -121,6 +137,8 @@ def follow(learner: Any) -> None:
             learner.load_state(payload)
         elif command == "load_policy_weights":
             learner.load_policy_weights(*payload)
+        elif command in COLLECTIVE_READS:
+            getattr(learner, command)()
         else:
             raise RuntimeError(f"unknown command from rank 0: {command!r}")
 
@@ -133,17 +151,35 @@ def save_batches(path: Path, batches: list[list[list[Any]]]) -> None:
 
 
 def replay(learner: Any, path: Path, out: Path, rank: int) -> None:
-    """Steps through saved batches; every rank writes its master-weight hash, rank 0 the weights."""
+    """Steps through saved batches the way the service does: rank 0 drives a
+    :class:`BroadcastLearner`, the others follow. Every rank then writes its
+    master-weight hash and how many parameter elements it holds, rank 0 the whole
+    weights and the losses.
+
+    Before the last batch rank 0 takes a checkpoint, trains on that batch, restores the
+    checkpoint and trains on it again, so a restore that loses anything (a rank's shard,
+    the optimiser's moments, the step count) shows in the final weights."""
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
-    batches = torch.load(path, weights_only=False)
-    losses = []
-    for batch in batches:
-        losses.append(learner.step(_parse(batch)).loss)
-    (out / f"rank-{rank}.hash").write_text(learner.master_hash())
+    losses: list[float] = []
     if rank == 0:
-        torch.save({"weights": {k: v.detach().cpu() for k, v in learner.module.state_dict().items()}, "losses": losses}, out / "result.pt")
+        batches = [_parse(b) for b in torch.load(path, weights_only=False)]
+        lead = BroadcastLearner(learner)
+        for batch in batches[:-1]:
+            losses.append(lead.step(batch).loss)
+        state = copy.deepcopy(lead.state())  # as the service's checkpoints do: the state is live
+        lead.step(batches[-1])
+        lead.load_state(state)
+        losses.append(lead.step(batches[-1]).loss)
+        lead.close()
+    else:
+        follow(learner)
+    summary = {"master_hash": learner.master_hash(), "local_elements": learner.local_elements()}
+    (out / f"rank-{rank}.json").write_text(json.dumps(summary))
+    weights = learner.master_weights()
+    if rank == 0:
+        torch.save({"weights": weights, "losses": losses}, out / "result.pt")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,9 +3,12 @@ batch of complete groups, the bf16 view of the weights that becomes the next pol
 version, and the full training state for checkpoints.
 
 Under ``torch.distributed`` (see ``services.trainer.distributed``) every rank holds the
-same batch, takes its shard of the trajectories, and DistributedDataParallel averages
-the gradients; the loss of each shard is normalised by the whole batch's token count
-so the result equals the single-process step up to floating-point summation order.
+same batch, takes its shard of the trajectories, and the gradients are averaged over
+the ranks, either by DistributedDataParallel (every rank a full replica) or by FSDP2
+(``fully_shard``: each rank keeps a shard of the parameters, gradients and optimiser
+state, and gathers one decoder layer at a time). The loss of each shard is normalised
+by the whole batch's token count, so the result equals the single-process step up to
+floating-point summation order.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import hashlib
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -104,8 +107,25 @@ def canary_logprobs(module: torch.nn.Module, weights: dict[str, RawTensor], sequ
     return out
 
 
+def _decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP shards one unit each (Hugging Face causal LMs keep them at ``model.layers``)."""
+    layers = getattr(getattr(module, "model", None), "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one whole tensor: FSDP's parameters and norms are DTensors, gathered
+    here (a collective: every rank must call it in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class Learner:
-    """Owns the model and optimizer; knows nothing of Redis or gRPC."""
+    """Owns the model and optimizer; knows nothing of Redis or gRPC.
+
+    ``sharded`` learners (FSDP) gather in :meth:`policy_weights`, :meth:`master_weights`,
+    :meth:`master_hash` and :meth:`state`, so every rank calls those together."""
 
     def __init__(self, model_dir: Path, config: TrainerConfig, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -122,13 +142,14 @@ class Learner:
         if config.kl_coef > 0:
             # A frozen copy of the starting weights; only built when the KL term is on.
             self.reference = copy.deepcopy(self.module).eval().requires_grad_(False)
+        self.model_dir = model_dir
         self.rank, self.world = 0, 1
+        self.sharded = False
         self.model: torch.nn.Module = self.module
+        self._plain: torch.nn.Module | None = None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            from torch.nn.parallel import DistributedDataParallel
-
             self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-            self.model = DistributedDataParallel(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            self._distribute(config.data_parallel)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.canary_ids = canary.canary_token_ids(lambda text: tokenizer(text)["input_ids"])
@@ -148,17 +169,55 @@ class Learner:
         self.step_count = 0
         self.version = 0
 
+    def _distribute(self, how: str) -> None:
+        if how == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            # One FSDP unit per decoder layer, then the rest (embeddings, the tied head,
+            # the final norm): a rank holds whole parameters for one layer at a time.
+            for layer in _decoder_layers(self.module):
+                fully_shard(layer)
+            fully_shard(self.module)
+            self.sharded = True
+            return
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.model = DistributedDataParallel(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
     # ------------------------------------------------------------ weights
 
     def policy_weights(self) -> dict[str, RawTensor]:
         """The current policy as bf16, keyed by checkpoint (Hugging Face) names."""
         with torch.no_grad():
-            return {name: from_torch(p.detach().to(torch.bfloat16)) for name, p in self.module.named_parameters()}
+            # Cast before gathering: half the bytes on the wire under FSDP.
+            return {name: from_torch(_whole(p.detach().to(torch.bfloat16))) for name, p in self.module.named_parameters()}
+
+    def _whole_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, whole fp32 tensor on the CPU) per parameter, one gathered at a time;
+        unsharded CPU tensors are the live parameters themselves, not copies."""
+        for name, p in self.module.named_parameters():
+            yield name, _whole(p.detach()).cpu()
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the fp32 master weights by checkpoint name, whole and on the CPU."""
+        with torch.no_grad():
+            return {name: t.clone() for name, t in self._whole_parameters()}
 
     def canary(self, weights: dict[str, RawTensor]) -> weightsync_pb2.Canary:
         """The canary for a version: log-probs of the fixed sequences from a forward pass
         on exactly ``weights`` (the bf16 tensors being published, not the fp32 masters)."""
-        return canary.build(self.canary_ids, canary_logprobs(self.module, weights, self.canary_ids))
+        return canary.build(self.canary_ids, canary_logprobs(self._unsharded(), weights, self.canary_ids))
+
+    def _unsharded(self) -> torch.nn.Module:
+        """A module to run with whole weights: the model itself, or under FSDP (whose
+        forward gathers its own shards) a plain copy built once, on the rank that asks."""
+        if not self.sharded:
+            return self.module
+        if self._plain is None:
+            from transformers import AutoModelForCausalLM
+
+            self._plain = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
+        return self._plain
 
     def load_policy_weights(self, weights: dict[str, RawTensor], version: int) -> None:
         """Starts from a published version (e.g. after a restart without a checkpoint)."""
@@ -168,24 +227,51 @@ class Learner:
             raise ValueError(f"published version {version} lacks tensors {sorted(missing)[:3]}")
         with torch.no_grad():
             for name, p in params.items():
-                p.copy_(to_torch(weights[name]).to(torch.float32))
+                whole = to_torch(weights[name]).to(device=self.device, dtype=torch.float32)
+                p.copy_(self._like(p, whole))
         self.version = version
+
+    @staticmethod
+    def _like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """``whole`` laid out like parameter ``p`` (this rank's shard under FSDP)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if isinstance(p, DTensor):
+            return distribute_tensor(whole, p.device_mesh, p.placements)
+        return whole
+
+    def local_elements(self) -> int:
+        """Parameter elements this rank holds (the whole model unless sharded)."""
+        from torch.distributed.tensor import DTensor
+
+        return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.module.parameters())
 
     def master_hash(self) -> str:
         """sha256 over the fp32 master weights (name, shape, bytes), in name order."""
         h = hashlib.sha256()
-        for name, p in sorted(self.module.named_parameters()):
+        for name, p in sorted(self._whole_parameters(), key=lambda item: item[0]):
             h.update(f"{name}\0{tuple(p.shape)}\0".encode())
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            h.update(p.contiguous().numpy().tobytes())
         return h.hexdigest()
 
     # ------------------------------------------------------------ training state
 
+    def _model_and_optimizer_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if not self.sharded:
+            return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}, self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # Whole tensors, keyed by parameter name, on rank 0 only (the others get empty dicts).
+        return get_state_dict(self.module, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def state(self) -> dict[str, Any]:
-        """Everything a resumed run needs to continue bit for bit."""
+        """Everything a resumed run needs to continue bit for bit (under FSDP whole
+        tensors on rank 0, and the optimiser state keyed by parameter name). The
+        optimiser's tensors are the live ones: copy the state before the next step."""
+        model, optimizer = self._model_and_optimizer_state()
         return {
-            "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -198,8 +284,17 @@ class Learner:
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restores :meth:`state` (every rank passes the same whole state)."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            set_state_dict(
+                self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                options=StateDictOptions(full_state_dict=True),
+            )
+        else:
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
@@ -261,11 +356,9 @@ class Learner:
         loss_sum, tokens = 0.0, 0.0
         weighted: collections.Counter[str] = collections.Counter()
         for i, part in enumerate(parts):
-            # DDP all-reduces gradients once, after the last micro-batch.
-            sync = contextlib.nullcontext() if self.world == 1 or i == len(parts) - 1 else self.model.no_sync()  # type: ignore[operator]
-            with sync:
+            with self._gradient_sync(i == len(parts) - 1):
                 loss, stats = self._loss(part)
-                # DDP averages gradients over ranks; scale so they add up to the full batch's.
+                # Ranks average their gradients; scale so they add up to the full batch's.
                 (loss * self.world).backward()
             loss_sum += float(loss.detach())
             tokens += stats["tokens"]
@@ -274,6 +367,23 @@ class Learner:
         merged = {key: value / max(tokens, 1.0) for key, value in weighted.items()}
         merged["tokens"] = tokens
         return loss_sum, merged
+
+    def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Gradients are reduced over the ranks once, in the last micro-batch's backward."""
+        if self.sharded:
+            self.module.set_requires_gradient_sync(last)  # type: ignore[operator]
+            return contextlib.nullcontext()
+        if self.world == 1 or last:
+            return contextlib.nullcontext()
+        return self.model.no_sync()  # type: ignore[operator]
+
+    def _clip_gradients(self) -> float:
+        """Clips to ``max_grad_norm`` (0: off); returns the norm over the whole model."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = _whole(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        if self.config.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, norm)
+        return float(norm)
 
     def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
         """One optimizer step on complete groups; advances the policy version.
@@ -298,8 +408,7 @@ class Learner:
         batch = build_batch(prepared.groups, self.pad_id, self.loss_config, prepared.weights)
         self.optimizer.zero_grad(set_to_none=True)
         local_loss, stats = self.backward(batch)
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+        grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
         self.step_count += 1
