@@ -1,11 +1,14 @@
 """``meridian demo``: a short ``meridian train`` on a local stack, with the held-out split
 evaluated before and after: pass@1 and pass@k (k samples per task) on each side, and the
 change of pass@1 with a 95 % confidence interval from a paired bootstrap over tasks.
-Writes the report folder (``training.png``, ``summary.json``), prints a summary (or one
-JSON object), and stops the stack. The plot needs matplotlib."""
+While it trains, a few held-out samples at a time are drawn beside the training
+episodes and credited to the policy version that generated them: the held-out curve of
+the report's plot. Writes the report folder (``training.png``, ``summary.json``), prints
+a summary (or one JSON object), and stops the stack. The plot needs matplotlib."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import random
 import sys
@@ -27,31 +30,78 @@ class DemoConfig(TrainConfig):
     eval_tasks: str = opt(EVAL_TASKS, "comma-separated held-out task ids (split eval) evaluated before and after (empty: skip)")
     eval_samples: int = opt(16, "samples per held-out task (k of pass@k)")
     eval_temperature: float = opt(0.6, "sampling temperature of the evaluation")
+    curve_samples: int = opt(2, "held-out samples per task per request drawn during training for the per-version curve (0: no curve)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.eval_samples < 2 or self.eval_temperature < 0:
-            raise ValueError("eval_samples must be >= 2 (one group) and eval_temperature >= 0")
+        if self.eval_samples < 2 or self.eval_temperature < 0 or self.curve_samples < 0:
+            raise ValueError("eval_samples must be >= 2 (one group), eval_temperature and curve_samples >= 0")
+
+
+async def _held_out(rollout: Any, config: DemoConfig, samples: int) -> list[Any]:
+    """``samples`` samples of every held-out task (not trained on: publish off)."""
+    from meridian.v1 import rollout_pb2
+
+    reply = await rollout.RunEpisodes(
+        rollout_pb2.RunEpisodesRequest(
+            task_ids=task_ids(config.eval_tasks),
+            group_size=samples,
+            publish=False,
+            sampling=rollout_pb2.SamplingParams(max_tokens=config.max_tokens, temperature=config.eval_temperature),
+        ),
+        timeout=config.step_timeout_s,
+    )
+    return list(reply.trajectories)
 
 
 async def evaluate(rollout_address: str, config: DemoConfig) -> dict[str, Any]:
-    """Rewards of ``eval_samples`` samples of every held-out task (not trained on: publish off)."""
+    """pass@1 and pass@k over ``eval_samples`` samples of every held-out task."""
     from meridian.grpc_runtime import open_channel
-    from meridian.v1 import rollout_pb2, rollout_pb2_grpc
+    from meridian.v1 import rollout_pb2_grpc
 
     async with open_channel(rollout_address) as channel:
-        reply = await rollout_pb2_grpc.RolloutStub(channel).RunEpisodes(
-            rollout_pb2.RunEpisodesRequest(
-                task_ids=task_ids(config.eval_tasks),
-                group_size=config.eval_samples,
-                publish=False,
-                sampling=rollout_pb2.SamplingParams(max_tokens=config.max_tokens, temperature=config.eval_temperature),
-            )
-        )
+        trajectories = await _held_out(rollout_pb2_grpc.RolloutStub(channel), config, config.eval_samples)
     per_task: dict[str, list[float]] = {}
-    for t in reply.trajectories:
+    for t in trajectories:
         per_task.setdefault(t.task_id, []).append(t.reward)
     return summarise_eval(per_task)
+
+
+def generating_version(trajectory: Any) -> int | None:
+    """The oldest policy version among a trajectory's generated tokens (the version it is
+    credited to); None when the model generated nothing."""
+    versions = [int(v) for v, m in zip(trajectory.policy_versions, trajectory.loss_mask) if m]
+    return min(versions) if versions else None
+
+
+class HeldOutCurve:
+    """Held-out samples drawn while the job trains, by the policy version that generated them."""
+
+    def __init__(self) -> None:
+        self.by_version: dict[int, list[float]] = {}
+
+    def add(self, trajectories: list[Any]) -> None:
+        for t in trajectories:
+            version = generating_version(t)
+            if version is not None:
+                self.by_version.setdefault(version, []).append(t.reward)
+
+    async def sample_until(self, rollout_address: str, config: DemoConfig, stop: asyncio.Event) -> None:
+        """Requests ``curve_samples`` per held-out task, one request at a time, until ``stop``."""
+        from meridian.grpc_runtime import open_channel
+        from meridian.v1 import rollout_pb2_grpc
+
+        async with open_channel(rollout_address) as channel:
+            rollout = rollout_pb2_grpc.RolloutStub(channel)
+            while not stop.is_set():
+                self.add(await _held_out(rollout, config, config.curve_samples))
+
+    def points(self) -> list[dict[str, Any]]:
+        """One point per version: its samples and their pass rate."""
+        return [
+            {"policy_version": v, "samples": len(r), "pass_rate": round(sum(1 for x in r if x >= 1.0) / len(r), 4)}
+            for v, r in sorted(self.by_version.items())
+        ]
 
 
 def summarise_eval(per_task: dict[str, list[float]]) -> dict[str, Any]:
@@ -84,7 +134,16 @@ async def run_demo(addresses: dict[str, str], config: DemoConfig, progress: bool
     before = await evaluate(addresses["rollout"], config) if config.eval_tasks else None
     if progress and before:
         print(f"held-out before: pass@1 {before['pass_at_1']:.3f}, pass@{before['k']} {before['pass_at_k']:.3f} over {before['samples']} samples", file=sys.stderr, flush=True)
-    summary = await Job(addresses, config, progress).run()
+    curve = HeldOutCurve()
+    stop = asyncio.Event()
+    drawing = asyncio.create_task(curve.sample_until(addresses["rollout"], config, stop)) if config.eval_tasks and config.curve_samples else None
+    try:
+        summary = await Job(addresses, config, progress).run()
+    finally:
+        stop.set()
+        if drawing is not None:
+            await drawing  # the request in flight finishes: its samples count too
+    summary["eval_curve"] = curve.points()
     after = await evaluate(addresses["rollout"], config) if config.eval_tasks else None
     summary["train_tasks"] = task_ids(config.train_tasks)
     summary["eval_tasks"] = task_ids(config.eval_tasks)

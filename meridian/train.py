@@ -240,7 +240,9 @@ def step_summary(m: Any) -> dict[str, Any]:
 
 
 def write_report(report_dir: Path, summary: dict[str, Any], title: str) -> Path:
-    """Writes summary.json and training.png (reward, pass rate, policy lag, weight-sync bytes per step)."""
+    """Writes summary.json and training.png: reward, pass rate, policy lag, weight-sync
+    bytes and the loss per step, and (from ``meridian demo``) the held-out pass rate by
+    policy version."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,24 +252,44 @@ def write_report(report_dir: Path, summary: dict[str, Any], title: str) -> Path:
     (report_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     steps = summary["trainer_steps"]
     x = [s["step"] for s in steps]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     panels = [
         ("reward (mean of the batch)", "reward_mean", axes[0][0]),
         ("pass rate (reward 1)", "pass_rate", axes[0][1]),
         ("policy lag (versions, mean)", "policy_lag_mean", axes[1][0]),
         ("weight-sync bytes (encoded)", "weightsync_encoded_bytes", axes[1][1]),
+        ("loss", "loss", axes[1][2]),
     ]
     for name, key, ax in panels:
         ax.plot(x, [s[key] for s in steps], marker="o")
         ax.set_title(name)
         ax.set_xlabel("trainer step")
         ax.grid(alpha=0.3)
+    _held_out_panel(axes[0][2], summary)
     fig.suptitle(title)
     fig.tight_layout()
     path = report_dir / "training.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _held_out_panel(ax: Any, summary: dict[str, Any]) -> None:
+    """Held-out pass rate by the policy version that generated the samples (marker area:
+    samples), with the before and after evaluations as the endpoints."""
+    ax.set_title("held-out pass rate by policy version")
+    ax.set_xlabel("policy version")
+    ax.grid(alpha=0.3)
+    curve = summary.get("eval_curve") or []
+    if curve:
+        ax.plot([p["policy_version"] for p in curve], [p["pass_rate"] for p in curve], color="tab:blue", alpha=0.5)
+        ax.scatter([p["policy_version"] for p in curve], [p["pass_rate"] for p in curve], s=[4 * p["samples"] for p in curve], label="during training")
+    ends = [(summary.get("policy_version_start"), summary.get("eval_before")), (summary.get("policy_version_end"), summary.get("eval_after"))]
+    ends = [(v, e) for v, e in ends if v is not None and e]
+    if ends:
+        ax.plot([v for v, _ in ends], [e["pass_at_1"] for _, e in ends], "s--", color="tab:red", label="before / after (pass@1)")
+    if curve or ends:
+        ax.legend(fontsize=8)
 
 
 def start_stack(config: TrainConfig, run_dir: str) -> tuple[stack_mod.Stack, stack_mod.StackConfig]:

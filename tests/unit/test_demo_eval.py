@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from meridian.demo import DemoConfig, paired_bootstrap, summarise_eval
+from meridian.demo import DemoConfig, HeldOutCurve, paired_bootstrap, summarise_eval
 from meridian.train import TrainConfig
+from meridian.v1 import common_pb2
+
+
+def _sample(reward: float, versions: list[int], mask: list[int]) -> common_pb2.Trajectory:
+    return common_pb2.Trajectory(reward=reward, policy_versions=versions, loss_mask=mask)
 
 
 def test_pass_at_1_and_pass_at_k_per_task() -> None:
@@ -33,3 +38,35 @@ def test_job_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="eval_samples"):
         DemoConfig(eval_samples=1)
     assert DemoConfig().mode == "async" and DemoConfig().eval_samples * len(DemoConfig().eval_tasks.split(",")) >= 128
+
+
+def test_held_out_curve_credits_the_oldest_generating_version() -> None:
+    curve = HeldOutCurve()
+    curve.add([
+        _sample(1.0, [3, 3], [1, 1]),
+        # Spans an update; the tool output between the turns carries version -1, masked.
+        _sample(0.0, [3, -1, 4], [1, 0, 1]),
+        _sample(1.0, [4, 5], [1, 1]),
+        _sample(1.0, [-1], [0]),  # the model generated nothing: no version to credit
+    ])
+    assert curve.points() == [
+        {"policy_version": 3, "samples": 2, "pass_rate": 0.5},
+        {"policy_version": 4, "samples": 1, "pass_rate": 1.0},
+    ]
+
+
+def test_report_plots_the_steps_and_the_held_out_curve(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from meridian.train import write_report
+
+    step = {"reward_mean": 0.5, "pass_rate": 0.25, "policy_lag_mean": 0.5, "weightsync_encoded_bytes": 1000, "loss": 0.01}
+    summary = {
+        "trainer_steps": [{"step": 1, **step}, {"step": 2, **step}],
+        "eval_curve": [{"policy_version": 0, "samples": 16, "pass_rate": 0.25}, {"policy_version": 1, "samples": 8, "pass_rate": 0.5}],
+        "policy_version_start": 0, "policy_version_end": 2,
+        "eval_before": {"pass_at_1": 0.25}, "eval_after": {"pass_at_1": 0.375},
+    }
+    path = write_report(tmp_path, summary, "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
