@@ -39,3 +39,7 @@ class Unavailable(MeridianError):
 
 class DataLoss(MeridianError):
     status = "DATA_LOSS"
+
+
+class Unauthenticated(MeridianError):
+    status = "UNAUTHENTICATED"

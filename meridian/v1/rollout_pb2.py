@@ -25,33 +25,31 @@ _sym_db = _symbol_database.Default()
 from meridian.v1 import common_pb2 as meridian_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19meridian/v1/rollout.proto\x12\x0bmeridian.v1\x1a\x18meridian/v1/common.proto\"\x9b\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x42\x0e\n\x0c_temperatureB\x07\n\x05_seed\"\xa7\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.meridian.v1.SamplingParams\x12\'\n\x08priority\x18\x04 \x01(\x0e\x32\x15.meridian.v1.Priority\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\xa8\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x1a\x63ompletion_policy_versions\x18\x07 \x03(\x03\"\x8d\x01\n\x12RunEpisodesRequest\x12\x10\n\x08task_ids\x18\x01 \x03(\t\x12\x11\n\tnum_tasks\x18\x02 \x01(\x05\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.meridian.v1.SamplingParams\x12\x0f\n\x07publish\x18\x05 \x01(\x08\"D\n\x13RunEpisodesResponse\x12-\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x17.meridian.v1.Trajectory\"!\n\x0cScoreRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"9\n\rScoreResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x16\n\x14RolloutStatusRequest\"\xcf\x03\n\rRolloutStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0cweights_hash\x18\x03 \x01(\t\x12\x1a\n\x12\x65pisodes_completed\x18\x04 \x01(\x03\x12\x17\n\x0fupdates_applied\x18\x05 \x01(\x03\x12\x1a\n\x12weightsync_address\x18\x06 \x01(\t\x12 \n\x18latest_published_version\x18\x07 \x01(\x03\x12\x10\n\x08rl_state\x18\x08 \x01(\t\x12!\n\x19rl_trajectories_published\x18\t \x01(\x03\x12\x11\n\thttp_port\x18\n \x01(\x05\x12\x15\n\rlast_apply_ms\x18\x0b \x01(\x01\x12\x12\n\napply_path\x18\x0c \x01(\t\x12\x18\n\x10updates_rejected\x18\r \x01(\x03\x12\x18\n\x10rejected_version\x18\x0e \x01(\x03\x12\x19\n\x11last_update_error\x18\x0f \x01(\t\x12\x18\n\x10\x63\x61nary_mean_diff\x18\x10 \x01(\x01\x12\x17\n\x0f\x63\x61nary_max_diff\x18\x11 \x01(\x01\x12\x19\n\x11readback_elements\x18\x12 \x01(\x04*N\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x17\n\x13PRIORITY_PRODUCTION\x10\x01\x12\x0f\n\x0bPRIORITY_RL\x10\x02\x32\xac\x02\n\x07Rollout\x12\x46\n\x08Generate\x12\x1c.meridian.v1.GenerateRequest\x1a\x1a.meridian.v1.GenerateChunk0\x01\x12P\n\x0bRunEpisodes\x12\x1f.meridian.v1.RunEpisodesRequest\x1a .meridian.v1.RunEpisodesResponse\x12G\n\x06Status\x12!.meridian.v1.RolloutStatusRequest\x1a\x1a.meridian.v1.RolloutStatus\x12>\n\x05Score\x12\x19.meridian.v1.ScoreRequest\x1a\x1a.meridian.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19meridian/v1/rollout.proto\x12\x0bmeridian.v1\x1a\x18meridian/v1/common.proto\"\x9b\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x42\x0e\n\x0c_temperatureB\x07\n\x05_seed\"\x8e\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.meridian.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tJ\x04\x08\x04\x10\x05R\x08priority\"\xa8\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x1a\x63ompletion_policy_versions\x18\x07 \x03(\x03\"\x8d\x01\n\x12RunEpisodesRequest\x12\x10\n\x08task_ids\x18\x01 \x03(\t\x12\x11\n\tnum_tasks\x18\x02 \x01(\x05\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.meridian.v1.SamplingParams\x12\x0f\n\x07publish\x18\x05 \x01(\x08\"D\n\x13RunEpisodesResponse\x12-\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x17.meridian.v1.Trajectory\"!\n\x0cScoreRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"9\n\rScoreResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x16\n\x14RolloutStatusRequest\"\xe7\x04\n\rRolloutStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0cweights_hash\x18\x03 \x01(\t\x12\x1a\n\x12\x65pisodes_completed\x18\x04 \x01(\x03\x12\x17\n\x0fupdates_applied\x18\x05 \x01(\x03\x12\x1a\n\x12weightsync_address\x18\x06 \x01(\t\x12 \n\x18latest_published_version\x18\x07 \x01(\x03\x12\x10\n\x08rl_state\x18\x08 \x01(\t\x12!\n\x19rl_trajectories_published\x18\t \x01(\x03\x12\x11\n\thttp_port\x18\n \x01(\x05\x12\x15\n\rlast_apply_ms\x18\x0b \x01(\x01\x12\x12\n\napply_path\x18\x0c \x01(\t\x12\x18\n\x10updates_rejected\x18\r \x01(\x03\x12\x18\n\x10rejected_version\x18\x0e \x01(\x03\x12\x19\n\x11last_update_error\x18\x0f \x01(\t\x12\x18\n\x10\x63\x61nary_mean_diff\x18\x10 \x01(\x01\x12\x17\n\x0f\x63\x61nary_max_diff\x18\x11 \x01(\x01\x12\x19\n\x11readback_elements\x18\x12 \x01(\x04\x12\x1c\n\x14rl_concurrency_limit\x18\x13 \x01(\x05\x12\x12\n\nrl_running\x18\x14 \x01(\x05\x12\x16\n\x0erl_preemptions\x18\x15 \x01(\x04\x12\x16\n\x0eslo_attainment\x18\x16 \x01(\x01\x12\x16\n\x0erl_token_share\x18\x17 \x01(\x01\x12\x1c\n\x14production_in_flight\x18\x18 \x01(\x05\x32\xac\x02\n\x07Rollout\x12\x46\n\x08Generate\x12\x1c.meridian.v1.GenerateRequest\x1a\x1a.meridian.v1.GenerateChunk0\x01\x12P\n\x0bRunEpisodes\x12\x1f.meridian.v1.RunEpisodesRequest\x1a .meridian.v1.RunEpisodesResponse\x12G\n\x06Status\x12!.meridian.v1.RolloutStatusRequest\x1a\x1a.meridian.v1.RolloutStatus\x12>\n\x05Score\x12\x19.meridian.v1.ScoreRequest\x1a\x1a.meridian.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meridian.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=1365
-  _globals['_PRIORITY']._serialized_end=1443
   _globals['_SAMPLINGPARAMS']._serialized_start=69
   _globals['_SAMPLINGPARAMS']._serialized_end=224
   _globals['_GENERATEREQUEST']._serialized_start=227
-  _globals['_GENERATEREQUEST']._serialized_end=394
-  _globals['_GENERATECHUNK']._serialized_start=397
-  _globals['_GENERATECHUNK']._serialized_end=565
-  _globals['_RUNEPISODESREQUEST']._serialized_start=568
-  _globals['_RUNEPISODESREQUEST']._serialized_end=709
-  _globals['_RUNEPISODESRESPONSE']._serialized_start=711
-  _globals['_RUNEPISODESRESPONSE']._serialized_end=779
-  _globals['_SCOREREQUEST']._serialized_start=781
-  _globals['_SCOREREQUEST']._serialized_end=814
-  _globals['_SCORERESPONSE']._serialized_start=816
-  _globals['_SCORERESPONSE']._serialized_end=873
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=875
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=897
-  _globals['_ROLLOUTSTATUS']._serialized_start=900
-  _globals['_ROLLOUTSTATUS']._serialized_end=1363
-  _globals['_ROLLOUT']._serialized_start=1446
-  _globals['_ROLLOUT']._serialized_end=1746
+  _globals['_GENERATEREQUEST']._serialized_end=369
+  _globals['_GENERATECHUNK']._serialized_start=372
+  _globals['_GENERATECHUNK']._serialized_end=540
+  _globals['_RUNEPISODESREQUEST']._serialized_start=543
+  _globals['_RUNEPISODESREQUEST']._serialized_end=684
+  _globals['_RUNEPISODESRESPONSE']._serialized_start=686
+  _globals['_RUNEPISODESRESPONSE']._serialized_end=754
+  _globals['_SCOREREQUEST']._serialized_start=756
+  _globals['_SCOREREQUEST']._serialized_end=789
+  _globals['_SCORERESPONSE']._serialized_start=791
+  _globals['_SCORERESPONSE']._serialized_end=848
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=850
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=872
+  _globals['_ROLLOUTSTATUS']._serialized_start=875
+  _globals['_ROLLOUTSTATUS']._serialized_end=1490
+  _globals['_ROLLOUT']._serialized_start=1493
+  _globals['_ROLLOUT']._serialized_end=1793
 # @@protoc_insertion_point(module_scope)

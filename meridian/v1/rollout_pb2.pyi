@@ -1,21 +1,11 @@
 from meridian.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
-    PRIORITY_PRODUCTION: _ClassVar[Priority]
-    PRIORITY_RL: _ClassVar[Priority]
-PRIORITY_UNSPECIFIED: Priority
-PRIORITY_PRODUCTION: Priority
-PRIORITY_RL: Priority
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "max_tokens", "stop", "seed", "min_tokens")
@@ -34,18 +24,16 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "sampling", "priority", "request_id")
+    __slots__ = ("prompt", "prompt_token_ids", "sampling", "request_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    priority: Priority
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "policy_versions", "text", "finished", "finish_reason", "completion_policy_versions")
@@ -104,7 +92,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("policy_version", "model", "weights_hash", "episodes_completed", "updates_applied", "weightsync_address", "latest_published_version", "rl_state", "rl_trajectories_published", "http_port", "last_apply_ms", "apply_path", "updates_rejected", "rejected_version", "last_update_error", "canary_mean_diff", "canary_max_diff", "readback_elements")
+    __slots__ = ("policy_version", "model", "weights_hash", "episodes_completed", "updates_applied", "weightsync_address", "latest_published_version", "rl_state", "rl_trajectories_published", "http_port", "last_apply_ms", "apply_path", "updates_rejected", "rejected_version", "last_update_error", "canary_mean_diff", "canary_max_diff", "readback_elements", "rl_concurrency_limit", "rl_running", "rl_preemptions", "slo_attainment", "rl_token_share", "production_in_flight")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +111,12 @@ class RolloutStatus(_message.Message):
     CANARY_MEAN_DIFF_FIELD_NUMBER: _ClassVar[int]
     CANARY_MAX_DIFF_FIELD_NUMBER: _ClassVar[int]
     READBACK_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    RL_CONCURRENCY_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RL_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    RL_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SLO_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    RL_TOKEN_SHARE_FIELD_NUMBER: _ClassVar[int]
+    PRODUCTION_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     model: str
     weights_hash: str
@@ -141,4 +135,10 @@ class RolloutStatus(_message.Message):
     canary_mean_diff: float
     canary_max_diff: float
     readback_elements: int
-    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., weights_hash: _Optional[str] = ..., episodes_completed: _Optional[int] = ..., updates_applied: _Optional[int] = ..., weightsync_address: _Optional[str] = ..., latest_published_version: _Optional[int] = ..., rl_state: _Optional[str] = ..., rl_trajectories_published: _Optional[int] = ..., http_port: _Optional[int] = ..., last_apply_ms: _Optional[float] = ..., apply_path: _Optional[str] = ..., updates_rejected: _Optional[int] = ..., rejected_version: _Optional[int] = ..., last_update_error: _Optional[str] = ..., canary_mean_diff: _Optional[float] = ..., canary_max_diff: _Optional[float] = ..., readback_elements: _Optional[int] = ...) -> None: ...
+    rl_concurrency_limit: int
+    rl_running: int
+    rl_preemptions: int
+    slo_attainment: float
+    rl_token_share: float
+    production_in_flight: int
+    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., weights_hash: _Optional[str] = ..., episodes_completed: _Optional[int] = ..., updates_applied: _Optional[int] = ..., weightsync_address: _Optional[str] = ..., latest_published_version: _Optional[int] = ..., rl_state: _Optional[str] = ..., rl_trajectories_published: _Optional[int] = ..., http_port: _Optional[int] = ..., last_apply_ms: _Optional[float] = ..., apply_path: _Optional[str] = ..., updates_rejected: _Optional[int] = ..., rejected_version: _Optional[int] = ..., last_update_error: _Optional[str] = ..., canary_mean_diff: _Optional[float] = ..., canary_max_diff: _Optional[float] = ..., readback_elements: _Optional[int] = ..., rl_concurrency_limit: _Optional[int] = ..., rl_running: _Optional[int] = ..., rl_preemptions: _Optional[int] = ..., slo_attainment: _Optional[float] = ..., rl_token_share: _Optional[float] = ..., production_in_flight: _Optional[int] = ...) -> None: ...

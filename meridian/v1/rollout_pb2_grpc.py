@@ -62,7 +62,8 @@ class RolloutServicer:
     """
 
     def Generate(self, request, context):
-        """Streams generated tokens with their log-probs and the policy version of each.
+        """Streams generated tokens with their log-probs and the policy version of each, in
+        the traffic class of the caller's key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

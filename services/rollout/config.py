@@ -5,6 +5,7 @@ import dataclasses
 
 from meridian import trajectory_transport as transport
 from meridian.config import opt
+from services.rollout.admission import AdmissionConfig
 
 
 @dataclasses.dataclass
@@ -30,9 +31,30 @@ class RolloutConfig:
     rl_workers: int = opt(0, "background RL episode workers filling spare capacity (0: only on-demand RunEpisodes)")
     rl_high_water: int = opt(500, "RL workers pause while the trajectory stream holds more unconsumed groups than this")
     rl_max_lag: int = opt(2, "RL workers pause while this rollout lags the newest published version by more (the trainer's max_policy_lag is what it drops)")
-    rl_quiet_ms: float = opt(200.0, "RL model turns start only after production traffic has been quiet this long")
+    rl_quiet_ms: float = opt(200.0, "RL runs at --rl-max-concurrency only after production traffic has been quiet this long")
+    rl_max_concurrency: int = opt(16, "RL requests running at once while production is quiet (the controller's ceiling)")
+    slo_ttft_ms: float = opt(1000.0, "production time-to-first-token target of the RL admission controller")
+    slo_itl_ms: float = opt(100.0, "production inter-token latency target of the RL admission controller")
+    slo_window_ms: float = opt(1000.0, "controller window: RL concurrency beside production grows by one after a window that met the targets")
+    rl_decrease: float = opt(0.5, "factor on that RL concurrency at a missed target (at most once per window)")
+    rl_preempt: bool = opt(True, "preempt running RL requests above the limit (resumed later from their tokens); false: the limit only stops new ones")
+    caller_classes: str = opt("", "JSON file mapping API keys (Authorization: Bearer <key>, HTTP and gRPC) to a traffic class, production or rl")
+    anonymous_class: str = opt("production", "traffic class of callers with no key: production, rl, or deny")
+    max_n: int = opt(8, "most completions one OpenAI API request may ask for (n)")
     max_turns: int = opt(4, "model turns per episode")
     episode_wall_s: float = opt(300.0, "wall-clock limit of one episode")
+
+    def admission_config(self) -> AdmissionConfig:
+        """The RL admission controller's settings."""
+        return AdmissionConfig(
+            ttft_s=self.slo_ttft_ms / 1000,
+            itl_s=self.slo_itl_ms / 1000,
+            window_s=self.slo_window_ms / 1000,
+            max_rl=self.rl_max_concurrency,
+            decrease=self.rl_decrease,
+            quiet_s=self.rl_quiet_ms / 1000,
+            preempt=self.rl_preempt,
+        )
 
     def transport_config(self) -> transport.TransportConfig:
         return transport.TransportConfig(self.redis_url, self.stream, self.consumer_group)
@@ -52,5 +74,10 @@ class RolloutConfig:
             raise ValueError(f"http_port must be -1 (off), 0 (free port) or a port, got {self.http_port}")
         if self.rl_quiet_ms < 0:
             raise ValueError(f"rl_quiet_ms must be >= 0, got {self.rl_quiet_ms}")
+        self.admission_config()  # validates the controller's settings
+        if self.anonymous_class not in ("production", "rl", "deny"):
+            raise ValueError(f"anonymous_class must be production, rl or deny, got {self.anonymous_class!r}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.rl_workers < 0 or self.rl_high_water <= 0 or self.rl_max_lag < 0 or self.max_turns <= 0 or self.episode_wall_s <= 0:
             raise ValueError("rl_workers and rl_max_lag must be >= 0; rl_high_water, max_turns, episode_wall_s > 0")

@@ -5,10 +5,8 @@ procedure itself is :mod:`services.rollout.weight_updates`."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import time
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from meridian.errors import InvalidArgument
+from services.rollout.admission import AdmissionConfig, RlScheduler, RlTicket
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -80,44 +79,12 @@ class PolicyEngine(Protocol):
     async def score(self, token_ids: list[int]) -> list[float]: ...
 
 
-class ProductionFirst:
-    """Admission for RL work: it starts (each model turn) only when no production request
-    is in flight and none ended within ``quiet_s``, so RL fills gaps instead of sharing
-    the engine's batches with production traffic. RL already running finishes its turn."""
-
-    def __init__(self, quiet_s: float) -> None:
-        self.quiet_s = quiet_s
-        self._active = 0
-        self._last_end = 0.0
-        self._changed = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def production(self) -> AsyncIterator[None]:
-        self._active += 1
-        try:
-            yield
-        finally:
-            self._active -= 1
-            self._last_end = time.monotonic()
-            async with self._changed:
-                self._changed.notify_all()
-
-    async def admit_rl(self) -> None:
-        while True:
-            if self._active == 0:
-                wait = self._last_end + self.quiet_s - time.monotonic()
-                if wait <= 0:
-                    return
-                await asyncio.sleep(wait)
-                continue
-            async with self._changed:
-                await self._changed.wait()
-
-
 class Engine:
     """vLLM behind a small async API; ``version`` is the policy version being served."""
 
-    def __init__(self, model_dir: Path, max_model_len: int, kv_cache_gib: float, seed: int, update_policy: str = "finish", rl_quiet_s: float = 0.2) -> None:
+    def __init__(
+        self, model_dir: Path, max_model_len: int, kv_cache_gib: float, seed: int, update_policy: str = "finish", admission: AdmissionConfig | None = None
+    ) -> None:
         if update_policy not in UPDATE_POLICIES:
             raise InvalidArgument(f"update policy must be one of {UPDATE_POLICIES}, got {update_policy!r}")
         self.model_dir = model_dir
@@ -129,7 +96,10 @@ class Engine:
         self._llm = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.update_lock = asyncio.Lock()
-        self.admission = ProductionFirst(rl_quiet_s)
+        self.scheduler = RlScheduler(admission or AdmissionConfig())
+        self.tokens_generated = {PRIORITY_PRODUCTION: 0, PRIORITY_RL: 0}
+        self.rl_resumed = 0
+        self._aborts: set[asyncio.Task[None]] = set()  # preemptions on their way to the engine
         # Closed while a weight update is applied and verified: new requests wait here.
         self._open = asyncio.Event()
         self._open.set()
@@ -181,12 +151,20 @@ class Engine:
     async def generate(self, prompt_ids: list[int], sampling: Sampling, priority: int, request_id: str = "") -> AsyncIterator[Delta]:
         """Streams the completion of ``prompt_ids``; each delta carries the policy version
         that produced its tokens (the version changes only while the engine is paused, so
-        a delta never mixes versions)."""
+        a delta never mixes versions). RL requests are admitted by the scheduler and may
+        be preempted and resumed on the way (invisible here but for the wait)."""
+        assert self._llm is not None, "engine not started"
+        request_id = request_id or uuid.uuid4().hex
+        stream = self._production(prompt_ids, sampling, request_id) if priority == PRIORITY_PRODUCTION else self._rl(prompt_ids, sampling, request_id)
+        async for delta in stream:
+            self.tokens_generated[priority] += len(delta.token_ids)
+            yield delta
+
+    def _params(self, sampling: Sampling):  # type: ignore[no-untyped-def]
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        assert self._llm is not None, "engine not started"
-        params = SamplingParams(
+        return SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             max_tokens=sampling.max_tokens,
@@ -197,20 +175,76 @@ class Engine:
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
         )
-        request_id = request_id or uuid.uuid4().hex
-        if priority != PRIORITY_PRODUCTION:
-            await self.admission.admit_rl()
-            gate: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
-        else:
-            gate = self.admission.production()
-        async with gate:
+
+    async def _segment(self, prompt_ids: list[int], sampling: Sampling, request_id: str, priority: int) -> AsyncIterator[tuple[Delta, list[int] | None]]:
+        """One vLLM request: (delta, its finish reason's raw spans as versions) per output."""
+        async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, self._params(sampling), request_id=request_id, priority=priority):
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = [entry[tok].logprob for tok, entry in zip(ids, completion.logprobs or [])]
+            versions = self._token_versions(completion.weight_versions) if out.finished else None
+            yield Delta(ids, logprobs, self.version, completion.text, out.finished, completion.finish_reason or ""), versions
+
+    async def _production(self, prompt_ids: list[int], sampling: Sampling, request_id: str) -> AsyncIterator[Delta]:
+        async with self.scheduler.production() as latency:
             await self._open.wait()
-            async for out in self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, priority=priority):
-                completion = out.outputs[0]
-                ids = list(completion.token_ids)
-                logprobs = [entry[tok].logprob for tok, entry in zip(ids, completion.logprobs or [])]
-                spans = completion.weight_versions if out.finished else None
-                yield Delta(ids, logprobs, self.version, completion.text, out.finished, completion.finish_reason or "", self._token_versions(spans))
+            async for delta, versions in self._segment(prompt_ids, sampling, request_id, PRIORITY_PRODUCTION):
+                latency.tokens(len(delta.token_ids))
+                delta.all_versions = versions
+                yield delta
+
+    async def _rl(self, prompt_ids: list[int], sampling: Sampling, request_id: str) -> AsyncIterator[Delta]:
+        """An RL request as segments: a preempted segment is aborted at a token boundary
+        and the next one continues from the prompt plus every token so far (the prefix
+        cache makes the re-prefill cheap), so the completion is the tokens of all
+        segments in order, each with the log-prob and the version it was sampled with.
+
+        A stop string split across two segments is not seen by vLLM (each segment checks
+        only its own text): the completion then runs on past it."""
+        done_ids: list[int] = []
+        done_versions: list[int] = []
+        segment = 0
+        while True:
+            ticket = await self.scheduler.admit_rl()
+            try:
+                await self._open.wait()
+                done = len(done_ids)
+                if done >= sampling.max_tokens:  # preempted just as its last token arrived
+                    yield Delta([], [], self.version, "", True, "length", done_versions)
+                    return
+                rest = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - done, min_tokens=max(0, sampling.min_tokens - done))
+                finished = False
+                async for delta, versions in self._rl_segment(prompt_ids + done_ids, rest, f"{request_id}#{segment}", ticket):
+                    done_ids.extend(delta.token_ids)
+                    if versions is not None and not delta.finished:
+                        done_versions.extend(versions)  # the preempted segment's tokens
+                    if delta.finished:
+                        delta.all_versions = done_versions + (versions or [])
+                        finished = True
+                    if delta.token_ids or delta.finished:
+                        yield delta
+                if finished:
+                    return
+            finally:
+                self.scheduler.release(ticket)
+            segment += 1
+            self.rl_resumed += 1
+
+    async def _rl_segment(self, prompt_ids: list[int], sampling: Sampling, request_id: str, ticket: RlTicket) -> AsyncIterator[tuple[Delta, list[int] | None]]:
+        """One segment; its last delta comes back unfinished (with the segment's versions)
+        when the ticket was preempted."""
+        if ticket.preempted:
+            return
+        ticket.on_preempt(lambda: self._abort_soon(request_id))
+        async for delta, versions in self._segment(prompt_ids, sampling, request_id, PRIORITY_RL):
+            if delta.finished and delta.finish_reason == "abort" and ticket.preempted:
+                delta.finished, delta.finish_reason = False, ""
+            yield delta, versions
+
+    def _abort_soon(self, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.llm.abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     def _token_versions(self, spans: list | None) -> list[int] | None:  # type: ignore[type-arg]
         """Per-token versions of a finished completion from the engine's version spans."""

@@ -1,8 +1,12 @@
 """An OpenAI-compatible HTTP front door on the rollout engine (``/v1/chat/completions``,
-``/v1/completions``, ``/v1/models``; streaming and not), so existing agent scaffolds and
-the official ``openai`` client work unchanged. Requests here are production traffic."""
+``/v1/completions``, ``/v1/models``; streaming and not; ``n`` completions per request up
+to a cap), so existing agent scaffolds and the official ``openai`` client work
+unchanged. A request's traffic class (production, or RL that production preempts) is
+that of its API key (:mod:`services.rollout.callers`)."""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -12,7 +16,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.rollout.engine import PRIORITY_PRODUCTION, PolicyEngine, Sampling
+from meridian.errors import Unauthenticated
+from services.rollout.callers import CallerClasses
+from services.rollout.engine import PolicyEngine, Sampling
 
 MAX_STOP = 16
 
@@ -34,10 +40,56 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
     return float(value)
 
 
+def parse_n(body: dict[str, Any], max_n: int) -> int:
+    """How many completions the request asks for (``n``, 1 when absent)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_n:
+        raise RequestError(f"'n' must be an integer in [1, {max_n}] on this server, got {n!r}", "n")
+    return n
+
+
+def choice_sampling(sampling: Sampling, index: int) -> Sampling:
+    """Choice ``index``'s sampling: a given seed is offset per choice, so n seeded choices
+    differ from each other and each is reproducible."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + index)
+
+
+async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """(stream index, item) from several async iterators as items arrive."""
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item, None, False))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer below
+            await queue.put((i, None, exc, True))
+            return
+        await queue.put((i, None, None, True))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            i, item, error, ended = await queue.get()
+            if error is not None:
+                raise error
+            if ended:
+                open_streams -= 1
+                continue
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def parse_sampling(body: dict[str, Any], max_model_len: int, default_max_tokens: int) -> Sampling:
-    """Sampling parameters from an OpenAI request body, validated."""
-    if body.get("n", 1) not in (1, None):
-        raise RequestError("only n=1 is supported", "n")
+    """Sampling parameters from an OpenAI request body, validated (``n`` apart: :func:`parse_n`)."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = default_max_tokens
@@ -85,9 +137,13 @@ def completion_prompt_ids(engine: PolicyEngine, prompt: Any) -> list[int]:
     raise RequestError("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
 
 
-def create_app(engine: PolicyEngine, model_name: str, max_model_len: int, default_max_tokens: int) -> FastAPI:
-    """The ASGI app; ``model_name`` is what ``/v1/models`` lists and responses echo."""
+def create_app(
+    engine: PolicyEngine, model_name: str, max_model_len: int, default_max_tokens: int, callers: CallerClasses | None = None, max_n: int = 8
+) -> FastAPI:
+    """The ASGI app; ``model_name`` is what ``/v1/models`` lists and responses echo;
+    ``callers`` gives each API key its traffic class (default: everyone production)."""
     app = FastAPI(title="Meridian rollout (OpenAI-compatible)")
+    callers = callers or CallerClasses({})
 
     def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
         return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}})
@@ -107,6 +163,10 @@ def create_app(engine: PolicyEngine, model_name: str, max_model_len: int, defaul
     async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
         return error(400, str(exc), "invalid_request_error", exc.param)
 
+    @app.exception_handler(Unauthenticated)
+    async def unauthenticated(_: Request, exc: Unauthenticated) -> JSONResponse:
+        return error(401, str(exc), "authentication_error")
+
     @app.exception_handler(LookupError)
     async def not_found(_: Request, exc: LookupError) -> JSONResponse:
         return error(404, str(exc), "not_found_error", "model")
@@ -115,45 +175,55 @@ def create_app(engine: PolicyEngine, model_name: str, max_model_len: int, defaul
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "meridian"}]}
 
-    async def run(ids: list[int], sampling: Sampling) -> AsyncIterator[tuple[str, str, int]]:
+    async def run(ids: list[int], sampling: Sampling, priority: int) -> AsyncIterator[tuple[str, str, int]]:
         """(text delta, finish reason, tokens) per engine delta."""
-        async for delta in engine.generate(ids, sampling, PRIORITY_PRODUCTION):
+        async for delta in engine.generate(ids, sampling, priority):
             yield delta.text, (delta.finish_reason if delta.finished else ""), len(delta.token_ids)
 
     async def respond(request: Request, chat: bool) -> Any:
+        priority = callers.classify(request.headers.get("authorization"))
         body = await body_of(request)
         ids = chat_prompt_ids(engine, body.get("messages")) if chat else completion_prompt_ids(engine, body.get("prompt"))
         if problem := engine.prompt_problem(ids):
             raise RequestError(problem, "prompt")
         sampling = parse_sampling(body, max_model_len, default_max_tokens)
+        n = parse_n(body, max_n)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
+        # The n choices run at once on the engine (they share the prompt's cached prefix).
+        streams = [run(ids, choice_sampling(sampling, i), priority) for i in range(n)]
         if body.get("stream"):
-            return StreamingResponse(_stream(rid, created, kind, ids, sampling, chat), media_type="text/event-stream")
-        text, reason, tokens = "", "", 0
-        async for piece, finish, n in run(ids, sampling):
-            text, reason, tokens = text + piece, finish or reason, tokens + n
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason or "stop", "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+            return StreamingResponse(_stream(rid, created, kind, streams, chat), media_type="text/event-stream")
+        texts, reasons, tokens = [""] * n, [""] * n, 0
+        async for i, (piece, finish, count) in merged(streams):
+            texts[i] += piece
+            reasons[i] = finish or reasons[i]
+            tokens += count
+        choices = []
+        for i in range(n):
+            choice: dict[str, Any] = {"index": i, "finish_reason": reasons[i] or "stop", "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": texts[i]}
+            else:
+                choice["text"] = texts[i]
+            choices.append(choice)
         usage = {"prompt_tokens": len(ids), "completion_tokens": tokens, "total_tokens": len(ids) + tokens}
-        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice], "usage": usage}
+        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices, "usage": usage}
 
-    async def _stream(rid: str, created: int, kind: str, ids: list[int], sampling: Sampling, chat: bool) -> AsyncIterator[bytes]:
+    async def _stream(rid: str, created: int, kind: str, streams: list[AsyncIterator[tuple[str, str, int]]], chat: bool) -> AsyncIterator[bytes]:
         def event(choice: dict[str, Any]) -> bytes:
             chunk = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created, "model": model_name, "choices": [choice]}
             return f"data: {json.dumps(chunk)}\n\n".encode()
 
         if chat:
-            yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        async for piece, finish, _ in run(ids, sampling):
+            for i in range(len(streams)):
+                yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        async for i, (piece, finish, _) in merged(streams):
             if chat:
-                yield event({"index": 0, "delta": {"content": piece} if piece else {}, "finish_reason": finish or None})
+                yield event({"index": i, "delta": {"content": piece} if piece else {}, "finish_reason": finish or None})
             else:
-                yield event({"index": 0, "text": piece, "finish_reason": finish or None, "logprobs": None})
+                yield event({"index": i, "text": piece, "finish_reason": finish or None, "logprobs": None})
         yield b"data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions")

@@ -23,6 +23,7 @@ from meridian.v1 import envsandbox_pb2 as sbx
 from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
 from meridian.v1 import rollout_pb2 as pb
 from meridian.v1 import rollout_pb2_grpc as pb_grpc
+from services.rollout.callers import CallerClasses
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_VERSION, Engine, Sampling
 from services.rollout.episodes import EpisodeLimits, fetch_task, run_group
@@ -67,13 +68,14 @@ class RolloutService(pb_grpc.RolloutServicer):
         self._follow: asyncio.Task[None] | None = None
         self._http = None
         self.workers = RLWorkers(config.rl_workers, self._background_group, self._backpressure)
+        self.callers = CallerClasses.load(config.caller_classes, config.anonymous_class)
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_RolloutServicer_to_server(self, server)
 
     async def start(self) -> None:
         model_dir = await asyncio.to_thread(resolve_model, self.config.model)
-        self.engine = Engine(model_dir, self.config.max_model_len, self.config.kv_cache_gib, self.config.seed, self.config.update_policy, self.config.rl_quiet_ms / 1000)
+        self.engine = Engine(model_dir, self.config.max_model_len, self.config.kv_cache_gib, self.config.seed, self.config.update_policy, self.config.admission_config())
         await self.engine.start()
         # Version 0 as loaded: the base the first delta decodes on (updated in place after).
         held = await asyncio.to_thread(load_checkpoint_weights, model_dir)
@@ -89,7 +91,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         if self.config.http_port >= 0:
             from services.rollout.openai_api import HttpFrontDoor, create_app
 
-            app = create_app(self.engine, self.config.model, self.config.max_model_len, self.config.max_tokens)
+            app = create_app(self.engine, self.config.model, self.config.max_model_len, self.config.max_tokens, self.callers, self.config.max_n)
             self._http = HttpFrontDoor(app, self.config.http_host, self.config.http_port)
             port = await self._http.start()
             # The stack launcher reads this line; keep its shape stable.
@@ -183,7 +185,7 @@ class RolloutService(pb_grpc.RolloutServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         ids = self._prompt_ids(request.prompt, list(request.prompt_token_ids))
         sampling = self._sampling(request.sampling, default_temperature=0.0)
-        priority = PRIORITY_RL if request.priority == pb.PRIORITY_RL else PRIORITY_PRODUCTION
+        priority = self.callers.classify(dict(context.invocation_metadata() or ()).get("authorization"))
         async for delta in self._engine().generate(ids, sampling, priority, request.request_id):
             yield pb.GenerateChunk(
                 token_ids=delta.token_ids,
@@ -242,7 +244,23 @@ class RolloutService(pb_grpc.RolloutServicer):
             canary_mean_diff=last.canary.mean_diff if last and last.canary else 0.0,
             canary_max_diff=last.canary.max_diff if last and last.canary else 0.0,
             readback_elements=last.readback_elements if last else 0,
+            **self._admission_status(),
         )
+
+    def _admission_status(self) -> dict[str, float | int]:
+        if self.engine is None:
+            return {}
+        scheduler = self.engine.scheduler
+        tokens = self.engine.tokens_generated
+        total = sum(tokens.values())
+        return {
+            "rl_concurrency_limit": scheduler.allowed(scheduler.clock()),
+            "rl_running": scheduler.rl_running,
+            "rl_preemptions": scheduler.preemptions,
+            "slo_attainment": scheduler.controller.attainment,
+            "rl_token_share": tokens[PRIORITY_RL] / total if total else 0.0,
+            "production_in_flight": scheduler.production_active,
+        }
 
     def _engine(self) -> Engine:
         if self.engine is None or self.engine.tokenizer is None:

@@ -218,7 +218,7 @@ started = threading.Event()
 
 
 def generate(i):
-    request = pb.GenerateRequest(prompt_token_ids=prompts[i], priority=pb.PRIORITY_RL,
+    request = pb.GenerateRequest(prompt_token_ids=prompts[i],
                                  sampling=pb.SamplingParams(temperature=1.0, max_tokens=length, min_tokens=length, seed=7 + i))
     ids, logprobs = [], []
     with grpc.insecure_channel(address) as channel:

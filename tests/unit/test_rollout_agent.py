@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.rollout.agent import Ledger, ToolCall, extract_answer, format_observation, parse_tool_call
-from services.rollout.openai_api import RequestError, parse_sampling
+from services.rollout.openai_api import RequestError, choice_sampling, parse_n, parse_sampling
 
 
 def test_parse_tool_call_variants() -> None:
@@ -44,7 +44,6 @@ def test_extract_answer_and_observation_cap() -> None:
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"n": 2}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 5000}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
@@ -58,6 +57,20 @@ def test_openai_sampling_validation(body: dict, param: str) -> None:  # type: ig
     with pytest.raises(RequestError) as info:
         parse_sampling(body, max_model_len=2048, default_max_tokens=64)
     assert info.value.param == param
+
+
+@pytest.mark.parametrize("n", [0, 9, 2.0, True, "2"])
+def test_openai_n_is_capped(n: object) -> None:
+    with pytest.raises(RequestError, match=r"\[1, 8\]") as info:
+        parse_n({"n": n}, max_n=8)
+    assert info.value.param == "n"
+
+
+def test_openai_n_choices_get_their_own_seeds() -> None:
+    assert parse_n({}, 8) == 1 and parse_n({"n": None}, 8) == 1 and parse_n({"n": 8}, 8) == 8
+    seeded = parse_sampling({"seed": 7}, 2048, 64)
+    assert [choice_sampling(seeded, i).seed for i in range(3)] == [7, 8, 9]
+    assert choice_sampling(parse_sampling({}, 2048, 64), 2).seed is None
 
 
 def test_openai_sampling_defaults_and_passthrough() -> None:
@@ -103,28 +116,3 @@ def test_rl_workers_back_off_then_run(monkeypatch: pytest.MonkeyPatch) -> None:
     # States as seen at each back-pressure check: backed off twice, then running.
     assert seen[:4] == ["starting", "backoff: policy lag 3 > 2", "backoff: stream backlog 9 > 5", "running"]
     assert "backoff: error" in seen and published == 8
-
-
-def test_rl_waits_for_production_to_be_quiet() -> None:
-    import asyncio
-
-    from services.rollout.engine import ProductionFirst
-
-    async def scenario() -> list[str]:
-        gate = ProductionFirst(quiet_s=0.05)
-        events: list[str] = []
-
-        async def rl() -> None:
-            await gate.admit_rl()
-            events.append("rl admitted")
-
-        async with gate.production():
-            waiter = asyncio.create_task(rl())
-            await asyncio.sleep(0.02)
-            events.append("production done")
-        await asyncio.sleep(0.01)
-        events.append("quiet period running")
-        await waiter
-        return events
-
-    assert asyncio.run(scenario()) == ["production done", "quiet period running", "rl admitted"]

@@ -1,0 +1,61 @@
+"""Traffic classes by caller: whether a request is production (never waits for RL, and
+preempts it) or RL (admitted into spare capacity) is decided here, from the caller's
+API key, never from a field the caller sets. Both front doors (gRPC ``Generate`` and the
+OpenAI-compatible API) read the key from ``Authorization: Bearer <key>``.
+
+The key file is a JSON object, key -> class::
+
+    {"prod-frontend-key": "production", "eval-batch-key": "rl"}
+
+Callers without a key get ``anonymous`` (production, rl, or deny)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from meridian.errors import Unauthenticated
+from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL
+
+CLASSES = {"production": PRIORITY_PRODUCTION, "rl": PRIORITY_RL}
+
+
+class CallerClasses:
+    """The configured class of each API key."""
+
+    def __init__(self, keys: dict[str, str], anonymous: str = "production") -> None:
+        bad = {k: c for k, c in keys.items() if c not in CLASSES or not k}
+        if bad:
+            raise ValueError(f"caller classes must map non-empty keys to one of {sorted(CLASSES)}; bad entries for {len(bad)} key(s)")
+        if anonymous not in (*CLASSES, "deny"):
+            raise ValueError(f"anonymous class must be one of {sorted(CLASSES)} or deny, got {anonymous!r}")
+        self._keys = dict(keys)
+        self.anonymous = anonymous
+
+    @classmethod
+    def load(cls, path: str, anonymous: str) -> CallerClasses:
+        """From a JSON key file ('' : no keys, everyone anonymous)."""
+        if not path:
+            return cls({}, anonymous)
+        try:
+            keys = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"caller classes file {path}: {exc}") from None
+        if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
+            raise ValueError(f"caller classes file {path} must be a JSON object of key -> class strings")
+        return cls(keys, anonymous)
+
+    def classify(self, authorization: str | None) -> int:
+        """The engine priority of a caller from its ``Authorization`` value; raises
+        :class:`Unauthenticated` for an unknown key, a malformed header, or an anonymous
+        caller when anonymous callers are denied."""
+        if not authorization:
+            if self.anonymous == "deny":
+                raise Unauthenticated("this server needs an API key (Authorization: Bearer <key>)")
+            return CLASSES[self.anonymous]
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Unauthenticated("the Authorization value must be 'Bearer <key>'")
+        traffic = self._keys.get(key.strip())
+        if traffic is None:
+            raise Unauthenticated("unknown API key")  # the key itself is not echoed
+        return CLASSES[traffic]

@@ -1,0 +1,138 @@
+"""The RL admission policy against a simulated clock and simulated production latencies."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.rollout.admission import AdmissionConfig, AimdController, RlScheduler
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+CONFIG = AdmissionConfig(ttft_s=0.5, itl_s=0.05, window_s=1.0, max_rl=8, increase=1, decrease=0.5, quiet_s=0.2)
+
+
+def test_additive_increase_while_targets_are_met_and_fast_decrease_on_a_miss() -> None:
+    c = AimdController(CONFIG, now=0.0)
+    t = 0.0
+    for _ in range(6):  # six windows of production within its targets
+        for _ in range(5):
+            t += 0.2
+            c.observe(t, itl_s=0.02)
+    assert c.limit == 5 and c.increases == 5
+    # A miss halves the limit at once, a second miss in the same window does not.
+    assert c.observe(t + 0.1, itl_s=0.2) and c.limit == 2
+    assert not c.observe(t + 0.2, ttft_s=0.9) and c.limit == 2
+    # The next window saw a miss (none after the decrease yet): a window later, still no increase.
+    c.tick(t + 1.15)
+    assert c.limit == 2
+    c.observe(t + 1.5, itl_s=0.01)
+    c.tick(t + 2.2)
+    assert c.limit == 3
+    assert c.attainment == pytest.approx((30 + 1) / 33)
+
+
+def test_a_window_without_production_tells_nothing() -> None:
+    c = AimdController(CONFIG, now=0.0, initial=2)
+    c.tick(5.0)
+    assert c.limit == 2 and c.increases == 0
+
+
+def test_simulated_latency_converges_below_the_rl_concurrency_that_breaks_the_slo() -> None:
+    """Production's time per token grows with the RL requests beside it (10 ms + 12 ms
+    each, so the 50 ms target holds up to 3): the limit oscillates around 3 and the
+    targets are met most of the time."""
+    c = AimdController(AdmissionConfig(itl_s=0.05, window_s=1.0, max_rl=16), now=0.0)
+    limits = []
+    for step in range(1, 601):
+        now = step * 0.1
+        c.observe(now, itl_s=0.010 + 0.012 * c.limit)
+        limits.append(c.limit)
+    tail = limits[200:]
+    assert max(tail) <= 4 and min(tail) >= 1
+    assert c.attainment > 0.9
+
+
+def test_production_arrival_preempts_the_newest_rl_requests_above_the_limit() -> None:
+    async def body() -> None:
+        clock = Clock()
+        s = RlScheduler(CONFIG, clock)
+        tickets = [await s.admit_rl() for _ in range(3)]  # production quiet: up to max_rl
+        aborted: list[int] = []
+        for t in tickets:
+            t.on_preempt(lambda n=t.number: aborted.append(n))
+        s.controller.limit = 1
+        async with s.production() as latency:
+            assert aborted == [3, 2] and s.preemptions == 2 and s.rl_running == 1
+            assert [t.preempted for t in tickets] == [False, True, True]
+            latency.tokens(1)
+            # A new RL request waits while production runs at the limit.
+            waiting = asyncio.create_task(s.admit_rl())
+            await asyncio.sleep(0)
+            assert not waiting.done()
+            s.release(tickets[2])  # a preempted ticket's release frees nothing more
+            await asyncio.sleep(0)
+            assert not waiting.done()
+        # Production ended: RL returns to max_rl only after the quiet period.
+        clock.now += 0.1
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        clock.now += 0.2
+        ticket = await asyncio.wait_for(waiting, timeout=5)
+        assert s.rl_running == 2 and ticket.number == 4
+
+    asyncio.run(body())
+
+
+def test_a_latency_miss_preempts_down_to_the_lowered_limit() -> None:
+    async def body() -> None:
+        clock = Clock()
+        s = RlScheduler(CONFIG, clock)
+        s.controller.limit = 4
+        tickets = [await s.admit_rl() for _ in range(4)]
+        async with s.production() as latency:
+            assert s.preemptions == 0
+            clock.now += 0.01
+            latency.tokens(1)
+            clock.now += 0.5
+            latency.tokens(2)  # 250 ms per token: a miss, the limit halves
+            assert s.controller.limit == 2 and s.preemptions == 2
+            assert [t.preempted for t in tickets] == [False, False, True, True]
+
+    asyncio.run(body())
+
+
+def test_preemption_off_only_stops_admissions() -> None:
+    async def body() -> None:
+        s = RlScheduler(AdmissionConfig(preempt=False, max_rl=4), Clock())
+        tickets = [await s.admit_rl() for _ in range(2)]
+        async with s.production():
+            assert s.preemptions == 0 and not any(t.preempted for t in tickets)
+
+    asyncio.run(body())
+
+
+def test_a_ticket_preempted_before_its_callback_is_set_calls_it_at_once() -> None:
+    async def body() -> None:
+        s = RlScheduler(CONFIG, Clock())
+        ticket = await s.admit_rl()
+        async with s.production():
+            called: list[bool] = []
+            ticket.on_preempt(lambda: called.append(True))
+            assert called == [True]
+
+    asyncio.run(body())
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="decrease"):
+        AdmissionConfig(decrease=1.5)
+    with pytest.raises(ValueError, match="positive"):
+        AdmissionConfig(itl_s=0)
