@@ -1,20 +1,33 @@
 """``meridian bench rollout --json``: the rollout service against bare vLLM on the same
-model and prompts, production latency with and without RL backfill, and real trainer
+model and prompts; production latency with and without RL backfill; and real trainer
 updates reaching the engine: how long applying each took, by which path, and how far
 the served log-probs are from a transformers forward pass on the published weights
 (before any update, as the baseline of two bf16 implementations, and after).
-Prints one JSON object."""
+
+Production latency: one production trace (Poisson arrivals with bursts, mixed prompt
+lengths; ``benchmarks.support.traffic``) is replayed with RL off and with RL backfill
+on, alternating ``--rounds`` times; each round's p99 ratio (on / off) and the median
+over rounds with its spread. ``rl_share_of_idle`` is the RL tokens per second of the
+mixed phases over what bare vLLM produces in the time production left the engine idle.
+The production latency targets of rollout's admission controller are ``--slo-factor``
+times bare vLLM's own single-request TTFT and inter-token latency, unless
+``--rollout-args`` sets them. Prints one JSON object."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
+import shlex
 import statistics
 import sys
 import tempfile
 import time
+from typing import Any
+
+from benchmarks.support.traffic import Arrival, TrafficConfig, busy_seconds, percentile, production_trace
 
 PROMPTS = [
     "Write a Python function that returns the factorial of n.",
@@ -28,13 +41,9 @@ PROMPTS = [
 ]
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-async def _bare_vllm_tokens_per_s(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, concurrency: int, kv_gib: float) -> float:
-    """Throughput of vLLM's own AsyncLLM in this process, no Meridian code on the path."""
+async def _bare_vllm(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, concurrency: int, kv_gib: float) -> dict[str, float]:
+    """vLLM's own AsyncLLM in this process, no Meridian code on the path: throughput at
+    ``concurrency``, and one request's median TTFT and time per later token."""
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_gib))))
@@ -53,8 +62,23 @@ async def _bare_vllm_tokens_per_s(model_dir: str, prompt_ids: list[list[int]], m
                 last = out
             return len(last.outputs[0].token_ids) if last else 0
 
+        async def alone(i: int, ids: list[int]) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            first = end = 0.0
+            tokens = 0
+            async for out in llm.generate({"prompt_token_ids": ids}, params, request_id=f"alone-{i}-{time.monotonic_ns()}"):
+                end = time.perf_counter()
+                first = first or end
+                tokens = len(out.outputs[0].token_ids)
+            return first - t0, (end - first) / max(1, tokens - 1)
+
         await one(-1, prompt_ids[0])  # warm-up
-        return await _throughput(one, prompt_ids, concurrency)
+        singles = [await alone(i, ids) for i, ids in enumerate(prompt_ids[:8])]
+        return {
+            "tokens_per_s": await _throughput(one, prompt_ids, concurrency),
+            "ttft_s": statistics.median(t for t, _ in singles),
+            "itl_s": statistics.median(i for _, i in singles),
+        }
     finally:
         llm.shutdown()
 
@@ -71,57 +95,111 @@ async def _throughput(one, prompt_ids: list[list[int]], concurrency: int) -> flo
     return tokens / (time.perf_counter() - t0)
 
 
-async def _service_measurements(stack, prompt_ids: list[list[int]], max_tokens: int, concurrency: int, latency_requests: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+async def _service_throughput(stub, prompt_ids: list[list[int]], max_tokens: int, concurrency: int) -> float:  # type: ignore[no-untyped-def]
+    from meridian.v1 import rollout_pb2 as pb
+
+    async def generate(i: int, ids: list[int]) -> int:
+        n = 0
+        request = pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        async for chunk in stub.Generate(request):
+            n += len(chunk.token_ids)
+        return n
+
+    await generate(-1, prompt_ids[0])
+    return await _throughput(generate, prompt_ids, concurrency)
+
+
+async def _replay(stub, trace: list[Arrival], prompt_ids: list[list[int]]) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Sends every arrival of ``trace`` at its time; per request TTFT and end-to-end
+    latency, and the time production kept the engine busy."""
+    from meridian.v1 import rollout_pb2 as pb
+
+    t0 = time.perf_counter()
+    ttft, total, intervals = [], [], []
+
+    async def send(arrival: Arrival) -> None:
+        await asyncio.sleep(max(0.0, t0 + arrival.at_s - time.perf_counter()))
+        start = time.perf_counter()
+        first = 0.0
+        request = pb.GenerateRequest(prompt_token_ids=prompt_ids[arrival.prompt], sampling=pb.SamplingParams(temperature=0.0, max_tokens=arrival.max_tokens))
+        async for chunk in stub.Generate(request):
+            if chunk.token_ids and not first:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        ttft.append((first or end) - start)
+        total.append(end - start)
+        intervals.append((start, end))
+
+    await asyncio.gather(*(send(a) for a in trace))
+    return {"ttft": ttft, "latency": total, "seconds": time.perf_counter() - t0, "busy_s": busy_seconds(intervals)}
+
+
+async def _rl_backfill(stub, stop: asyncio.Event, concurrency: int) -> None:  # type: ignore[no-untyped-def]
+    """RL episodes (groups of 4, not published) until ``stop``, ``concurrency`` groups at once."""
+    from meridian.v1 import rollout_pb2 as pb
+
+    async def loop() -> None:
+        while not stop.is_set():
+            await stub.RunEpisodes(pb.RunEpisodesRequest(num_tasks=1, group_size=4, publish=False, sampling=pb.SamplingParams(max_tokens=64)))
+
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+
+
+async def _production_latency(stack, prompt_ids: list[list[int]], traffic: TrafficConfig, rounds: int, rl_groups: int, bare_tps: float, max_tokens: int, concurrency: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The trace replayed alone and beside RL backfill, ``rounds`` times each, alternating."""
     from meridian.grpc_runtime import open_channel
     from meridian.v1 import rollout_pb2 as pb
     from meridian.v1 import rollout_pb2_grpc as pb_grpc
 
+    trace = production_trace(traffic, len(prompt_ids))
+    phases: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     async with open_channel(stack.addresses["rollout"]) as channel:
         stub = pb_grpc.RolloutStub(channel)
+        service_tps = await _service_throughput(stub, prompt_ids, max_tokens, concurrency)
+        for _ in range(rounds):
+            phases["off"].append(await _replay(stub, trace, prompt_ids))
+            before = await stub.Status(pb.RolloutStatusRequest())
+            stop = asyncio.Event()
+            backfill = asyncio.create_task(_rl_backfill(stub, stop, rl_groups))
+            await asyncio.sleep(2.0)  # RL occupies the engine before production starts
+            start = await stub.Status(pb.RolloutStatusRequest())
+            phase = await _replay(stub, trace, prompt_ids)
+            end = await stub.Status(pb.RolloutStatusRequest())
+            stop.set()
+            await backfill
+            phase["rl_tokens"] = end.rl_tokens - start.rl_tokens
+            phase["preemptions"] = end.rl_preemptions - before.rl_preemptions
+            phase["slo_attainment"] = end.slo_attainment
+            phases["on"].append(phase)
+    return _latency_figures(phases, bare_tps) | {"service_tokens_per_s": service_tps, "production_requests_per_phase": len(trace)}
 
-        async def generate(i: int, ids: list[int], tokens: int = max_tokens, priority: int = pb.PRIORITY_PRODUCTION) -> int:
-            n = 0
-            request = pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(temperature=0.0, max_tokens=tokens), priority=priority)
-            async for chunk in stub.Generate(request):
-                n += len(chunk.token_ids)
-            return n
 
-        await generate(-1, prompt_ids[0])
-        service_tps = await _throughput(generate, prompt_ids, concurrency)
+def _latency_figures(phases: dict[str, list[dict[str, Any]]], bare_tps: float) -> dict[str, Any]:
+    """Percentiles per phase, p99 ratios per round (median and spread), RL's share of idle."""
+    def ms(values: list[float], q: float) -> float:
+        return round(1000 * percentile(values, q), 1)
 
-        async def latencies() -> list[float]:
-            out = []
-            for i in range(latency_requests):
-                t0 = time.perf_counter()
-                await generate(i, prompt_ids[i % len(prompt_ids)], tokens=16)
-                out.append((time.perf_counter() - t0) * 1000)
-            return out
-
-        alone = await latencies()
-        rl_tokens = 0
-        stop = asyncio.Event()
-
-        async def backfill() -> None:
-            nonlocal rl_tokens
-            while not stop.is_set():
-                reply = await stub.RunEpisodes(pb.RunEpisodesRequest(num_tasks=1, group_size=4, publish=False, sampling=pb.SamplingParams(max_tokens=64)))
-                rl_tokens += sum(sum(t.loss_mask) for t in reply.trajectories)
-
-        worker = asyncio.create_task(backfill())
-        await asyncio.sleep(2.0)  # let RL work occupy the engine first
-        t0 = time.perf_counter()
-        with_rl = await latencies()
-        rl_window = time.perf_counter() - t0
-        stop.set()
-        await worker
-        return {
-            "service_tokens_per_s": service_tps,
-            "prod_p50_ms": statistics.median(alone),
-            "prod_p99_ms": _percentile(alone, 0.99),
-            "prod_p50_ms_with_rl": statistics.median(with_rl),
-            "prod_p99_ms_with_rl": _percentile(with_rl, 0.99),
-            "rl_tokens_per_s_backfill": rl_tokens / rl_window,
-        }
+    off, on = phases["off"], phases["on"]
+    ratios = [percentile(b["latency"], 0.99) / percentile(a["latency"], 0.99) for a, b in zip(off, on)]
+    ttft_ratios = [percentile(b["ttft"], 0.99) / percentile(a["ttft"], 0.99) for a, b in zip(off, on)]
+    shares = [p["rl_tokens"] / (bare_tps * max(1e-9, p["seconds"] - p["busy_s"])) for p in on]
+    return {
+        "prod_p99_ratio": round(statistics.median(ratios), 3),
+        "prod_p99_ratio_each": [round(r, 3) for r in ratios],
+        "prod_ttft_p99_ratio": round(statistics.median(ttft_ratios), 3),
+        "prod_p50_ms": statistics.median(ms(p["latency"], 0.5) for p in off),
+        "prod_p99_ms": statistics.median(ms(p["latency"], 0.99) for p in off),
+        "prod_p50_ms_with_rl": statistics.median(ms(p["latency"], 0.5) for p in on),
+        "prod_p99_ms_with_rl": statistics.median(ms(p["latency"], 0.99) for p in on),
+        "prod_ttft_p99_ms": statistics.median(ms(p["ttft"], 0.99) for p in off),
+        "prod_ttft_p99_ms_with_rl": statistics.median(ms(p["ttft"], 0.99) for p in on),
+        "rl_share_of_idle": round(statistics.median(shares), 3),
+        "rl_share_of_idle_each": [round(x, 3) for x in shares],
+        "rl_tokens_per_s_backfill": round(statistics.median(p["rl_tokens"] / p["seconds"] for p in on), 2),
+        "production_idle_fraction": round(statistics.median(1 - p["busy_s"] / p["seconds"] for p in on), 3),
+        "preemptions": sum(p["preemptions"] for p in on),
+        "slo_attainment_with_rl": round(min(p["slo_attainment"] for p in on), 4),
+    }
 
 
 async def _served_weights(stack, model_dir, tokenizer, steps: int) -> dict[str, object]:  # type: ignore[no-untyped-def]
@@ -216,16 +294,24 @@ async def _served_vs_reference(stub, model_dir, weightsync_address: str, sequenc
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="meridian bench rollout", description=__doc__)
+    parser = argparse.ArgumentParser(prog="meridian bench rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin", help="model folder or 'builtin'")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--repeat-prompts", type=int, default=2, help="each prompt is sent this many times")
-    parser.add_argument("--latency-requests", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request of the throughput comparison")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests at once in the throughput comparison")
+    parser.add_argument("--repeat-prompts", type=int, default=2, help="each prompt is sent this many times in the throughput comparison")
+    parser.add_argument("--requests", type=int, default=300, help="production requests per phase of the latency comparison")
+    parser.add_argument("--rate", type=float, default=3.0, help="production arrivals per second (Poisson)")
+    parser.add_argument("--burst-every", type=float, default=15.0, help="seconds between production bursts")
+    parser.add_argument("--burst-size", type=int, default=6, help="requests per burst")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the RL-off and RL-on phases")
+    parser.add_argument("--rl-groups", type=int, default=2, help="RL groups of 4 sampled at once during the RL-on phases")
+    parser.add_argument("--slo-factor", type=float, default=1.25, help="rollout's latency targets: this times bare vLLM's single-request TTFT and ITL")
+    parser.add_argument("--rollout-args", default="", help="extra rollout flags (e.g. '--rl-preempt false'); they win over the derived targets")
     parser.add_argument("--trainer-steps", type=int, default=3, help="real trainer updates whose arrival is measured")
     parser.add_argument("--weight-apply", choices=("delta", "full"), default="delta", help="rollout's apply path")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     ns = parser.parse_args(argv)
+    traffic = TrafficConfig(requests=ns.requests, rate_per_s=ns.rate, burst_every_s=ns.burst_every, burst_size=ns.burst_size)
     # vLLM and its engine processes log to stdout; keep stdout for the one JSON object.
     json_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -241,12 +327,15 @@ def main(argv: list[str]) -> int:
     log = (lambda msg: None) if ns.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     log("measuring bare vLLM ...")
-    bare = asyncio.run(_bare_vllm_tokens_per_s(str(model_dir), prompt_ids, ns.max_tokens, ns.concurrency, 1.0))
-    log("starting the stack ...")
+    bare = asyncio.run(_bare_vllm(str(model_dir), prompt_ids, ns.max_tokens, ns.concurrency, 1.0))
+    targets = ["--slo-ttft-ms", f"{1000 * ns.slo_factor * bare['ttft_s']:.1f}", "--slo-itl-ms", f"{1000 * ns.slo_factor * bare['itl_s']:.1f}"]
+    rollout_args = ["--weight-apply", ns.weight_apply, *targets, *shlex.split(ns.rollout_args)]
+    log(f"starting the stack (rollout {' '.join(rollout_args)}) ...")
     config = stack_mod.StackConfig(run_dir=tempfile.mkdtemp(prefix="meridian-bench-rollout-"), model=str(model_dir), ports="auto")
-    stack = stack_mod.start(config, extra_args={"rollout": ["--weight-apply", ns.weight_apply]})
+    stack = stack_mod.start(config, extra_args={"rollout": rollout_args})
     try:
-        measured = asyncio.run(_service_measurements(stack, prompt_ids, ns.max_tokens, ns.concurrency, ns.latency_requests))
+        log(f"production latency: {ns.rounds} rounds of {ns.requests} requests with RL off, then on ...")
+        measured = asyncio.run(_production_latency(stack, prompt_ids, traffic, ns.rounds, ns.rl_groups, bare["tokens_per_s"], ns.max_tokens, ns.concurrency))
         log("measuring trainer updates ...")
         updates = asyncio.run(_served_weights(stack, model_dir, tokenizer, ns.trainer_steps))
     finally:
@@ -254,11 +343,15 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(config.run_dir, ignore_errors=True)
     result = {
         "model": ns.model,
-        "bare_vllm_tokens_per_s": round(bare, 2),
-        **{k: round(v, 2) for k, v in measured.items()},
-        "overhead_pct": round(100.0 * (1.0 - measured["service_tokens_per_s"] / bare), 2),
-        "prod_p99_ratio": round(measured["prod_p99_ms_with_rl"] / measured["prod_p99_ms"], 3),
+        "bare_vllm_tokens_per_s": round(bare["tokens_per_s"], 2),
+        "bare_vllm_ttft_ms": round(1000 * bare["ttft_s"], 1),
+        "bare_vllm_itl_ms": round(1000 * bare["itl_s"], 2),
+        **measured,
+        "service_tokens_per_s": round(measured["service_tokens_per_s"], 2),
+        "overhead_pct": round(100.0 * (1.0 - measured["service_tokens_per_s"] / bare["tokens_per_s"]), 2),
         **updates,
+        "rollout_args": rollout_args,
+        "traffic": dataclasses.asdict(traffic),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "concurrency": ns.concurrency,
         "max_tokens": ns.max_tokens,

@@ -260,6 +260,8 @@ class RolloutService(pb_grpc.RolloutServicer):
             "slo_attainment": scheduler.controller.attainment,
             "rl_token_share": tokens[PRIORITY_RL] / total if total else 0.0,
             "production_in_flight": scheduler.production_active,
+            "rl_tokens": tokens[PRIORITY_RL],
+            "production_tokens": tokens[PRIORITY_PRODUCTION],
         }
 
     def _engine(self) -> Engine:
