@@ -300,7 +300,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="requests at once in the throughput comparison")
     parser.add_argument("--repeat-prompts", type=int, default=2, help="each prompt is sent this many times in the throughput comparison")
     parser.add_argument("--requests", type=int, default=300, help="production requests per phase of the latency comparison")
-    parser.add_argument("--rate", type=float, default=3.0, help="production arrivals per second (Poisson)")
+    parser.add_argument("--rate", type=float, default=2.0, help="production arrivals per second (Poisson)")
     parser.add_argument("--burst-every", type=float, default=15.0, help="seconds between production bursts")
     parser.add_argument("--burst-size", type=int, default=6, help="requests per burst")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the RL-off and RL-on phases")

@@ -18,7 +18,7 @@ class TrafficConfig:
     burst of ``burst_size`` more within ``burst_spread_s``."""
 
     requests: int = 300
-    rate_per_s: float = 3.0
+    rate_per_s: float = 2.0
     burst_every_s: float = 15.0
     burst_size: int = 6
     burst_spread_s: float = 0.2
