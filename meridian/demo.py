@@ -116,6 +116,7 @@ def summarise_eval(per_task: dict[str, list[float]]) -> dict[str, Any]:
         "reward_mean": sum(sum(r) for r in per_task.values()) / samples,
         "samples": samples,
         "per_task_pass_rate": rates,
+        "per_task_reward": {task: sum(rewards) / len(rewards) for task, rewards in sorted(per_task.items())},
     }
 
 
@@ -151,10 +152,14 @@ async def run_demo(addresses: dict[str, str], config: DemoConfig, progress: bool
     if before and after:
         change, low, high = paired_bootstrap(before["per_task_pass_rate"], after["per_task_pass_rate"])
         summary["eval_pass_at_1_change"] = {"mean": round(change, 4), "ci95": [round(low, 4), round(high, 4)]}
+        # The reward is the fraction of tests passed: partial progress shows here first.
+        r_change, r_low, r_high = paired_bootstrap(before["per_task_reward"], after["per_task_reward"])
+        summary["eval_reward_change"] = {"mean": round(r_change, 4), "ci95": [round(r_low, 4), round(r_high, 4)]}
         if progress:
             print(
                 f"held-out after: pass@1 {after['pass_at_1']:.3f}, pass@{after['k']} {after['pass_at_k']:.3f}; "
-                f"change of pass@1 {change:+.3f} (95 % CI {low:+.3f} .. {high:+.3f}, paired bootstrap over {len(before['per_task_pass_rate'])} tasks)",
+                f"change of pass@1 {change:+.3f} (95 % CI {low:+.3f} .. {high:+.3f}), of the mean reward {r_change:+.3f} "
+                f"({r_low:+.3f} .. {r_high:+.3f}); paired bootstrap over {len(before['per_task_pass_rate'])} tasks",
                 file=sys.stderr,
                 flush=True,
             )

@@ -7,7 +7,9 @@ The key file is a JSON object, key -> class::
 
     {"prod-frontend-key": "production", "eval-batch-key": "rl"}
 
-Callers without a key get ``anonymous`` (production, rl, or deny)."""
+Callers without a key get ``anonymous`` (production, rl, or deny). With no key file
+every caller is anonymous, whatever it sends (the ``openai`` client always sends some
+key); with one, an unknown key is refused."""
 from __future__ import annotations
 
 import json
@@ -48,7 +50,7 @@ class CallerClasses:
         """The engine priority of a caller from its ``Authorization`` value; raises
         :class:`Unauthenticated` for an unknown key, a malformed header, or an anonymous
         caller when anonymous callers are denied."""
-        if not authorization:
+        if not authorization or not self._keys:
             if self.anonymous == "deny":
                 raise Unauthenticated("this server needs an API key (Authorization: Bearer <key>)")
             return CLASSES[self.anonymous]

@@ -1,12 +1,16 @@
 """Fixtures for tests that run the real stack: a tiny model and an OTLP receiver."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.otlp_receiver import OtlpReceiver
+
+#: API keys of the shared stack's rollout and their traffic classes (callers without a key: production).
+CALLER_KEYS = {"test-production-key": "production", "test-rl-key": "rl"}
 
 
 @pytest.fixture(scope="session")
@@ -30,9 +34,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, otlp: Otlp
     leaves no process of any service's group behind."""
     from meridian import stack as stack_mod
 
-    config = stack_mod.StackConfig(run_dir=str(tmp_path_factory.mktemp("stack")), model=str(tiny_model), ports="auto", ready_timeout_s=600)
+    run_dir = tmp_path_factory.mktemp("stack")
+    config = stack_mod.StackConfig(run_dir=str(run_dir), model=str(tiny_model), ports="auto", ready_timeout_s=600)
+    keys = run_dir / "caller-classes.json"
+    keys.write_text(json.dumps(CALLER_KEYS))
     # A large step size so one update visibly moves the tiny model's outputs.
-    extra = {"trainer": ["--lr", "1e-2", "--max-grad-norm", "0"]}
+    extra = {"trainer": ["--lr", "1e-2", "--max-grad-norm", "0"], "rollout": ["--caller-classes", str(keys)]}
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     running = stack_mod.start(config, extra_args=extra, env=env)
     pids = dict(running.pids)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import openai
 import pytest
 import torch
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.stack, pytest.mark.engine]
 
 
 def _client(stack: stack_mod.Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.addresses["rollout_http"], api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=stack.addresses["rollout_http"], api_key="test-production-key", max_retries=0, timeout=120)
 
 
 async def _call(address: str, method: str, request):  # type: ignore[no-untyped-def]
@@ -57,13 +58,53 @@ def test_openai_completions_and_errors(stack: stack_mod.Stack) -> None:
     assert reply.choices[0].text
     streamed = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt="def add(a, b):", max_tokens=6, temperature=0, stream=True))
     assert streamed == reply.choices[0].text
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.BadRequestError, match=r"'n' must be an integer in \[1, 8\]"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=9)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=model, prompt="x", max_tokens=10**7)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     assert client.completions.create(model=model, prompt="still serving", max_tokens=2).choices
+
+
+async def _generate_as(address: str, key: str | None) -> int:
+    """Tokens of one Generate call made with API key ``key``."""
+    metadata = (("authorization", f"Bearer {key}"),) if key else None
+    request = pb.GenerateRequest(prompt="def add(a, b):", sampling=pb.SamplingParams(max_tokens=5, min_tokens=5))
+    async with open_channel(address) as channel:
+        return sum([len(c.token_ids) async for c in pb_grpc.RolloutStub(channel).Generate(request, metadata=metadata)])
+
+
+def test_the_traffic_class_is_the_callers_key_not_the_request(stack: stack_mod.Stack) -> None:
+    address = stack.addresses["rollout"]
+    status = lambda: asyncio.run(_call(address, "Status", pb.RolloutStatusRequest()))  # noqa: E731
+    for key, counter in (("test-rl-key", "rl_tokens"), ("test-production-key", "production_tokens"), (None, "production_tokens")):
+        before = status()
+        assert asyncio.run(_generate_as(address, key)) == 5
+        after = status()
+        assert getattr(after, counter) - getattr(before, counter) == 5, (key, counter)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(_generate_as(address, "forged-key"))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "forged" not in (info.value.details() or "")
+    forged = openai.OpenAI(base_url=stack.addresses["rollout_http"], api_key="forged-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        forged.completions.create(model="x", prompt="x", max_tokens=2)
+
+
+def test_openai_n_choices(stack: stack_mod.Stack) -> None:
+    client = _client(stack)
+    model = client.models.list().data[0].id
+    reply = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=6, temperature=1.0, n=3, seed=5)
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2] and all(c.text for c in reply.choices)
+    # Each seeded choice is reproducible on its own: choice i is the single request with seed 5 + i.
+    alone = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=6, temperature=1.0, seed=7)
+    assert alone.choices[0].text == reply.choices[2].text
+    streamed = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count"}], max_tokens=5, temperature=0, n=2, stream=True)
+    texts = ["", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] and texts[0] == texts[1]  # greedy: both choices agree
 
 
 def test_run_episodes_trajectories_are_consistent_and_land_in_the_stream(stack: stack_mod.Stack) -> None:

@@ -18,6 +18,7 @@ def test_pass_at_1_and_pass_at_k_per_task() -> None:
     assert out["pass_at_1"] == pytest.approx((0.25 + 0.0 + 1.0) / 3)
     assert out["pass_at_k"] == pytest.approx(2 / 3) and out["k"] == 4  # a partial reward is no pass
     assert out["samples"] == 12 and out["reward_mean"] == pytest.approx((1.0 + 0.5 + 4.0) / 12)
+    assert out["per_task_reward"] == pytest.approx({"a": 0.25, "b": 0.125, "c": 1.0})
 
 
 def test_paired_bootstrap_centres_on_the_mean_change() -> None:

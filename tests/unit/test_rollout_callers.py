@@ -33,6 +33,10 @@ def test_anonymous_callers_can_be_denied() -> None:
         CallerClasses({}, "deny").classify("")
 
 
+def test_without_a_key_file_every_caller_is_anonymous() -> None:
+    assert CallerClasses({}, "rl").classify("Bearer unused") == PRIORITY_RL
+
+
 @pytest.mark.parametrize("content", ['{"k": "urgent"}', "[1]", "{", '{"": "rl"}'])
 def test_bad_key_files_are_refused(tmp_path: Path, content: str) -> None:
     path = tmp_path / "keys.json"
