@@ -1,7 +1,7 @@
 # The two commands a user needs: `make demo` and `make test`. Both install what is missing.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STEPS ?= 3
+DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: install demo test protos clean
@@ -10,7 +10,7 @@ install:
 	bash deploy/install.sh
 
 demo: install
-	$(VENV)/bin/meridian demo --steps $(STEPS)
+	$(VENV)/bin/meridian demo $(DEMO_ARGS)
 
 # The linter first (ruff, configured in pyproject.toml); pytest exits 5 when it collected
 # nothing, which is a failure for us too, loudly.

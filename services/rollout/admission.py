@@ -134,10 +134,12 @@ class ProductionLatency:
     def tokens(self, count: int) -> None:
         """``count`` tokens just arrived: the first delta measures time to first token,
         later ones the time per token since the previous delta."""
+        if count <= 0:
+            return
         now = self._scheduler.clock()
         if self._last is None:
             self._scheduler.observe(now, ttft_s=now - self._start)
-        elif count > 0:
+        else:
             self._scheduler.observe(now, itl_s=(now - self._last) / count)
         self._last = now
 

@@ -177,7 +177,8 @@ class Engine:
         )
 
     async def _segment(self, prompt_ids: list[int], sampling: Sampling, request_id: str, priority: int) -> AsyncIterator[tuple[Delta, list[int] | None]]:
-        """One vLLM request: (delta, its finish reason's raw spans as versions) per output."""
+        """One vLLM request: (delta, None) per output, and on the last one (delta, the
+        version of every token of this request as the engine labelled it)."""
         async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, self._params(sampling), request_id=request_id, priority=priority):
             completion = out.outputs[0]
             ids = list(completion.token_ids)
