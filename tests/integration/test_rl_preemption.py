@@ -99,5 +99,7 @@ def test_a_trajectory_assembled_across_preemptions_is_exact(tiny_model: Path, mo
     # Each sampled log-prob is the engine's log-prob of that token at that position
     # (teacher forcing over the whole assembled sequence): a lost or repeated token
     # would shift everything after it.
+    # (Exact on this CPU; the bounds leave room for kernels whose prefill and decode
+    # round differently in bf16.)
     diffs = [abs(a - b) for a, b in zip(logprobs, scored)]
-    assert max(diffs) < 0.02, list(zip(tokens, logprobs, scored))
+    assert sum(diffs) / len(diffs) < 0.01 and max(diffs) < 0.1, list(zip(tokens, logprobs, scored))
