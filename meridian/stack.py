@@ -303,6 +303,11 @@ async def gather_status(stack: Stack) -> dict[str, object]:
         async with open_channel(stack.addresses[name]) as ch:
             reply = await call(ch)
         out["services"][name]["policy_version"] = reply.latest_version if name == "weightsync" else reply.policy_version  # type: ignore[index]
+        if name == "rollout":
+            out["services"][name]["rl_admission"] = {  # type: ignore[index]
+                "limit": reply.rl_concurrency_limit, "running": reply.rl_running, "preemptions": reply.rl_preemptions,
+                "slo_attainment": round(reply.slo_attainment, 4), "rl_token_share": round(reply.rl_token_share, 4),
+            }
     transport = open_transport(TransportConfig(url=stack.redis_url))
     try:
         out["stream"] = {"name": transport.config.stream, "groups": await transport.length(), "pending": await transport.pending()}
@@ -344,5 +349,8 @@ def main(command: str, argv: list[str]) -> int:
     for name, info in status["services"].items():  # type: ignore[union-attr]
         version = f"  policy version {info['policy_version']}" if "policy_version" in info else ""
         print(f"{name:<11} {info['health']:<12} {info['address']}{version}")
+        if "rl_admission" in info:
+            a = info["rl_admission"]
+            print(f"{'':<11} RL {a['running']}/{a['limit']} running, {a['preemptions']} preempted, SLO attainment {a['slo_attainment']:.3f}, RL token share {a['rl_token_share']:.3f}")
     print(f"stream      {status['stream']}")
     return 0

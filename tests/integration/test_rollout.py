@@ -83,6 +83,8 @@ def test_the_traffic_class_is_the_callers_key_not_the_request(stack: stack_mod.S
         assert asyncio.run(_generate_as(address, key)) == 5
         after = status()
         assert getattr(after, counter) - getattr(before, counter) == 5, (key, counter)
+    admission = asyncio.run(stack_mod.gather_status(stack))["services"]["rollout"]["rl_admission"]  # type: ignore[index]
+    assert admission["rl_token_share"] > 0 and admission["running"] == 0 and 0 <= admission["slo_attainment"] <= 1
     with pytest.raises(grpc.aio.AioRpcError) as info:
         asyncio.run(_generate_as(address, "forged-key"))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "forged" not in (info.value.details() or "")
