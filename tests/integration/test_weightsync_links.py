@@ -245,6 +245,40 @@ def test_relay_pulls_each_version_once_for_all_its_subscribers(tmp_path: Path, g
     run(main())
 
 
+def test_a_relay_forwards_only_chunks_it_has_verified(tmp_path: Path, grpc_serving: Any) -> None:
+    """A chunk corrupted between origin and relay is fetched again by the relay before
+    anything downstream sees it: the relay's subscriber never meets a bad chunk."""
+    v0, v1 = _chain(2, 300_000)
+
+    async def main() -> None:
+        origin_service = _service(tmp_path)
+        async with grpc_serving(origin_service) as origin:
+            await client.publish(origin, 0, v0)
+            local = encode_version(1, v1, v0, 0, origin_service.store.chunk_bytes)
+            async with LinkEmulator(origin) as link:
+                relay_service = _service(tmp_path, "relay", role="relay", upstream=link.address)
+                async with grpc_serving(relay_service) as relay:
+                    sub = WeightSubscriber(relay, None, -1)
+                    try:
+                        task = asyncio.create_task(_collect(sub, 2))
+                        await _wait_for(lambda: sub.decoder.version == 0, "the subscriber on v0")
+                        rule = link.corrupt_once(local.chunks[3][:16], after=0)
+                        await client.publish(origin, 1, v1)
+                        updates = await asyncio.wait_for(task, 60)
+                    finally:
+                        await sub.close()
+                    # Cut-through: the subscriber may finish before the relay stored the version.
+                    await _wait_for(lambda: relay_service.store.find(1, 0) is not None, "the relay storing v1")
+                    relay_chunks = relay_service.store.find(1, 0).chunks  # type: ignore[union-attr]
+            assert rule.fired
+            assert [u.version for u in updates] == [0, 1] and _same(updates[1].weights, v1)
+            assert sub.stats.refetched == 0, "the relay passed a corrupted chunk on"
+            assert (await _status(origin)).chunk_fetches == 1  # the relay fetched chunk 3 again
+            assert relay_chunks == local.chunks
+
+    run(main())
+
+
 # ---------------------------------------------------------------- origin restart
 
 
