@@ -1,14 +1,15 @@
 """``meridian demo``: a short ``meridian train`` on a local stack, with the held-out split
 evaluated before and after: pass@1 and pass@k (k samples per task) on each side, and the
 change of pass@1 with a 95 % confidence interval from a paired bootstrap over tasks.
-While it trains, a few held-out samples at a time are drawn beside the training
-episodes and credited to the policy version that generated them: the held-out curve of
-the report's plot. Writes the report folder (``training.png``, ``summary.json``), prints
+Each time rollout serves a new version while it trains, a few held-out samples are
+drawn beside the training episodes and credited to the policy version that generated
+them: the held-out curve of the report's plot. Writes the report folder (``training.png``, ``summary.json``), prints
 a summary (or one JSON object), and stops the stack. The plot needs matplotlib."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import random
 import sys
@@ -35,21 +36,21 @@ class DemoConfig(TrainConfig):
     eval_tasks: str = opt(EVAL_TASKS, "comma-separated held-out task ids (split eval) evaluated before and after (empty: skip)")
     eval_samples: int = opt(16, "samples per held-out task (k of pass@k)")
     eval_temperature: float = opt(0.6, "sampling temperature of the evaluation")
-    curve_samples: int = opt(2, "held-out samples per task per request drawn during training for the per-version curve (0: no curve)")
+    curve_samples: int = opt(2, "held-out samples per task drawn for each newly served version during training (half the tasks, alternating), for the per-version curve (0: no curve)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.eval_samples < 2 or self.eval_temperature < 0 or self.curve_samples < 0:
-            raise ValueError("eval_samples must be >= 2 (one group), eval_temperature and curve_samples >= 0")
+        if self.eval_samples < 2 or self.eval_temperature < 0 or self.curve_samples not in (0, *range(2, 65)):
+            raise ValueError("eval_samples must be >= 2 (one group), eval_temperature >= 0, curve_samples 0 or 2..64")
 
 
-async def _held_out(rollout: Any, config: DemoConfig, samples: int) -> list[Any]:
-    """``samples`` samples of every held-out task (not trained on: publish off)."""
+async def _held_out(rollout: Any, config: DemoConfig, samples: int, tasks: list[str] | None = None) -> list[Any]:
+    """``samples`` samples of every held-out task, or of ``tasks`` (not trained on: publish off)."""
     from meridian.v1 import rollout_pb2
 
     reply = await rollout.RunEpisodes(
         rollout_pb2.RunEpisodesRequest(
-            task_ids=task_ids(config.eval_tasks),
+            task_ids=tasks if tasks is not None else task_ids(config.eval_tasks),
             group_size=samples,
             publish=False,
             sampling=rollout_pb2.SamplingParams(max_tokens=config.max_tokens, temperature=config.eval_temperature),
@@ -92,14 +93,23 @@ class HeldOutCurve:
                 self.by_version.setdefault(version, []).append(t.reward)
 
     async def sample_until(self, rollout_address: str, config: DemoConfig, stop: asyncio.Event) -> None:
-        """Requests ``curve_samples`` per held-out task, one request at a time, until ``stop``."""
+        """Requests ``curve_samples`` per held-out task of one half of the tasks (the
+        halves alternate) once per newly served version, until ``stop``: the curve costs
+        a bounded share of the sampling."""
         from meridian.grpc_runtime import open_channel
-        from meridian.v1 import rollout_pb2_grpc
+        from meridian.v1 import rollout_pb2, rollout_pb2_grpc
 
         async with open_channel(rollout_address) as channel:
             rollout = rollout_pb2_grpc.RolloutStub(channel)
+            sampled, tasks = -1, task_ids(config.eval_tasks)
             while not stop.is_set():
-                self.add(await _held_out(rollout, config, config.curve_samples))
+                served = (await rollout.Status(rollout_pb2.RolloutStatusRequest(), timeout=10)).policy_version
+                if served > sampled:
+                    sampled = served
+                    self.add(await _held_out(rollout, config, config.curve_samples, tasks[served % 2 :: 2] or tasks))
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
 
     def points(self) -> list[dict[str, Any]]:
         """One point per version: its samples and their pass rate."""
