@@ -132,17 +132,35 @@ def summarise_eval(per_task: dict[str, list[float]]) -> dict[str, Any]:
         "samples": samples,
         "per_task_pass_rate": rates,
         "per_task_reward": {task: sum(rewards) / len(rewards) for task, rewards in sorted(per_task.items())},
+        "per_task_rewards": {task: list(rewards) for task, rewards in sorted(per_task.items())},
     }
 
 
-def paired_bootstrap(before: dict[str, float], after: dict[str, float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
-    """Change of the mean per-task pass rate, after minus before, with a 95 % interval
-    from resampling tasks with replacement (each task keeps its before/after pair)."""
+def _passes(per_task_rewards: dict[str, list[float]]) -> dict[str, list[float]]:
+    return {task: [1.0 if r >= 1.0 else 0.0 for r in rewards] for task, rewards in per_task_rewards.items()}
+
+
+def paired_bootstrap(
+    before: dict[str, list[float]], after: dict[str, list[float]], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> tuple[float, float, float]:
+    """Change of the mean over tasks of a per-sample value (a pass as 0/1, or the reward),
+    after minus before, with a 95 % interval from a two-level bootstrap: tasks resampled
+    with replacement (each keeps its before/after pair), then each side's samples within
+    the task, so the interval holds both which tasks were drawn and the sampling noise of
+    k samples per task."""
     tasks = sorted(before)
-    diffs = [after[t] - before[t] for t in tasks]
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    point = mean([mean(after[t]) - mean(before[t]) for t in tasks])
     rng = random.Random(seed)
-    means = sorted(sum(rng.choice(diffs) for _ in diffs) / len(diffs) for _ in range(resamples))
-    return sum(diffs) / len(diffs), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    stats = []
+    for _ in range(resamples):
+        drawn = [rng.choice(tasks) for _ in tasks]
+        stats.append(mean([mean(rng.choices(after[t], k=len(after[t]))) - mean(rng.choices(before[t], k=len(before[t]))) for t in drawn]))
+    stats.sort()
+    return point, stats[int(0.025 * resamples)], stats[int(0.975 * resamples) - 1]
 
 
 async def run_demo(addresses: dict[str, str], config: DemoConfig, progress: bool = True) -> dict[str, Any]:
@@ -165,16 +183,16 @@ async def run_demo(addresses: dict[str, str], config: DemoConfig, progress: bool
     summary["eval_tasks"] = task_ids(config.eval_tasks)
     summary["eval_before"], summary["eval_after"] = before, after
     if before and after:
-        change, low, high = paired_bootstrap(before["per_task_pass_rate"], after["per_task_pass_rate"])
+        change, low, high = paired_bootstrap(_passes(before["per_task_rewards"]), _passes(after["per_task_rewards"]))
         summary["eval_pass_at_1_change"] = {"mean": round(change, 4), "ci95": [round(low, 4), round(high, 4)]}
         # The reward is the fraction of tests passed: partial progress shows here first.
-        r_change, r_low, r_high = paired_bootstrap(before["per_task_reward"], after["per_task_reward"])
+        r_change, r_low, r_high = paired_bootstrap(before["per_task_rewards"], after["per_task_rewards"])
         summary["eval_reward_change"] = {"mean": round(r_change, 4), "ci95": [round(r_low, 4), round(r_high, 4)]}
         if progress:
             print(
                 f"held-out after: pass@1 {after['pass_at_1']:.3f}, pass@{after['k']} {after['pass_at_k']:.3f}; "
                 f"change of pass@1 {change:+.3f} (95 % CI {low:+.3f} .. {high:+.3f}), of the mean reward {r_change:+.3f} "
-                f"({r_low:+.3f} .. {r_high:+.3f}); paired bootstrap over {len(before['per_task_pass_rate'])} tasks",
+                f"({r_low:+.3f} .. {r_high:+.3f}); two-level bootstrap over {len(before['per_task_pass_rate'])} tasks and their samples",
                 file=sys.stderr,
                 flush=True,
             )

@@ -19,16 +19,20 @@ def test_pass_at_1_and_pass_at_k_per_task() -> None:
     assert out["pass_at_k"] == pytest.approx(2 / 3) and out["k"] == 4  # a partial reward is no pass
     assert out["samples"] == 12 and out["reward_mean"] == pytest.approx((1.0 + 0.5 + 4.0) / 12)
     assert out["per_task_reward"] == pytest.approx({"a": 0.25, "b": 0.125, "c": 1.0})
+    assert out["per_task_rewards"] == per_task
 
 
 def test_paired_bootstrap_centres_on_the_mean_change() -> None:
-    before = {"a": 0.0, "b": 0.5, "c": 0.25, "d": 0.25}
-    # Every task gains exactly 0.25: no spread to resample.
-    assert paired_bootstrap(before, {t: p + 0.25 for t, p in before.items()}) == pytest.approx((0.25, 0.25, 0.25))
-    mean, low, high = paired_bootstrap(before, {"a": 0.5, "b": 0.5, "c": 0.25, "d": 0.0})
-    assert mean == pytest.approx((0.5 + 0.0 + 0.0 - 0.25) / 4)
-    # The interval lies within the extremes of the per-task changes and contains the mean.
-    assert -0.25 <= low <= mean <= high <= 0.5 and low < high
+    # Every sample of every task goes from 0 to 1: nothing varies, the interval is a point.
+    before = {"a": [0.0, 0.0], "b": [0.0, 0.0, 0.0], "c": [0.0]}
+    assert paired_bootstrap(before, {"a": [1.0, 1.0], "b": [1.0, 1.0, 1.0], "c": [1.0]}) == pytest.approx((1.0, 1.0, 1.0))
+    before = {"a": [0.0] * 8, "b": [1.0, 0.0] * 4, "c": [0.0] * 8, "d": [1.0] * 2 + [0.0] * 6}
+    after = {"a": [1.0] * 2 + [0.0] * 6, "b": [1.0, 0.0] * 4, "c": [0.0] * 8, "d": [1.0] * 4 + [0.0] * 4}
+    mean, low, high = paired_bootstrap(before, after)
+    assert mean == pytest.approx((0.25 + 0.0 + 0.0 + 0.25) / 4)
+    # Within-task noise widens the interval beyond resampling the task means alone, which
+    # could never go below 0 here (no task lost anything).
+    assert low < 0 < mean < high <= 1
 
 
 def test_job_settings_are_checked() -> None:
