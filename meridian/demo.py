@@ -1,6 +1,7 @@
 """``meridian demo``: a short ``meridian train`` on a local stack, with the held-out split
 evaluated before and after: pass@1 and pass@k (k samples per task) on each side, and the
-changes of pass@1 and of the mean reward with 95 % intervals from a two-level paired bootstrap (tasks, then samples within a task).
+changes of pass@1 and of the mean reward with 95 % intervals from a two-level paired
+bootstrap (tasks, then samples within a task).
 Each time rollout serves a new version while it trains, a few held-out samples are
 drawn beside the training episodes and credited to the policy version that generated
 them: the held-out curve of the report's plot. Writes the report folder (``training.png``, ``summary.json``), prints
