@@ -158,7 +158,6 @@ async def _production_latency(stack, prompt_ids: list[list[int]], traffic: Traff
         service_tps = await _service_throughput(stub, prompt_ids, max_tokens, concurrency)
         for _ in range(rounds):
             phases["off"].append(await _replay(stub, trace, prompt_ids))
-            before = await stub.Status(pb.RolloutStatusRequest())
             stop = asyncio.Event()
             backfill = asyncio.create_task(_rl_backfill(stub, stop, rl_groups))
             await asyncio.sleep(2.0)  # RL occupies the engine before production starts
@@ -168,7 +167,7 @@ async def _production_latency(stack, prompt_ids: list[list[int]], traffic: Traff
             stop.set()
             await backfill
             phase["rl_tokens"] = end.rl_tokens - start.rl_tokens
-            phase["preemptions"] = end.rl_preemptions - before.rl_preemptions
+            phase["preemptions"] = end.rl_preemptions - start.rl_preemptions
             phase["slo_attainment"] = end.slo_attainment
             phases["on"].append(phase)
     return _latency_figures(phases, bare_tps) | {"service_tokens_per_s": service_tps, "production_requests_per_phase": len(trace)}

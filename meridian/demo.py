@@ -1,11 +1,11 @@
 """``meridian demo``: a short ``meridian train`` on a local stack, with the held-out split
 evaluated before and after: pass@1 and pass@k (k samples per task) on each side, and the
 changes of pass@1 and of the mean reward with 95 % intervals from a two-level paired
-bootstrap (tasks, then samples within a task).
-Each time rollout serves a new version while it trains, a few held-out samples are
-drawn beside the training episodes and credited to the policy version that generated
-them: the held-out curve of the report's plot. Writes the report folder (``training.png``, ``summary.json``), prints
-a summary (or one JSON object), and stops the stack. The plot needs matplotlib."""
+bootstrap (tasks, then samples within a task). Each time rollout serves a new version
+while it trains, a few held-out samples are drawn beside the training episodes and
+credited to the policy version that generated them: the held-out curve of the report's
+plot. Writes the report folder (``training.png``, ``summary.json``), prints a summary
+(or one JSON object), and stops the stack. The plot needs matplotlib."""
 from __future__ import annotations
 
 import argparse
@@ -14,10 +14,12 @@ import contextlib
 import dataclasses
 import random
 import sys
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from meridian.config import add_config_args, config_from_args, opt
 from meridian.train import Job, TrainConfig, print_summary, run_job, task_ids, write_report
+from services.trainer.learner_protocol import PASS_REWARD
 
 # The held-out split (tasks marked "eval") of the same kind as the training tasks.
 EVAL_TASKS = (
@@ -25,6 +27,7 @@ EVAL_TASKS = (
     "python/is_prime,python/is_anagram,python/second_largest,python/balanced_brackets"
 )
 BOOTSTRAP_RESAMPLES = 10_000
+K = TypeVar("K")
 
 
 @dataclasses.dataclass
@@ -115,19 +118,20 @@ class HeldOutCurve:
     def points(self) -> list[dict[str, Any]]:
         """One point per version: its samples and their pass rate."""
         return [
-            {"policy_version": v, "samples": len(r), "pass_rate": round(sum(1 for x in r if x >= 1.0) / len(r), 4)}
-            for v, r in sorted(self.by_version.items())
+            {"policy_version": v, "samples": len(p), "pass_rate": round(sum(p) / len(p), 4)}
+            for v, p in sorted(_passes(self.by_version).items())
         ]
 
 
 def summarise_eval(per_task: dict[str, list[float]]) -> dict[str, Any]:
     """pass@1 (mean pass rate over tasks), pass@k (tasks with at least one pass of their
     k samples) and the mean reward; a pass is reward 1 (every test passed)."""
-    rates = {task: sum(1 for r in rewards if r >= 1.0) / len(rewards) for task, rewards in sorted(per_task.items())}
+    passes = _passes(per_task)
+    rates = {task: sum(p) / len(p) for task, p in sorted(passes.items())}
     samples = sum(len(r) for r in per_task.values())
     return {
         "pass_at_1": sum(rates.values()) / len(rates),
-        "pass_at_k": sum(1 for task in rates if any(r >= 1.0 for r in per_task[task])) / len(rates),
+        "pass_at_k": sum(1 for p in passes.values() if any(p)) / len(rates),
         "k": min(len(r) for r in per_task.values()),
         "reward_mean": sum(sum(r) for r in per_task.values()) / samples,
         "samples": samples,
@@ -137,8 +141,9 @@ def summarise_eval(per_task: dict[str, list[float]]) -> dict[str, Any]:
     }
 
 
-def _passes(per_task_rewards: dict[str, list[float]]) -> dict[str, list[float]]:
-    return {task: [1.0 if r >= 1.0 else 0.0 for r in rewards] for task, rewards in per_task_rewards.items()}
+def _passes(rewards_by: Mapping[K, list[float]]) -> dict[K, list[float]]:
+    """Each sample as 1.0 when it passed (reward 1: every test passed), else 0.0."""
+    return {key: [1.0 if r >= PASS_REWARD else 0.0 for r in rewards] for key, rewards in rewards_by.items()}
 
 
 def paired_bootstrap(

@@ -282,8 +282,9 @@ def _held_out_panel(ax: Any, summary: dict[str, Any]) -> None:
     ax.grid(alpha=0.3)
     curve = summary.get("eval_curve") or []
     if curve:
-        ax.plot([p["policy_version"] for p in curve], [p["pass_rate"] for p in curve], color="tab:blue", alpha=0.5)
-        ax.scatter([p["policy_version"] for p in curve], [p["pass_rate"] for p in curve], s=[4 * p["samples"] for p in curve], label="during training")
+        versions, rates = [p["policy_version"] for p in curve], [p["pass_rate"] for p in curve]
+        ax.plot(versions, rates, color="tab:blue", alpha=0.5)
+        ax.scatter(versions, rates, s=[4 * p["samples"] for p in curve], label="during training")
     ends = [(summary.get("policy_version_start"), summary.get("eval_before")), (summary.get("policy_version_end"), summary.get("eval_after"))]
     ends = [(v, e) for v, e in ends if v is not None and e]
     if ends:

@@ -68,7 +68,6 @@ class BroadcastLearner:
 
     def __init__(self, learner: Learner) -> None:
         self.inner = learner
-        self.collective_reads = learner.sharded
 
     @property
     def version(self) -> int:
@@ -97,7 +96,7 @@ class BroadcastLearner:
         self.inner.load_policy_weights(weights, version)
 
     def _read(self, command: str) -> Any:
-        if self.collective_reads:
+        if self.inner.sharded:
             self._send(command, None)
         return getattr(self.inner, command)()
 

@@ -30,11 +30,10 @@ from meridian.v1 import common_pb2
 from meridian.v1 import weightsync_pb2
 from services.trainer.batch import Batch, build_batch, policy_lag, token_logprobs
 from services.trainer.config import TrainerConfig
-from services.trainer.learner_protocol import StepResult
+from services.trainer.learner_protocol import PASS_REWARD, StepResult
 from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal, staleness_weight
 from meridian.tensors import RawTensor, from_torch, to_torch
 
-PASS_REWARD = 1.0  # a trajectory passes when its reward reaches this (every test passed)
 
 
 @dataclasses.dataclass

@@ -10,6 +10,9 @@ from meridian.tensors import RawTensor
 from meridian.v1 import common_pb2, weightsync_pb2
 
 
+PASS_REWARD = 1.0  # a trajectory passes when its reward reaches this (every test passed)
+
+
 @dataclasses.dataclass
 class StepResult:
     """What one call of :meth:`PolicyLearner.step` did."""
