@@ -17,19 +17,26 @@ from services.rollout.engine import PRIORITY_RL, Delta, Engine, Sampling
 pytestmark = pytest.mark.engine
 
 HOOKS = Path(__file__).parent / "engine_hooks"
-STEP_DELAY_S = 0.02  # each engine step sleeps first (see engine_hooks): 48 tokens take ~1 s
-LENGTH = 48
-PREEMPT_AT = (6, 18, 30)  # tokens received before each preemption
+STEP_DELAY_S = 0.02  # each engine step sleeps first (see engine_hooks): 96 tokens take ~2 s
+LENGTH = 96
+# Tokens received before each preemption. Far apart: on a loaded machine one delta can
+# carry a dozen tokens and an abort can take as many steps to land.
+PREEMPT_AT = (6, 36, 66)
 
 
 async def _preempt(engine: Engine, deltas: list[Delta], new_version: int | None) -> int:
     """Production arrives while RL may not run beside it: the RL request is aborted.
     While it waits, optionally a new version is served. Returns the tokens received by then."""
     engine.scheduler.controller.limit = 0
-    before = engine.scheduler.preemptions
+    before, resumed = engine.scheduler.preemptions, engine.rl_resumed
     async with engine.scheduler.production():
         assert engine.scheduler.preemptions == before + 1, "the running RL request should be preempted"
-        await asyncio.sleep(0.3)  # production "runs"; the abort lands, the RL request waits
+        # Production "runs" until the abort has landed: the preempted segment's stream
+        # has ended (its last tokens handed over) and the request waits to resume.
+        async with asyncio.timeout(120):
+            while engine.rl_resumed == resumed:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
         received = sum(len(d.token_ids) for d in deltas)
         if new_version is not None:
             await engine.label_trial(new_version)
@@ -49,16 +56,16 @@ async def _scenario(engine: Engine, prompt: list[int]) -> tuple[list[Delta], lis
             received.set()
 
     task = asyncio.create_task(consume())
-    boundary = 0
+    boundary = resumed_at = 0
     for i, at in enumerate(PREEMPT_AT):
-        # The previous segment may stream a few more tokens until its abort lands (they
-        # count); wait for enough tokens and for the next segment to be running.
-        while sum(len(d.token_ids) for d in deltas) < at or engine.scheduler.rl_running == 0:
+        # The previous segment may stream more tokens until its abort lands (they count);
+        # wait for enough tokens and for the resumed segment to have streamed some.
+        while (got := sum(len(d.token_ids) for d in deltas)) < at or got == resumed_at:
             received.clear()
             await asyncio.wait_for(received.wait(), timeout=120)
         # A new version while the request first waits: its later tokens carry version 1.
-        waited = await _preempt(engine, deltas, 1 if i == 0 else None)
-        boundary = waited if i == 0 else boundary
+        resumed_at = await _preempt(engine, deltas, 1 if i == 0 else None)
+        boundary = resumed_at if i == 0 else boundary
     await asyncio.wait_for(task, timeout=300)
     tokens = [t for d in deltas for t in d.token_ids]
     scored = await engine.score(prompt + tokens)
@@ -95,7 +102,7 @@ def test_a_trajectory_assembled_across_preemptions_is_exact(tiny_model: Path, mo
     # The version of each token: 0 up to the first preemption, 1 after it.
     versions = deltas[-1].all_versions
     assert versions is not None and len(versions) == LENGTH
-    assert PREEMPT_AT[0] <= boundary < PREEMPT_AT[1] and versions == [0] * boundary + [1] * (LENGTH - boundary)
+    assert PREEMPT_AT[0] <= boundary < LENGTH and versions == [0] * boundary + [1] * (LENGTH - boundary)
     # Each sampled log-prob is the engine's log-prob of that token at that position
     # (teacher forcing over the whole assembled sequence): a lost or repeated token
     # would shift everything after it.
