@@ -69,6 +69,19 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return bench.main(args.rest)
 
 
+def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    # The target's own parser answers its flags and --help; this one only picks it.
+    sub = argparse.ArgumentParser(prog="meridian simulate", add_help=False)
+    sub.add_argument("what", choices=["weightsync"], help="weightsync: a discrete-event model of version propagation (origin, relays, links, subscribers)")
+    if not args.rest or args.rest[0] in ("-h", "--help"):
+        sub.print_help()
+        return 0 if args.rest else 2
+    ns, rest = sub.parse_known_args(args.rest)
+    from services.weightsync import simulation
+
+    return simulation.main(rest)
+
+
 def _model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pathlib import Path
 
@@ -96,6 +109,7 @@ COMMANDS = {
     "demo": (_demo, "start the stack, evaluate, run a short RL job, evaluate again, report, stop the stack"),
     "bench": (_bench, "run a benchmark and print JSON"),
     "model": (_model, "prepare model folders (built-in, tiny)"),
+    "simulate": (_simulate, "model what cannot run here and print JSON: meridian simulate weightsync [flags]"),
 }
 
 
