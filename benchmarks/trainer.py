@@ -1,10 +1,13 @@
 """``meridian bench trainer [--json]``: the trainer's cost over a bare PyTorch loop, and
 asynchronous versus synchronous RL on the local stack.
 
-1. Step overhead: on the same batch, a step through ``Learner.step`` (group filtering,
-   batch building, loss, clipping, AdamW, schedule) versus a bare loop with the same
-   model, the same prebuilt tensors, the same loss and optimiser. The two alternate
-   so machine load hits both alike; medians; ``overhead_pct``.
+1. Step overhead: on the same batch (prompts shaped like an episode's: the chat template
+   with the agent's system prompt, unless ``--plain-prompt``), a step through
+   ``Learner.step`` (group filtering, batch building, loss, clipping, AdamW, schedule)
+   versus a bare loop with the same model, the same prebuilt padded tensors, the same
+   loss and optimiser; and the learner with padded rows instead of shared-prefix packing
+   (``packing_speedup``). The kinds alternate so machine load hits them alike; medians;
+   ``overhead_pct`` (negative: faster than the bare padded loop).
 2. ``async_vs_sync_speedup``: wall time for the trainer to make ``--stack-steps`` steps
    when rollout samples and the trainer trains one after the other (sync), versus two
    sampling loops that never wait for the trainer (async; stale samples are bounded by
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -28,7 +33,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def bench_step(model: str, steps: int, groups: int, group_size: int, tokens: int, threads: int, autocast: bool) -> dict[str, Any]:
+def bench_step(model: str, steps: int, groups: int, group_size: int, tokens: int, threads: int, autocast: bool, agent_prompt: bool) -> dict[str, Any]:
     import torch
 
     from meridian.model_store import resolve_model
@@ -38,11 +43,15 @@ def bench_step(model: str, steps: int, groups: int, group_size: int, tokens: int
     from services.trainer.loss import clipped_pg_loss
     from benchmarks.support.synthetic import fixed_groups
 
+    from services.rollout.agent import SYSTEM_PROMPT
+
     model_dir = resolve_model(model)
-    batch_groups = fixed_groups(model_dir, groups, group_size, completion_tokens=tokens)
+    system = SYSTEM_PROMPT.replace("{answer_path}", "solution.py") if agent_prompt else None
+    batch_groups = fixed_groups(model_dir, groups, group_size, completion_tokens=tokens, system_prompt=system)
     # Lag bound and equal-reward rule must keep every sample (the bare loop has neither).
     config = TrainerConfig(model=model, lr=1e-6, threads=threads, groups_per_step=groups, max_policy_lag=10**6, autocast_bf16=autocast)
     learner = Learner(model_dir, config)
+    padded = Learner(model_dir, dataclasses.replace(config, pack_prefix=False))
     bare_model = type(learner.module).from_pretrained(model_dir, dtype=torch.float32)
     bare_model.train()
     bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -61,25 +70,32 @@ def bench_step(model: str, steps: int, groups: int, group_size: int, tokens: int
         bare_opt.step()
         return time.perf_counter() - start
 
-    def trainer_step() -> float:
+    def trainer_step(which: Any = learner) -> float:
         start = time.perf_counter()
-        result = learner.step(batch_groups)
+        result = which.step(batch_groups)
         assert result.stepped
         return time.perf_counter() - start
 
-    trainer_step(), bare_step()  # warm-up: allocator, kernels, optimiser state
-    ours, bare = [], []
+    kinds = {"trainer": trainer_step, "padded": lambda: trainer_step(padded), "bare": bare_step}
+    for run in kinds.values():
+        run()  # warm-up: allocator, kernels, optimiser state
+    times: dict[str, list[float]] = {name: [] for name in kinds}
     for i in range(steps):
-        first, second = (trainer_step, bare_step) if i % 2 == 0 else (bare_step, trainer_step)
-        a, b = first(), second()
-        ours.append(a if first is trainer_step else b)
-        bare.append(b if first is trainer_step else a)
-        _log(f"step {i + 1}/{steps}: trainer {ours[-1]:.3f}s bare {bare[-1]:.3f}s")
-    step_s, bare_s = statistics.median(ours), statistics.median(bare)
+        # Rotate the order so machine load hits each kind alike.
+        order = list(kinds)[i % len(kinds) :] + list(kinds)[: i % len(kinds)]
+        for name in order:
+            times[name].append(kinds[name]())
+        _log(f"step {i + 1}/{steps}: " + " ".join(f"{name} {t[-1]:.3f}s" for name, t in times.items()))
+    step_s, padded_s, bare_s = (statistics.median(times[name]) for name in kinds)
     return {
         "step_s": round(step_s, 4),
         "bare_torch_step_s": round(bare_s, 4),
         "overhead_pct": round(100 * (step_s - bare_s) / bare_s, 2),
+        # The same learner with padded rows instead of the shared-prefix packing.
+        "padded_step_s": round(padded_s, 4),
+        "packing_speedup": round(padded_s / step_s, 3),
+        "agent_prompt": agent_prompt,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "step_model": model,
         "batch_trajectories": groups * group_size,
         "batch_tokens": int(batch.attention_mask.sum()),
@@ -166,13 +182,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="completion tokens per trajectory")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--autocast-bf16", action="store_true", help="both loops under bf16 autocast")
+    parser.add_argument("--plain-prompt", action="store_true", help="bare instructions as prompts instead of the episodes' chat prompt (system prompt with the tool protocol)")
     parser.add_argument("--stack-model", default="tiny", help="'tiny' (a tiny random model), 'builtin' or a model folder")
     parser.add_argument("--stack-steps", type=int, default=4, help="trainer steps per mode on the stack (0: skip)")
     parser.add_argument("--stack-task", default="text/shout", help="task sampled on the stack (graded reward, so groups differ)")
     parser.add_argument("--group-size-stack", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     ns = parser.parse_args(argv)
-    result = bench_step(ns.model, ns.repeats, ns.groups, ns.group_size, ns.tokens, ns.threads, ns.autocast_bf16)
+    result = bench_step(ns.model, ns.repeats, ns.groups, ns.group_size, ns.tokens, ns.threads, ns.autocast_bf16, not ns.plain_prompt)
     if ns.stack_steps > 0:
         stack_model = ns.stack_model
         if stack_model == "tiny":

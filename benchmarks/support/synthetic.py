@@ -31,19 +31,26 @@ def fixed_groups(
     versions: list[int] | None = None,
     flat_every: int = 0,
     completion_tokens: int = 0,
+    system_prompt: str | None = None,
 ) -> list[list[common_pb2.Trajectory]]:
     """``groups`` GRPO groups of real tokenizer ids with deterministic rewards and log-probs.
 
     ``versions[i]`` is the policy version of group i's tokens (default 0). Every
     ``flat_every``-th group gets equal rewards (0: none). Completions carry a masked
     tool-output span, as real episodes do. ``completion_tokens`` > 0 pads or cuts each
-    completion to that many tokens (benchmarks want a fixed shape).
+    completion to that many tokens (benchmarks want a fixed shape). With ``system_prompt``
+    each prompt is a chat (that system message, the instruction as the user's) through
+    the model's chat template, the shape of a real episode's prompt.
     """
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(seed)
-    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    if system_prompt is None:
+        prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    else:
+        chats = [[{"role": "system", "content": system_prompt}, {"role": "user", "content": p}] for p in PROMPTS]
+        prompts = [list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]) for chat in chats]
     answers = [tokenizer(c).input_ids for c in COMPLETIONS]
     tool = tokenizer("\n[tool] ok\n").input_ids
     out: list[list[common_pb2.Trajectory]] = []

@@ -32,6 +32,7 @@ from services.trainer.batch import Batch, build_batch, policy_lag, token_logprob
 from services.trainer.config import TrainerConfig
 from services.trainer.learner_protocol import PASS_REWARD, StepResult
 from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal, staleness_weight
+from services.trainer.packing import PackedLayout, pack, packed_logprobs
 from meridian.tensors import RawTensor, from_torch, to_torch
 
 
@@ -332,14 +333,21 @@ class Learner:
             )
         return parts
 
-    def _loss(self, part: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _logprobs(self, model: torch.nn.Module, part: Batch, layout: PackedLayout | None) -> torch.Tensor:
+        """Per-token log-probs [B, T-1] of ``part`` under ``model``: packed with the
+        rows' common prefix computed once (see services.trainer.packing), or padded."""
         with self._autocast():
-            out = self.model(input_ids=part.input_ids, attention_mask=part.attention_mask)
-        logprobs = token_logprobs(out.logits, part.input_ids)
+            if layout is not None:
+                return packed_logprobs(model, layout, part.behaviour_logprobs)
+            return token_logprobs(model(input_ids=part.input_ids, attention_mask=part.attention_mask).logits, part.input_ids)
+
+    def _loss(self, part: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        layout = pack(part.input_ids, part.attention_mask, part.target_mask) if self.config.pack_prefix else None
+        logprobs = self._logprobs(self.model, part, layout)
         ref = None
         if self.reference is not None:
-            with torch.no_grad(), self._autocast():
-                ref = token_logprobs(self.reference(input_ids=part.input_ids, attention_mask=part.attention_mask).logits, part.input_ids)
+            with torch.no_grad():
+                ref = self._logprobs(self.reference, part, layout)
         return clipped_pg_loss(
             logprobs, part.behaviour_logprobs, part.advantages, part.target_mask, self.loss_config, part.token_weights, ref, part.token_scale
         )

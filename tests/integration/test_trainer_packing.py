@@ -1,0 +1,46 @@
+"""Shared-prefix packing against the padded batch on a real (tiny) model: the same
+per-token log-probs and the same gradients, for a group sharing its prompt and for
+rows of two groups, whose common prefix is shorter."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.support.synthetic import fixed_groups
+from services.trainer.batch import build_batch, token_logprobs
+from services.trainer.packing import pack, packed_logprobs
+
+pytestmark = pytest.mark.engine
+
+
+def _gradients(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_packed_logprobs_and_gradients_equal_the_padded_batch(tiny_model: Path, groups: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    batch = build_batch(fixed_groups(tiny_model, groups, group_size=3, seed=groups), pad_id=0)
+    weights = torch.randn_like(batch.target_mask) * batch.target_mask  # any loss over the trained tokens
+
+    padded = token_logprobs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch.input_ids)
+    (padded * weights).sum().backward()
+    padded_grad = _gradients(model)
+    model.zero_grad()
+
+    layout = pack(batch.input_ids, batch.attention_mask, batch.target_mask)
+    assert layout.input_ids.shape[1] < int(batch.attention_mask.sum()), "the rows' common prefix should be shared"
+    packed = packed_logprobs(model, layout, batch.behaviour_logprobs)
+    (packed * weights).sum().backward()
+    packed_grad = _gradients(model)
+
+    trained = batch.target_mask > 0
+    assert torch.allclose(packed[trained], padded[trained], atol=1e-4), (packed[trained] - padded[trained]).abs().max()
+    # Untrained positions hold the behaviour log-probs (ratio 1 there, masked anyway).
+    assert torch.equal(packed[~trained], batch.behaviour_logprobs[~trained])
+    assert float((packed_grad - padded_grad).norm() / padded_grad.norm()) < 1e-4
