@@ -13,6 +13,7 @@ Two public entry points:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -106,16 +107,12 @@ def synthetic_adam_versions(
             w = (sigma * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
         # Per-element gradient noise scale: tensor scale times a log-normal
         # spread, so some elements move (and change bf16 value) more often.
-        tau = np.float32(rng.uniform(1e-4, 1e-2)) * np.exp(
-            0.5 * rng.standard_normal(size, dtype=np.float32)
-        ).astype(np.float32)
+        tau = np.float32(rng.uniform(1e-4, 1e-2)) * np.exp(0.5 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
         mu = (0.05 * tau * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
         # Warmed-up moments: E[m] = mu, Var[m] = tau^2 (1-b1)/(1+b1). v carries
         # the long (beta2 = 0.999) memory of larger early gradients: 3.5x the
         # current stationary value, so |m/sqrt(v)| ~ 0.1 and 0.3-0.4 % change.
-        m = mu + np.float32(np.sqrt((1 - beta1) / (1 + beta1))) * tau * rng.standard_normal(
-            size, dtype=np.float32
-        )
+        m = mu + np.float32(np.sqrt((1 - beta1) / (1 + beta1))) * tau * rng.standard_normal(size, dtype=np.float32)
         v = (3.5 * (mu * mu + tau * tau)).astype(np.float32)
         masters[name] = w
         states[name] = (m.astype(np.float32), v, mu, tau)
@@ -144,67 +141,106 @@ def synthetic_adam_versions(
 
 
 def _warm_up(dtype: str) -> float:
-    """Trigger numba compilation (or cache load) outside the timed region."""
+    """Trigger numba compilation (or cache load) of both formats outside the timed region."""
     t0 = time.perf_counter()
     raw = codec.DTYPES[dtype]
-    old = np.arange(4096, dtype=raw)
-    new = old.copy()
-    new[::7] += raw(1)
-    chunks = codec.encode_tensor("warmup", new, old, dtype)
-    out = np.empty_like(new)
-    for c in chunks:
-        codec.decode_chunk_into(c.payload, out, old)
+    vs = [np.arange(4096, dtype=raw)]
+    for _ in range(2):
+        nxt = vs[-1].copy()
+        nxt[::7] += raw(1)
+        vs.append(nxt)
+    for fmt in codec.FORMAT_VERSIONS:
+        ctx = None
+        for old, new in zip(vs, vs[1:]):
+            chunks = codec.encode_tensor("warmup", new, old, dtype, format_version=fmt, context=ctx)
+            buf = old.copy()
+            for j, c in enumerate(chunks):
+                codec.decode_chunk_into(c.payload, buf, buf, context=ctx[j] if ctx else None)
+            ctx = [c.changes for c in chunks] if fmt == 2 else None
     return time.perf_counter() - t0
 
 
-def _step_figures(
-    old_v: dict[str, np.ndarray], new_v: dict[str, np.ndarray], dtype: str, cctx: zstandard.ZstdCompressor
-) -> tuple[dict, bool]:
-    """Encode/decode one version step; return its figures and bit-exactness."""
+def _format_figures(
+    old_v: dict[str, np.ndarray],
+    new_v: dict[str, np.ndarray],
+    dtype: str,
+    fmt: int,
+    context: dict[str, list] | None,
+    chunk_elems: int,
+) -> tuple[dict, dict[str, list], bool]:
+    """Encode one step in format ``fmt``, decode it into fresh buffers and apply
+    it in place; returns the figures, the next context and bit-exactness."""
     names = sorted(new_v)
     raw_bytes = sum(new_v[k].nbytes for k in names)
-    n_elems = sum(new_v[k].size for k in names)
-    changed = sum(int(np.count_nonzero(new_v[k] != old_v[k])) for k in names)
+
+    def ctx(k: str) -> list | None:
+        return context[k] if context is not None and fmt == 2 else None
 
     t0 = time.perf_counter()
-    encoded = {k: codec.encode_tensor(k, new_v[k], old_v[k], dtype) for k in names}
+    encoded = {k: codec.encode_tensor(k, new_v[k], old_v[k], dtype, chunk_elems=chunk_elems, context=ctx(k), format_version=fmt) for k in names}
     t_enc = time.perf_counter() - t0
 
-    outs = {k: np.empty_like(new_v[k]) for k in names}  # allocation is not decode work
+    outs = {k: np.zeros_like(new_v[k]) for k in names}  # allocation is not decode work
     t0 = time.perf_counter()
     for k in names:
-        for chunk in encoded[k]:
-            codec.decode_chunk_into(chunk.payload, outs[k], old_v[k])
+        c_k = ctx(k)
+        for j, chunk in enumerate(encoded[k]):
+            codec.decode_chunk_into(chunk.payload, outs[k], old_v[k], context=c_k[j] if c_k else None)
     t_dec = time.perf_counter() - t0
-
     exact = all(np.array_equal(outs[k], new_v[k]) for k in names)
+
+    # In place, as a receiver applies a version: cost should follow the changes.
+    held = {k: old_v[k].copy() for k in names}
+    got: dict[str, list] = {}
+    t0 = time.perf_counter()
+    for k in names:
+        c_k = ctx(k)
+        got[k] = [codec.decode_chunk_into(chunk.payload, held[k], held[k], context=c_k[j] if c_k else None) for j, chunk in enumerate(encoded[k])]
+    t_apply = time.perf_counter() - t0
+    exact = exact and all(np.array_equal(held[k], new_v[k]) for k in names)
     fig = {
-        "changed_fraction": changed / max(n_elems, 1),
-        "ours_bytes": sum(len(c.payload) for k in names for c in encoded[k]),
-        "full_bf16_bytes": raw_bytes,
-        "zstd_full_bytes": sum(len(cctx.compress(new_v[k].tobytes())) for k in names),
-        "xor_zstd_bytes": sum(len(cctx.compress((new_v[k] ^ old_v[k]).tobytes())) for k in names),
+        "bytes": sum(len(c.payload) for k in names for c in encoded[k]),
         "encode_gbps": raw_bytes / t_enc / 1e9,
         "decode_gbps": raw_bytes / t_dec / 1e9,
-        "keyframe_chunks": sum(
-            codec.parse_header(c.payload).mode == codec.MODE_KEYFRAME for k in names for c in encoded[k]
-        ),
+        "apply_gbps": raw_bytes / t_apply / 1e9,
+        "keyframe_chunks": sum(codec.parse_header(c.payload).mode == codec.MODE_KEYFRAME for k in names for c in encoded[k]),
+        "context_chunks": sum(_uses_context(c.payload) for k in names for c in encoded[k]),
     }
-    return fig, exact
+    return fig, got, exact
 
 
-def run_codec_bench(versions: list[dict[str, np.ndarray]], dtype: str) -> dict:
+def _uses_context(payload: bytes) -> bool:
+    """Whether a payload is a version-2 delta coded against a context."""
+    hdr = codec.parse_header(payload)
+    return hdr.version == 2 and hdr.mode == codec.MODE_DELTA and payload[hdr.body_offset] & 1 == 1
+
+
+def run_codec_bench(
+    versions: list[dict[str, np.ndarray]],
+    dtype: str,
+    *,
+    chunk_elems: int = 2 << 20,
+    formats: tuple[int, ...] = (1, 2),
+) -> dict:
     """Encode each consecutive pair of ``versions`` (dicts name -> 1-D raw-bit
-    array), decode it again single-threaded, and report per-step figures.
+    array) in each format version, decode it again single-threaded, and report
+    per-step figures.
+
+    Format 2 runs as a receiver would: the first step without context, each
+    later one against the change lists the previous step's decode returned.
 
     Returns ``{"steps": [...], "summary": {...}}``. Each step has
-    ``changed_fraction``, ``ours_bytes``, ``full_bf16_bytes`` (raw size of the
-    new version), ``zstd_full_bytes`` and ``xor_zstd_bytes`` (zstd level 3 of
-    the raw new version / of old XOR new), ``encode_gbps`` and
-    ``decode_gbps`` (GB of raw model weights per second, one thread) and
-    ``keyframe_chunks``. The summary holds medians ``ours_pct_of_full`` and
-    ``ours_vs_xor_zstd``, median speeds, ``bit_exact`` (every step decoded
-    and compared) and ``jit_warmup_s`` (one-off compile/cache-load time).
+    ``changed_fraction``, ``full_bf16_bytes`` (raw size of the new version),
+    ``zstd_full_bytes`` and ``xor_zstd_bytes`` (zstd level 3 of the raw new
+    version / of old XOR new) and per format (``"v1"``, ``"v2"``): ``bytes``,
+    ``encode_gbps``, ``decode_gbps`` (into fresh buffers, which includes
+    copying the base), ``apply_gbps`` (in place, as a receiver applies it), all
+    raw model bytes per second on one thread, ``keyframe_chunks`` and
+    ``context_chunks``. ``ours_bytes`` is the newest format's size. The summary
+    holds per format the medians ``pct_of_full`` and speeds, plus
+    ``ours_pct_of_full``, ``ours_vs_xor_zstd``, ``bit_exact`` (every step of
+    every format decoded and compared), ``jit_warmup_s`` and ``load_average``
+    (1, 5, 15 minutes, at the end: speeds on a shared machine need it).
     """
     if len(versions) < 2:
         raise ValueError("need at least two versions to measure a step")
@@ -212,22 +248,73 @@ def run_codec_bench(versions: list[dict[str, np.ndarray]], dtype: str) -> dict:
     cctx = zstandard.ZstdCompressor(level=3)
     steps = []
     exact = True
+    contexts: dict[int, dict[str, list] | None] = {fmt: None for fmt in formats}
     for old_v, new_v in zip(versions, versions[1:]):
         if set(old_v) != set(new_v):
             raise ValueError("consecutive versions must have the same tensor names")
-        fig, ok = _step_figures(old_v, new_v, dtype, cctx)
-        steps.append(fig)
-        exact = exact and ok
-    summary = {
-        "ours_pct_of_full": statistics.median(100 * s["ours_bytes"] / s["full_bf16_bytes"] for s in steps),
-        "ours_vs_xor_zstd": statistics.median(s["ours_bytes"] / s["xor_zstd_bytes"] for s in steps),
-        "xor_zstd_pct_of_full": statistics.median(
-            100 * s["xor_zstd_bytes"] / s["full_bf16_bytes"] for s in steps
-        ),
-        "changed_fraction": statistics.median(s["changed_fraction"] for s in steps),
-        "encode_gbps": statistics.median(s["encode_gbps"] for s in steps),
-        "decode_gbps": statistics.median(s["decode_gbps"] for s in steps),
-        "bit_exact": exact,
-        "jit_warmup_s": warmup,
+        names = sorted(new_v)
+        step = {
+            "changed_fraction": sum(int(np.count_nonzero(new_v[k] != old_v[k])) for k in names) / max(sum(new_v[k].size for k in names), 1),
+            "full_bf16_bytes": sum(new_v[k].nbytes for k in names),
+            "zstd_full_bytes": sum(len(cctx.compress(new_v[k].tobytes())) for k in names),
+            "xor_zstd_bytes": sum(len(cctx.compress((new_v[k] ^ old_v[k]).tobytes())) for k in names),
+        }
+        for fmt in formats:
+            fig, contexts[fmt], ok = _format_figures(old_v, new_v, dtype, fmt, contexts[fmt], chunk_elems)
+            step[f"v{fmt}"] = fig
+            exact = exact and ok
+        step["ours_bytes"] = step[f"v{max(formats)}"]["bytes"]
+        steps.append(step)
+    med = statistics.median
+    summary: dict = {
+        "ours_pct_of_full": med(100 * s["ours_bytes"] / s["full_bf16_bytes"] for s in steps),
+        "ours_vs_xor_zstd": med(s["ours_bytes"] / s["xor_zstd_bytes"] for s in steps),
+        "xor_zstd_pct_of_full": med(100 * s["xor_zstd_bytes"] / s["full_bf16_bytes"] for s in steps),
+        "changed_fraction": med(s["changed_fraction"] for s in steps),
     }
+    for fmt in formats:
+        f = f"v{fmt}"
+        summary[f] = {
+            "pct_of_full": med(100 * s[f]["bytes"] / s["full_bf16_bytes"] for s in steps),
+            "pct_of_full_per_step": [100 * s[f]["bytes"] / s["full_bf16_bytes"] for s in steps],
+            "encode_gbps": med(s[f]["encode_gbps"] for s in steps),
+            "decode_gbps": med(s[f]["decode_gbps"] for s in steps),
+            "apply_gbps": med(s[f]["apply_gbps"] for s in steps),
+        }
+    summary.update({"bit_exact": exact, "jit_warmup_s": warmup, "load_average": list(os.getloadavg())})
     return {"steps": steps, "summary": summary}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.codec [--steps K] [--synthetic N]``: format 1 vs 2 on
+    the recorded real RL versions of the built-in model (as ``meridian bench
+    weightsync`` records and caches them) or on synthetic AdamW versions; prints
+    one JSON object."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.codec")
+    parser.add_argument("--steps", type=int, default=5, help="recorded RL steps (>= 1)")
+    parser.add_argument("--synthetic", type=int, default=0, help="use N-parameter synthetic versions instead")
+    ns = parser.parse_args(argv)
+    if ns.synthetic:
+        versions = synthetic_adam_versions(ns.synthetic, ns.steps)
+        source = f"synthetic AdamW, {ns.synthetic} parameters"
+    else:
+        from benchmarks.weightsync import recorded_versions
+
+        recorded, _ = recorded_versions(ns.steps, True, lambda msg: print(msg, file=sys.stderr, flush=True))
+        dtypes = {t.dtype for v in recorded for t in v.values()}
+        if dtypes != {"bf16"}:
+            raise SystemExit(f"expected bf16 versions, got {sorted(dtypes)}")
+        versions = [{k: t.bits for k, t in v.items()} for v in recorded]
+        source = "recorded RL steps of the built-in model (lr 1e-6)"
+    report = run_codec_bench(versions, "bf16")
+    report["source"] = source
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import zlib
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -17,20 +17,26 @@ from services.weightsync.codec.format import (
     _EXP_FIELD,
     _MAX_CHUNK,
     _PAD,
+    _VERSION,
+    _VERSION_2,
     DTYPES,
     MODE_DELTA,
     MODE_KEYFRAME,
+    ChunkChanges,
     ChunkHeader,
     CodecError,
     EncodedChunk,
     _decode_keyframe,
+    _delta2_body,
     _delta_body,
     _header_bytes,
     _keyframe_body,
+    _parse_delta2,
     _parse_delta_table,
     parse_header,
 )
 from services.weightsync.codec.kernels import _DELTA_ERRORS, _decode_delta, _encode_events, _scan_changes
+from services.weightsync.codec.kernels2 import _V2_ERRORS, _context_features, _decode_v2, _diff_positions, _encode_v2, _fingerprint
 
 __all__ = [
     "DTYPES",
@@ -41,6 +47,8 @@ __all__ = [
     "encode_tensor",
     "encode_keyframe_chunk",
     "encode_delta_chunk",
+    "encode_chunk",
+    "FORMAT_VERSIONS",
     "decode_chunk_into",
     "ChunkChanges",
     "decode_tensor",
@@ -51,6 +59,9 @@ __all__ = [
 # If more than this fraction of a chunk changed, also try a keyframe and keep
 # the smaller; below it a delta is always far smaller, so we skip the work.
 _TRY_KEYFRAME_FRACTION = 0.2
+
+#: Format versions the encoders write (``format_version=``); the decoder reads both.
+FORMAT_VERSIONS = (_VERSION, _VERSION_2)
 
 
 def _words16(src: np.ndarray) -> np.ndarray | None:
@@ -91,32 +102,144 @@ def _scan(new: np.ndarray, old: np.ndarray, dtype: str):
     return _scan_changes(new, old, new64, old64, shift, emask, sign_bit, full)
 
 
-def encode_keyframe_chunk(new: np.ndarray, dtype: str, start: int, count: int) -> bytes:
-    """Encode new[start:start+count] as a self-contained keyframe payload."""
+def encode_keyframe_chunk(new: np.ndarray, dtype: str, start: int, count: int, *, format_version: int = _VERSION_2) -> bytes:
+    """Encode new[start:start+count] as a self-contained keyframe payload
+    (the same body in both format versions)."""
     _check_dtype(dtype)
     _check_array(new, dtype, "new")
+    if format_version not in FORMAT_VERSIONS:
+        raise CodecError(f"format_version must be one of {FORMAT_VERSIONS}, got {format_version}")
     body = _keyframe_body(new[start : start + count], dtype)
-    return _header_bytes(MODE_KEYFRAME, dtype, start, count, new.shape[0], body) + body
+    return _header_bytes(MODE_KEYFRAME, dtype, start, count, new.shape[0], body, format_version) + body
 
 
-def encode_delta_chunk(new: np.ndarray, old: np.ndarray, dtype: str, start: int, count: int) -> bytes:
-    """Encode new[start:start+count] against old; falls back to a keyframe
-    payload when most of the chunk changed and the keyframe is smaller."""
+def _context_arrays(
+    context: ChunkChanges | None, dtype: str, start: int, count: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """A context change list as the kernels take it (chunk-relative positions,
+    old bits, new bits, exponent group, step sign), or None when there is no
+    context or it is empty (both code the chunk without one)."""
+    if context is None:
+        return None
+    if not isinstance(context, ChunkChanges):
+        raise CodecError(f"context must be the ChunkChanges of the previous delta, got {type(context).__name__}")
+    if context.positions.shape[0] == 0:
+        return None
+    raw = DTYPES[dtype]
+    if context.old.dtype != raw or context.new.dtype != raw:
+        raise CodecError(f"context bits have dtype {context.old.dtype}/{context.new.dtype}, {dtype} needs {np.dtype(raw)}")
+    if not context.positions.shape == context.old.shape == context.new.shape:
+        raise CodecError("context positions, old and new bits differ in length")
+    pos = np.ascontiguousarray(context.positions, dtype=np.int64) - start
+    old = np.ascontiguousarray(context.old)
+    new = np.ascontiguousarray(context.new)
+    shift, emask = _EXP_FIELD[dtype]
+    st, grp, neg = _context_features(pos, old, new, count, shift, emask, 1 << (_BITS[dtype] - 1), (1 << _BITS[dtype]) - 1)
+    if st != 0:
+        raise CodecError(
+            f"context positions are not ascending inside this chunk [{start}, {start + count}): pass the changes of the previous delta for the same chunk range"
+        )
+    return pos, old, new, grp, neg
+
+
+def _encode_delta_v1(n_sl: np.ndarray, o_sl: np.ndarray, dtype: str) -> tuple[bytes, int]:
+    """Version-1 delta body of a chunk and its change count."""
+    ne, ev_stream, ev_rank, ev_delta, counts = _scan(n_sl, o_sl, dtype)
+    classes, k_gap, k_mag, nev, words, nbits = _encode_events(ev_stream, ev_rank, ev_delta, counts)
+    return _delta_body(classes, k_gap, k_mag, nev, words, nbits), ne
+
+
+def _encode_delta_v2(
+    n_sl: np.ndarray, o_sl: np.ndarray, pos: np.ndarray, dtype: str, ctx: tuple[np.ndarray, ...] | None
+) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """Version-2 delta body of a chunk whose changes are at ``pos``, coded
+    against ``ctx`` (from _context_arrays) or without; also the changes' old
+    and new bits."""
+    shift, emask = _EXP_FIELD[dtype]
+    if ctx is None:
+        ctx_count, fingerprint = None, 0
+        ctx = (np.empty(0, np.int64), n_sl[:0], n_sl[:0], np.empty(0, np.int64), np.empty(0, np.bool_))
+    else:
+        ctx_count, fingerprint = ctx[0].shape[0], int(_fingerprint(ctx[0], ctx[1], ctx[2]))
+    n_new, k_new, rows, mrows, words, nbits, _, olds, news = _encode_v2(
+        n_sl, o_sl, pos, ctx[0], ctx[3], ctx[4], shift, emask, 1 << (_BITS[dtype] - 1), (1 << _BITS[dtype]) - 1
+    )
+    return _delta2_body(ctx_count, fingerprint, int(n_new), int(k_new), rows, mrows, words, int(nbits)), olds, news
+
+
+def encode_chunk(
+    new: np.ndarray,
+    old: np.ndarray,
+    dtype: str,
+    start: int,
+    count: int,
+    *,
+    context: ChunkChanges | None = None,
+    format_version: int = _VERSION_2,
+    name: str = "",
+) -> EncodedChunk:
+    """Encode new[start:start+count] against old as one chunk (a delta, or a
+    keyframe when most of the chunk changed and that is smaller).
+
+    ``context``: for format version 2, the changes of the previous delta of
+    this chunk range (the ``changes`` of the chunk encoded for the previous
+    version, which is also what ``decode_chunk_into`` returned to every
+    receiver); None or empty writes a delta that needs no context. The
+    returned chunk's ``changes`` are the context for the next version (None
+    for a keyframe chunk)."""
     _check_dtype(dtype)
     _check_array(new, dtype, "new")
     _check_array(old, dtype, "old")
     if new.shape != old.shape:
         raise CodecError(f"new has {new.shape[0]} elements but old has {old.shape[0]}")
+    if format_version not in FORMAT_VERSIONS:
+        raise CodecError(f"format_version must be one of {FORMAT_VERSIONS}, got {format_version}")
     n_sl = np.ascontiguousarray(new[start : start + count])
     o_sl = np.ascontiguousarray(old[start : start + count])
-    ne, ev_stream, ev_rank, ev_delta, counts = _scan(n_sl, o_sl, dtype)
-    classes, k_gap, k_mag, nev, words, nbits = _encode_events(ev_stream, ev_rank, ev_delta, counts)
-    body = _delta_body(classes, k_gap, k_mag, nev, words, nbits)
+    changes = None
+    if format_version == _VERSION:
+        if context is not None:
+            raise CodecError("format version 1 has no context; pass format_version=2")
+        body, ne = _encode_delta_v1(n_sl, o_sl, dtype)
+    else:
+        ctx = _context_arrays(context, dtype, start, count)
+        n64, o64 = _words16(n_sl), _words16(o_sl)
+        if n64 is None or o64 is None:
+            n64 = o64 = None
+        pos = _diff_positions(n_sl, o_sl, n64, o64)
+        body, olds, news = _encode_delta_v2(n_sl, o_sl, pos, dtype, None)
+        if ctx is not None:
+            # The context does not pay for itself on every chunk (e.g. random
+            # changes: its table costs more than it saves); coding is O(changes),
+            # so try both and keep the smaller.
+            with_ctx = _encode_delta_v2(n_sl, o_sl, pos, dtype, ctx)[0]
+            if len(with_ctx) < len(body):
+                body = with_ctx
+        ne = pos.shape[0]
+        changes = ChunkChanges(pos + start, olds, news)
     if ne > _TRY_KEYFRAME_FRACTION * count:
         key_body = _keyframe_body(n_sl, dtype)
         if len(key_body) < len(body):
-            return _header_bytes(MODE_KEYFRAME, dtype, start, count, new.shape[0], key_body) + key_body
-    return _header_bytes(MODE_DELTA, dtype, start, count, new.shape[0], body) + body
+            payload = _header_bytes(MODE_KEYFRAME, dtype, start, count, new.shape[0], key_body, format_version)
+            return EncodedChunk(name, start, count, payload + key_body, None)
+    payload = _header_bytes(MODE_DELTA, dtype, start, count, new.shape[0], body, format_version) + body
+    return EncodedChunk(name, start, count, payload, changes)
+
+
+def encode_delta_chunk(
+    new: np.ndarray,
+    old: np.ndarray,
+    dtype: str,
+    start: int,
+    count: int,
+    *,
+    context: ChunkChanges | None = None,
+    format_version: int = _VERSION_2,
+) -> bytes:
+    """Encode new[start:start+count] against old; falls back to a keyframe
+    payload when most of the chunk changed and the keyframe is smaller. See
+    :func:`encode_chunk` (which also returns the chunk's changes)."""
+    return encode_chunk(new, old, dtype, start, count, context=context, format_version=format_version).payload
 
 
 def encode_tensor(
@@ -126,32 +249,41 @@ def encode_tensor(
     dtype: str,
     *,
     chunk_elems: int = 1 << 22,
+    context: Sequence[ChunkChanges | None] | None = None,
+    format_version: int = _VERSION_2,
 ) -> list[EncodedChunk]:
     """Encode one tensor (1-D raw-bit view) as independently decodable chunks.
 
     With ``old`` None every chunk is a keyframe; otherwise each chunk is a
     delta against ``old`` unless a keyframe is smaller. A zero-length tensor
     yields one empty chunk so the receiver still learns about the tensor.
+
+    ``context`` (format version 2): one entry per chunk, the ``changes`` of the
+    same chunk of the previous version's encoding (``[c.changes for c in
+    previous_chunks]``, same ``chunk_elems``); None (or a None entry) codes
+    without context. Each returned chunk's ``changes`` is the next context.
     """
     _check_dtype(dtype)
     _check_array(new, dtype, "new")
     if old is not None:
         _check_array(old, dtype, "old")
         if old.shape != new.shape:
-            raise CodecError(
-                f"tensor {name!r}: new has {new.shape[0]} elements but old has {old.shape[0]}"
-            )
+            raise CodecError(f"tensor {name!r}: new has {new.shape[0]} elements but old has {old.shape[0]}")
     if not 1 <= chunk_elems <= _MAX_CHUNK:
         raise CodecError(f"chunk_elems must be in [1, 2**39], got {chunk_elems}")
     total = new.shape[0]
+    starts = range(0, max(total, 1), chunk_elems)
+    if context is not None and len(context) != len(starts):
+        raise CodecError(f"tensor {name!r}: context has {len(context)} entries for {len(starts)} chunks")
     chunks = []
-    for start in range(0, max(total, 1), chunk_elems):
+    for j, start in enumerate(starts):
         count = min(chunk_elems, total - start)
         if old is None:
-            payload = encode_keyframe_chunk(new, dtype, start, count)
+            payload = encode_keyframe_chunk(new, dtype, start, count, format_version=format_version)
+            chunks.append(EncodedChunk(name, start, count, payload))
         else:
-            payload = encode_delta_chunk(new, old, dtype, start, count)
-        chunks.append(EncodedChunk(name, start, count, payload))
+            ctx = context[j] if context is not None else None
+            chunks.append(encode_chunk(new, old, dtype, start, count, context=ctx, format_version=format_version, name=name))
     return chunks
 
 
@@ -170,18 +302,7 @@ def _stream_words(stream: memoryview) -> np.ndarray:
     return words
 
 
-@dataclass(frozen=True)
-class ChunkChanges:
-    """What a delta chunk changed: flat tensor positions (ascending) and the bits
-    there before and after. Lets receivers update hashes and undo logs in
-    O(changes) instead of a pass over the tensor."""
-
-    positions: np.ndarray  # int64
-    old: np.ndarray  # raw bits, the tensor's dtype
-    new: np.ndarray
-
-
-def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None) -> ChunkChanges | None:
+def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None, *, context: ChunkChanges | None = None) -> ChunkChanges | None:
     """Decode one chunk payload into ``out[start:start+count]``.
 
     Returns the changed elements for a delta chunk, None for a keyframe chunk
@@ -190,7 +311,13 @@ def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None) -
     ``out`` is the full 1-D raw-bit destination tensor; ``old`` is the full
     previous tensor (needed for delta chunks, ignored for keyframes). Raises
     CodecError on malformed payloads or mismatched dtype/length/base.
-    ``out`` may be the same array as ``old`` (in-place update).
+    ``out`` may be the same array as ``old`` (in-place update): a version-2
+    delta then reads and writes only the changed elements.
+
+    ``context``: for a version-2 delta coded against a context, the changes
+    this call returned for the same chunk of the previous version (None if
+    that was a keyframe chunk); a missing or different context raises
+    CodecError. Ignored by payloads that need none.
     """
     hdr = parse_header(payload)
     _check_array(out, hdr.dtype, "out")
@@ -208,6 +335,8 @@ def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None) -
     _check_array(old, hdr.dtype, "old")
     if old.shape[0] != hdr.total:
         raise CodecError(f"payload is for a tensor of {hdr.total} elements, old has {old.shape[0]}")
+    if hdr.version == _VERSION_2:
+        return _decode_delta2(hdr, body, out, old, context)
     classes, k_gap, k_mag, nev, pos = _parse_delta_table(body, hdr.dtype)
     if int(nev.sum()) > hdr.count:
         raise CodecError(f"delta claims {int(nev.sum())} changes in a chunk of {hdr.count}")
@@ -216,8 +345,16 @@ def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None) -
     shift, emask = _EXP_FIELD[hdr.dtype]
     full = (1 << _BITS[hdr.dtype]) - 1
     sign_bit = 1 << (_BITS[hdr.dtype] - 1)
-    dst = out[lo:hi]
-    src = old[lo:hi]
+    dst, src = _base_into(out[lo:hi], old[lo:hi])
+    rc, positions, old_bits = _decode_delta(src, _words16(src), dst, shift, emask, sign_bit, full, classes, k_gap, k_mag, nev, words, 8 * len(stream))
+    if rc != 0:
+        raise CodecError(f"{_DELTA_ERRORS.get(rc, f'delta decode error {rc}')} (chunk start {lo})")
+    return ChunkChanges(positions + lo, old_bits, dst[positions])
+
+
+def _base_into(dst: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Make ``dst`` hold the base ``src`` (nothing to do in place); returns
+    (dst, the array to read the base from)."""
     if np.may_share_memory(dst, src):
         if dst.ctypes.data != src.ctypes.data:
             # Overlapping but shifted views: copying old into out would
@@ -227,22 +364,72 @@ def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None) -
         # else: in-place update, out already holds old.
     else:
         np.copyto(dst, src)
-    rc, positions, old_bits = _decode_delta(
-        src, _words16(src), dst, shift, emask, sign_bit, full, classes, k_gap, k_mag, nev, words, 8 * len(stream)
+    return dst, src
+
+
+def _decode_delta2(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.ndarray, context: ChunkChanges | None) -> ChunkChanges:
+    """Decode a version-2 delta chunk (see decode_chunk_into)."""
+    lo, hi = hdr.start, hdr.start + hdr.count
+    tbl = _parse_delta2(body, hdr.dtype, hdr.count)
+    shift, emask = _EXP_FIELD[hdr.dtype]
+    sign_bit, full = 1 << (_BITS[hdr.dtype] - 1), (1 << _BITS[hdr.dtype]) - 1
+    if tbl.context:
+        if context is None:
+            raise CodecError(f"delta chunk [{lo}, {hi}) is coded against the previous delta's changes of this chunk (context), and none was given")
+        ctx = _context_arrays(context, hdr.dtype, lo, hdr.count)
+        got = 0 if ctx is None else ctx[0].shape[0]
+        if got != tbl.ctx_count or ctx is None or int(_fingerprint(ctx[0], ctx[1], ctx[2])) != tbl.ctx_fingerprint:
+            raise CodecError(
+                f"delta chunk [{lo}, {hi}) was coded against a different context ({tbl.ctx_count} changes, "
+                f"fingerprint {tbl.ctx_fingerprint:08x}; given {got} changes): pass the changes of the "
+                "previous version's delta for this chunk"
+            )
+        ctx_pos, ctx_grp, ctx_neg = ctx[0], ctx[3], ctx[4]
+    else:
+        ctx_pos, ctx_grp, ctx_neg = np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.bool_)
+    stream = body[tbl.stream_offset :]
+    words = _stream_words(stream)
+    dst, src = _base_into(out[lo:hi], old[lo:hi])
+    rc, positions, olds, news = _decode_v2(
+        src,
+        dst,
+        hdr.count,
+        ctx_pos,
+        ctx_grp,
+        ctx_neg,
+        tbl.rows,
+        tbl.mrows,
+        tbl.n_new,
+        tbl.k_new,
+        words,
+        8 * len(stream),
+        shift,
+        emask,
+        sign_bit,
+        full,
     )
     if rc != 0:
-        raise CodecError(f"{_DELTA_ERRORS.get(rc, f'delta decode error {rc}')} (chunk start {lo})")
-    return ChunkChanges(positions + lo, old_bits, dst[positions])
+        raise CodecError(f"{_V2_ERRORS.get(rc, f'delta decode error {rc}')} (chunk start {lo})")
+    return ChunkChanges(positions + lo, olds, news)
 
 
-def decode_tensor(chunks: list[EncodedChunk] | list[bytes], old: np.ndarray | None, dtype: str) -> np.ndarray:
-    """Convenience: decode all chunks of one tensor into a new array."""
+def decode_tensor(
+    chunks: list[EncodedChunk] | list[bytes],
+    old: np.ndarray | None,
+    dtype: str,
+    *,
+    context: Sequence[ChunkChanges | None] | None = None,
+) -> np.ndarray:
+    """Convenience: decode all chunks of one tensor into a new array
+    (``context``: one entry per chunk, as for :func:`encode_tensor`)."""
     _check_dtype(dtype)
     payloads = [c.payload if isinstance(c, EncodedChunk) else c for c in chunks]
     if not payloads:
         raise CodecError("no chunks to decode")
     total = parse_header(payloads[0]).total
     out = np.empty(total, dtype=DTYPES[dtype])
-    for p in payloads:
-        decode_chunk_into(p, out, old)
+    if context is not None and len(context) != len(payloads):
+        raise CodecError(f"context has {len(context)} entries for {len(payloads)} chunks")
+    for j, p in enumerate(payloads):
+        decode_chunk_into(p, out, old, context=context[j] if context is not None else None)
     return out

@@ -86,7 +86,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import zstandard
@@ -94,7 +94,9 @@ import zstandard
 DTYPES: dict[str, type] = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.uint32}
 
 _MAGIC = b"MW"
-_VERSION = 1
+_VERSION = 1  # what the version-1 encoder writes
+_VERSION_2 = 2
+_VERSIONS = (1, 2)  # what this codec reads
 MODE_KEYFRAME = 0
 MODE_DELTA = 1
 _DTYPE_CODES = {"bf16": 0, "fp16": 1, "fp32": 2}
@@ -112,10 +114,29 @@ _MAX_CHUNK = 1 << 39  # gaps must fit the 40-bit escape
 _PAD = 40  # zero bytes appended to a bit stream before decoding (see kernels._peek)
 _ZSTD_LEVEL = 3
 
+# Format version 2 (see "Format version 2" above).
+_NGROUPS = 258  # binary symbol groups: 0..255 again flags per exponent, then:
+_G_FLIP = 256  # sign flips of repeated changes
+_G_NEWSIGN = 257  # signs of new changes
+_BIN_RAW = 0x80  # binary group code: raw bits (else (majority << 6) | k)
+_FLAG_CONTEXT = 1  # v2 delta flags: coded against a context change list
+
 
 class CodecError(ValueError):
     """Raised for malformed or truncated payloads and for inputs that do not
     match a payload (dtype, length, missing base for a delta)."""
+
+
+@dataclass(frozen=True)
+class ChunkChanges:
+    """What a delta chunk changed: flat tensor positions (ascending) and the bits
+    there before and after. Lets receivers update hashes and undo logs in
+    O(changes) instead of a pass over the tensor, and is the context a
+    version-2 delta of the next version is coded against."""
+
+    positions: np.ndarray  # int64
+    old: np.ndarray  # raw bits, the tensor's dtype
+    new: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -126,6 +147,10 @@ class EncodedChunk:
     start: int  # first element index (flat) this chunk covers
     count: int  # number of elements covered
     payload: bytes  # self-describing, see module docstring
+    # What a delta chunk changed (exactly what decode_chunk_into returns for
+    # it; None for a keyframe chunk): the context for the same chunk of the
+    # next version.
+    changes: ChunkChanges | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -139,6 +164,7 @@ class ChunkHeader:
     total: int
     crc: int
     body_offset: int
+    version: int = 1
 
 
 # --------------------------------------------------------------------------
@@ -178,11 +204,11 @@ def _uv_decode(buf: bytes, pos: int, what: str) -> tuple[int, int]:
             raise CodecError(f"varint too long while reading {what}")
 
 
-def _header_bytes(mode: int, dtype: str, start: int, count: int, total: int, body: bytes) -> bytes:
+def _header_bytes(mode: int, dtype: str, start: int, count: int, total: int, body: bytes, version: int = _VERSION) -> bytes:
     return b"".join(
         (
             _MAGIC,
-            bytes((_VERSION, mode, _DTYPE_CODES[dtype])),
+            bytes((version, mode, _DTYPE_CODES[dtype])),
             _uv_encode(start),
             _uv_encode(count),
             _uv_encode(total),
@@ -197,8 +223,8 @@ def parse_header(payload: bytes) -> ChunkHeader:
         raise CodecError(f"payload too short for a header ({len(payload)} bytes)")
     if payload[:2] != _MAGIC:
         raise CodecError(f"bad magic {payload[:2]!r}, expected {_MAGIC!r}")
-    if payload[2] != _VERSION:
-        raise CodecError(f"unsupported format version {payload[2]} (this codec reads {_VERSION})")
+    if payload[2] not in _VERSIONS:
+        raise CodecError(f"unsupported format version {payload[2]} (this codec reads {_VERSIONS})")
     mode = payload[3]
     if mode not in (MODE_KEYFRAME, MODE_DELTA):
         raise CodecError(f"unknown chunk mode {mode}")
@@ -214,7 +240,7 @@ def parse_header(payload: bytes) -> ChunkHeader:
     if pos + 4 > len(payload):
         raise CodecError("truncated payload while reading body checksum")
     (crc,) = struct.unpack_from("<I", payload, pos)
-    return ChunkHeader(mode, dtype, start, count, total, crc, pos + 4)
+    return ChunkHeader(mode, dtype, start, count, total, crc, pos + 4, payload[2])
 
 
 # --------------------------------------------------------------------------
@@ -226,9 +252,7 @@ def _keyframe_body(values: np.ndarray, dtype: str) -> bytes:
     nplanes = _BITS[dtype] // 8
     cctx = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
     wide = values.astype(np.uint32, copy=False)
-    frames = [
-        cctx.compress((wide >> np.uint32(8 * p)).astype(np.uint8).tobytes()) for p in range(nplanes)
-    ]
+    frames = [cctx.compress((wide >> np.uint32(8 * p)).astype(np.uint8).tobytes()) for p in range(nplanes)]
     head = bytes((nplanes,)) + b"".join(_uv_encode(len(f)) for f in frames)
     return head + b"".join(frames)
 
@@ -243,9 +267,7 @@ def _decode_keyframe(body: bytes, out: np.ndarray, dtype: str, count: int) -> No
         size, pos = _uv_decode(body, pos, f"keyframe plane {p} size")
         sizes.append(size)
     if pos + sum(sizes) != len(body):
-        raise CodecError(
-            f"keyframe planes need {pos + sum(sizes)} body bytes, payload has {len(body)}"
-        )
+        raise CodecError(f"keyframe planes need {pos + sum(sizes)} body bytes, payload has {len(body)}")
     dctx = zstandard.ZstdDecompressor()
     acc = np.zeros(count, dtype=np.uint32)
     for p, size in enumerate(sizes):
@@ -297,3 +319,104 @@ def _parse_delta_table(body: bytes, dtype: str) -> tuple[np.ndarray, ...]:
         rows.append((c, kg, km, nev))
     table = np.array(rows, dtype=np.int64).reshape(-1, 4)
     return table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy(), table[:, 3].copy(), pos
+
+
+# --------------------------------------------------------------------------
+# Version-2 delta bodies
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeltaTable:
+    """The parsed head of a version-2 delta body."""
+
+    context: bool  # coded against a context change list
+    ctx_count: int  # changes in that list (0 without context)
+    ctx_fingerprint: int
+    n_new: int  # changes not in the context list
+    k_new: int  # Rice parameter of their gaps
+    rows: np.ndarray  # (group, code, minority count) per coded binary group
+    mrows: np.ndarray  # (class, k) per class with magnitudes above one step
+    stream_offset: int
+
+
+def _delta2_body(
+    ctx_count: int | None,
+    fingerprint: int,
+    n_new: int,
+    k_new: int,
+    rows: np.ndarray,
+    mrows: np.ndarray,
+    words: np.ndarray,
+    nbits: int,
+) -> bytes:
+    """A version-2 delta body; ``ctx_count`` None: coded without context."""
+    head = bytearray()
+    if ctx_count is None:
+        head.append(0)
+    else:
+        head.append(_FLAG_CONTEXT)
+        head += _uv_encode(ctx_count) + struct.pack("<I", fingerprint)
+    head += _uv_encode(n_new) + bytes((k_new,)) + _uv_encode(len(rows))
+    for g, code, r in rows.tolist():
+        head += _uv_encode(g) + bytes((code,))
+        if code != _BIN_RAW:
+            head += _uv_encode(r)
+    head += _uv_encode(len(mrows))
+    for c, k in mrows.tolist():
+        head += bytes((c, k))
+    stream = words.astype("<u8").tobytes()[: (nbits + 7) // 8]
+    return bytes(head) + stream
+
+
+def _parse_delta2(body: bytes, dtype: str, count: int) -> DeltaTable:
+    """Parse and validate the head of a version-2 delta body."""
+    if len(body) < 1:
+        raise CodecError("truncated delta body (flags)")
+    flags = body[0]
+    if flags & ~_FLAG_CONTEXT:
+        raise CodecError(f"unknown delta flags {flags:#x}")
+    pos = 1
+    ctx_count, fingerprint = 0, 0
+    if flags & _FLAG_CONTEXT:
+        ctx_count, pos = _uv_decode(body, pos, "context change count")
+        if pos + 4 > len(body):
+            raise CodecError("truncated delta body (context fingerprint)")
+        (fingerprint,) = struct.unpack_from("<I", body, pos)
+        pos += 4
+        if ctx_count > count:
+            raise CodecError(f"delta context claims {ctx_count} changes in a chunk of {count}")
+    n_new, pos = _uv_decode(body, pos, "new change count")
+    if n_new > count or pos >= len(body):
+        raise CodecError(f"delta claims {n_new} new changes in a chunk of {count} (or is truncated)")
+    k_new = body[pos]
+    if k_new > _RAW_BITS:
+        raise CodecError(f"delta gap parameter {k_new} is corrupt")
+    nrows, pos = _uv_decode(body, pos + 1, "binary group count")
+    if nrows > _NGROUPS:
+        raise CodecError(f"delta lists {nrows} binary groups, at most {_NGROUPS} exist")
+    rows = np.zeros((nrows, 3), dtype=np.int64)
+    last = -1
+    for j in range(nrows):
+        g, pos = _uv_decode(body, pos, "binary group id")
+        if pos >= len(body):
+            raise CodecError("truncated delta binary group table")
+        code = body[pos]
+        pos += 1
+        r = 0
+        if code != _BIN_RAW:
+            r, pos = _uv_decode(body, pos, "binary group minority count")
+            if code & 0x80 or (code & 63) > _RAW_BITS or r > count:
+                raise CodecError(f"delta binary group {g} has a corrupt code ({code}, {r})")
+        if g <= last or g >= _NGROUPS:
+            raise CodecError(f"delta binary group table entry {j} is corrupt (group {g})")
+        last = g
+        rows[j] = (g, code, r)
+    nm, pos = _uv_decode(body, pos, "magnitude class count")
+    _, emask = _EXP_FIELD[dtype]
+    if nm > emask + 1 or pos + 2 * nm > len(body):
+        raise CodecError(f"delta magnitude table of {nm} classes is corrupt or truncated")
+    mrows = np.frombuffer(body, dtype=np.uint8, count=2 * nm, offset=pos).astype(np.int64).reshape(nm, 2)
+    if nm and (mrows[:, 0].max() > emask or mrows[:, 1].max() > 32 or np.any(np.diff(mrows[:, 0]) <= 0)):
+        raise CodecError("delta magnitude table is corrupt")
+    return DeltaTable(bool(flags & _FLAG_CONTEXT), ctx_count, fingerprint, n_new, k_new, rows, mrows, pos + 2 * nm)

@@ -37,9 +37,7 @@ def _finish_scan(new, old, ne, ev_pos, ev_stream, ev_rank, counts, sign_bit, ful
     ev_delta = np.empty(ne, dtype=np.int64)
     for e in range(ne):
         i = ev_pos[e]
-        ev_delta[e] = _ordered_key(np.int64(new[i]), sign_bit, full) - _ordered_key(
-            np.int64(old[i]), sign_bit, full
-        )
+        ev_delta[e] = _ordered_key(np.int64(new[i]), sign_bit, full) - _ordered_key(np.int64(old[i]), sign_bit, full)
     return ne, ev_stream[:ne].copy(), ev_rank[:ne].copy(), ev_delta, counts.reshape(-1)
 
 
