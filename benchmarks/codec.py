@@ -24,6 +24,8 @@ from services.weightsync import codec
 
 __all__ = ["synthetic_adam_versions", "run_codec_bench", "fp32_to_bf16_bits"]
 
+APPLY_REPEATS = 3
+
 
 # --------------------------------------------------------------------------
 # Synthetic AdamW trajectories
@@ -190,14 +192,17 @@ def _format_figures(
     exact = all(np.array_equal(outs[k], new_v[k]) for k in names)
 
     # In place, as a receiver applies a version: cost should follow the changes.
-    held = {k: old_v[k].copy() for k in names}
-    got: dict[str, list] = {}
-    t0 = time.perf_counter()
-    for k in names:
-        c_k = ctx(k)
-        got[k] = [codec.decode_chunk_into(chunk.payload, held[k], held[k], context=c_k[j] if c_k else None) for j, chunk in enumerate(encoded[k])]
-    t_apply = time.perf_counter() - t0
-    exact = exact and all(np.array_equal(held[k], new_v[k]) for k in names)
+    # Best of APPLY_REPEATS: on a shared machine the minimum is the least noisy.
+    t_apply = float("inf")
+    for _ in range(APPLY_REPEATS):
+        held = {k: old_v[k].copy() for k in names}
+        got: dict[str, list] = {}
+        t0 = time.perf_counter()
+        for k in names:
+            c_k = ctx(k)
+            got[k] = [codec.decode_chunk_into(chunk.payload, held[k], held[k], context=c_k[j] if c_k else None) for j, chunk in enumerate(encoded[k])]
+        t_apply = min(t_apply, time.perf_counter() - t0)
+        exact = exact and all(np.array_equal(held[k], new_v[k]) for k in names)
     fig = {
         "bytes": sum(len(c.payload) for k in names for c in encoded[k]),
         "encode_gbps": raw_bytes / t_enc / 1e9,
@@ -234,7 +239,8 @@ def run_codec_bench(
     ``zstd_full_bytes`` and ``xor_zstd_bytes`` (zstd level 3 of the raw new
     version / of old XOR new) and per format (``"v1"``, ``"v2"``): ``bytes``,
     ``encode_gbps``, ``decode_gbps`` (into fresh buffers, which includes
-    copying the base), ``apply_gbps`` (in place, as a receiver applies it), all
+    copying the base), ``apply_gbps`` (in place, as a receiver applies it, best of
+    ``APPLY_REPEATS``), all
     raw model bytes per second on one thread, ``keyframe_chunks`` and
     ``context_chunks``. ``ours_bytes`` is the newest format's size. The summary
     holds per format the medians ``pct_of_full`` and speeds, plus

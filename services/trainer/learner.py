@@ -153,7 +153,9 @@ class Learner:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.canary_ids = canary.canary_token_ids(lambda text: tokenizer(text)["input_ids"])
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        # The fused kernel makes one pass over each tensor (2-3x faster than the per-op
+        # loop on a CPU); the same update up to rounding.
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=True)
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
         self.loss_config = LossConfig(

@@ -184,6 +184,8 @@ def test_rates_from_a_bench_result() -> None:
     assert rates.encode_bytes_s == 0.5e9 and rates.decode_bytes_s == 3e9 and rates.decode_copy_bytes_s == 0.8e9
     assert rates.delta_fraction == pytest.approx(0.0012)
     assert rates.message_overhead_s == sim.DEFAULT_RATES.message_overhead_s
+    # The CPU-time decode figure, when the bench has one, is the per-core rate.
+    assert sim.rates_from_bench({"summary": {**result["summary"], "decode_gbps_cpu": 4.0}}).decode_bytes_s == 4e9
 
 
 def test_frontier_figures_name_both_modes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,6 +194,7 @@ def test_frontier_figures_name_both_modes(monkeypatch: pytest.MonkeyPatch) -> No
     assert figures["t_1t_4regions_10gbit_s"] == figures["current"]["served_everywhere_s"]
     assert figures["t_1t_4regions_10gbit_s_pipelined"] == figures["pipelined"]["served_everywhere_s"]
     assert figures["t_1t_4regions_10gbit_s_pipelined"] < figures["t_1t_4regions_10gbit_s"]
+    assert figures["pipelined_origin_cores_for_target"] is None or figures["pipelined_origin_cores_for_target"] >= 1
 
 
 def test_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:

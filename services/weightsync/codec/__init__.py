@@ -31,12 +31,19 @@ from services.weightsync.codec.format import (
     _delta_body,
     _header_bytes,
     _keyframe_body,
-    _parse_delta2,
     _parse_delta_table,
     parse_header,
 )
 from services.weightsync.codec.kernels import _DELTA_ERRORS, _decode_delta, _encode_events, _scan_changes
-from services.weightsync.codec.kernels2 import _V2_ERRORS, _context_features, _decode_v2, _diff_positions, _encode_v2, _fingerprint
+from services.weightsync.codec.kernels2 import (
+    _HEAD_ERRORS,
+    _V2_ERRORS,
+    _context_features,
+    _decode_v2,
+    _diff_positions,
+    _encode_v2,
+    _parse_head,
+)
 
 __all__ = [
     "DTYPES",
@@ -113,12 +120,14 @@ def encode_keyframe_chunk(new: np.ndarray, dtype: str, start: int, count: int, *
     return _header_bytes(MODE_KEYFRAME, dtype, start, count, new.shape[0], body, format_version) + body
 
 
-def _context_arrays(
-    context: ChunkChanges | None, dtype: str, start: int, count: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+_NO_INT = np.empty(0, np.int64)
+_NO_BOOL = np.empty(0, np.bool_)
+
+
+def _context_arrays(context: ChunkChanges | None, dtype: str, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
     """A context change list as the kernels take it (chunk-relative positions,
-    old bits, new bits, exponent group, step sign), or None when there is no
-    context or it is empty (both code the chunk without one)."""
+    exponent group, step sign, fingerprint), or None when there is no context
+    or it is empty (both code the chunk without one)."""
     if context is None:
         return None
     if not isinstance(context, ChunkChanges):
@@ -130,16 +139,16 @@ def _context_arrays(
         raise CodecError(f"context bits have dtype {context.old.dtype}/{context.new.dtype}, {dtype} needs {np.dtype(raw)}")
     if not context.positions.shape == context.old.shape == context.new.shape:
         raise CodecError("context positions, old and new bits differ in length")
-    pos = np.ascontiguousarray(context.positions, dtype=np.int64) - start
+    pos = np.ascontiguousarray(context.positions, dtype=np.int64)
     old = np.ascontiguousarray(context.old)
     new = np.ascontiguousarray(context.new)
     shift, emask = _EXP_FIELD[dtype]
-    st, grp, neg = _context_features(pos, old, new, count, shift, emask, 1 << (_BITS[dtype] - 1), (1 << _BITS[dtype]) - 1)
+    st, rel, grp, neg, fingerprint = _context_features(pos, old, new, start, count, shift, emask, 1 << (_BITS[dtype] - 1), (1 << _BITS[dtype]) - 1)
     if st != 0:
         raise CodecError(
             f"context positions are not ascending inside this chunk [{start}, {start + count}): pass the changes of the previous delta for the same chunk range"
         )
-    return pos, old, new, grp, neg
+    return rel, grp, neg, int(fingerprint)
 
 
 def _encode_delta_v1(n_sl: np.ndarray, o_sl: np.ndarray, dtype: str) -> tuple[bytes, int]:
@@ -158,11 +167,11 @@ def _encode_delta_v2(
     shift, emask = _EXP_FIELD[dtype]
     if ctx is None:
         ctx_count, fingerprint = None, 0
-        ctx = (np.empty(0, np.int64), n_sl[:0], n_sl[:0], np.empty(0, np.int64), np.empty(0, np.bool_))
+        ctx = (_NO_INT, _NO_INT, _NO_BOOL, 0)
     else:
-        ctx_count, fingerprint = ctx[0].shape[0], int(_fingerprint(ctx[0], ctx[1], ctx[2]))
+        ctx_count, fingerprint = ctx[0].shape[0], ctx[3]
     n_new, k_new, rows, mrows, words, nbits, _, olds, news = _encode_v2(
-        n_sl, o_sl, pos, ctx[0], ctx[3], ctx[4], shift, emask, 1 << (_BITS[dtype] - 1), (1 << _BITS[dtype]) - 1
+        n_sl, o_sl, pos, ctx[0], ctx[1], ctx[2], shift, emask, 1 << (_BITS[dtype] - 1), (1 << _BITS[dtype]) - 1
     )
     return _delta2_body(ctx_count, fingerprint, int(n_new), int(k_new), rows, mrows, words, int(nbits)), olds, news
 
@@ -370,47 +379,37 @@ def _base_into(dst: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray
 def _decode_delta2(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.ndarray, context: ChunkChanges | None) -> ChunkChanges:
     """Decode a version-2 delta chunk (see decode_chunk_into)."""
     lo, hi = hdr.start, hdr.start + hdr.count
-    tbl = _parse_delta2(body, hdr.dtype, hdr.count)
     shift, emask = _EXP_FIELD[hdr.dtype]
-    sign_bit, full = 1 << (_BITS[hdr.dtype] - 1), (1 << _BITS[hdr.dtype]) - 1
-    if tbl.context:
+    buf = np.frombuffer(body, dtype=np.uint8)
+    st, flags, ctx_count, fingerprint, n_new, k_new, rows, mrows, offset = _parse_head(buf, hdr.count, emask)
+    if st != 0:
+        raise CodecError(f"{_HEAD_ERRORS.get(st, f'delta head error {st}')} (chunk start {lo})")
+    ctx_pos, ctx_grp, ctx_neg = _NO_INT, _NO_INT, _NO_BOOL
+    if flags & 1:
         if context is None:
             raise CodecError(f"delta chunk [{lo}, {hi}) is coded against the previous delta's changes of this chunk (context), and none was given")
         ctx = _context_arrays(context, hdr.dtype, lo, hdr.count)
         got = 0 if ctx is None else ctx[0].shape[0]
-        if got != tbl.ctx_count or ctx is None or int(_fingerprint(ctx[0], ctx[1], ctx[2])) != tbl.ctx_fingerprint:
+        if ctx is None or got != ctx_count or ctx[3] != fingerprint:
             raise CodecError(
-                f"delta chunk [{lo}, {hi}) was coded against a different context ({tbl.ctx_count} changes, "
-                f"fingerprint {tbl.ctx_fingerprint:08x}; given {got} changes): pass the changes of the "
-                "previous version's delta for this chunk"
+                f"delta chunk [{lo}, {hi}) was coded against a different context ({ctx_count} changes, "
+                f"fingerprint {fingerprint:08x}; given {got} changes): pass the changes of the previous "
+                "version's delta for this chunk"
             )
-        ctx_pos, ctx_grp, ctx_neg = ctx[0], ctx[3], ctx[4]
-    else:
-        ctx_pos, ctx_grp, ctx_neg = np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.bool_)
-    stream = body[tbl.stream_offset :]
+        ctx_pos, ctx_grp, ctx_neg = ctx[0], ctx[1], ctx[2]
+    stream = body[offset:]
     words = _stream_words(stream)
     dst, src = _base_into(out[lo:hi], old[lo:hi])
+    sign_bit, full = 1 << (_BITS[hdr.dtype] - 1), (1 << _BITS[hdr.dtype]) - 1
     rc, positions, olds, news = _decode_v2(
-        src,
-        dst,
-        hdr.count,
-        ctx_pos,
-        ctx_grp,
-        ctx_neg,
-        tbl.rows,
-        tbl.mrows,
-        tbl.n_new,
-        tbl.k_new,
-        words,
-        8 * len(stream),
-        shift,
-        emask,
-        sign_bit,
-        full,
-    )
+        src, dst, hdr.count, ctx_pos, ctx_grp, ctx_neg, rows, mrows, n_new, k_new, words, 8 * len(stream),
+        shift, emask, sign_bit, full,
+    )  # fmt: skip
     if rc != 0:
         raise CodecError(f"{_V2_ERRORS.get(rc, f'delta decode error {rc}')} (chunk start {lo})")
-    return ChunkChanges(positions + lo, olds, news)
+    if lo:
+        positions += lo
+    return ChunkChanges(positions, olds, news)
 
 
 def decode_tensor(

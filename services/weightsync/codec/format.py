@@ -326,20 +326,6 @@ def _parse_delta_table(body: bytes, dtype: str) -> tuple[np.ndarray, ...]:
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class DeltaTable:
-    """The parsed head of a version-2 delta body."""
-
-    context: bool  # coded against a context change list
-    ctx_count: int  # changes in that list (0 without context)
-    ctx_fingerprint: int
-    n_new: int  # changes not in the context list
-    k_new: int  # Rice parameter of their gaps
-    rows: np.ndarray  # (group, code, minority count) per coded binary group
-    mrows: np.ndarray  # (class, k) per class with magnitudes above one step
-    stream_offset: int
-
-
 def _delta2_body(
     ctx_count: int | None,
     fingerprint: int,
@@ -363,60 +349,10 @@ def _delta2_body(
         if code != _BIN_RAW:
             head += _uv_encode(r)
     head += _uv_encode(len(mrows))
-    for c, k in mrows.tolist():
-        head += bytes((c, k))
+    for c, k, center in mrows.tolist():
+        if center < 0:
+            head += bytes((c, k))
+        else:
+            head += bytes((c, k | 0x80)) + _uv_encode(center)
     stream = words.astype("<u8").tobytes()[: (nbits + 7) // 8]
     return bytes(head) + stream
-
-
-def _parse_delta2(body: bytes, dtype: str, count: int) -> DeltaTable:
-    """Parse and validate the head of a version-2 delta body."""
-    if len(body) < 1:
-        raise CodecError("truncated delta body (flags)")
-    flags = body[0]
-    if flags & ~_FLAG_CONTEXT:
-        raise CodecError(f"unknown delta flags {flags:#x}")
-    pos = 1
-    ctx_count, fingerprint = 0, 0
-    if flags & _FLAG_CONTEXT:
-        ctx_count, pos = _uv_decode(body, pos, "context change count")
-        if pos + 4 > len(body):
-            raise CodecError("truncated delta body (context fingerprint)")
-        (fingerprint,) = struct.unpack_from("<I", body, pos)
-        pos += 4
-        if ctx_count > count:
-            raise CodecError(f"delta context claims {ctx_count} changes in a chunk of {count}")
-    n_new, pos = _uv_decode(body, pos, "new change count")
-    if n_new > count or pos >= len(body):
-        raise CodecError(f"delta claims {n_new} new changes in a chunk of {count} (or is truncated)")
-    k_new = body[pos]
-    if k_new > _RAW_BITS:
-        raise CodecError(f"delta gap parameter {k_new} is corrupt")
-    nrows, pos = _uv_decode(body, pos + 1, "binary group count")
-    if nrows > _NGROUPS:
-        raise CodecError(f"delta lists {nrows} binary groups, at most {_NGROUPS} exist")
-    rows = np.zeros((nrows, 3), dtype=np.int64)
-    last = -1
-    for j in range(nrows):
-        g, pos = _uv_decode(body, pos, "binary group id")
-        if pos >= len(body):
-            raise CodecError("truncated delta binary group table")
-        code = body[pos]
-        pos += 1
-        r = 0
-        if code != _BIN_RAW:
-            r, pos = _uv_decode(body, pos, "binary group minority count")
-            if code & 0x80 or (code & 63) > _RAW_BITS or r > count:
-                raise CodecError(f"delta binary group {g} has a corrupt code ({code}, {r})")
-        if g <= last or g >= _NGROUPS:
-            raise CodecError(f"delta binary group table entry {j} is corrupt (group {g})")
-        last = g
-        rows[j] = (g, code, r)
-    nm, pos = _uv_decode(body, pos, "magnitude class count")
-    _, emask = _EXP_FIELD[dtype]
-    if nm > emask + 1 or pos + 2 * nm > len(body):
-        raise CodecError(f"delta magnitude table of {nm} classes is corrupt or truncated")
-    mrows = np.frombuffer(body, dtype=np.uint8, count=2 * nm, offset=pos).astype(np.int64).reshape(nm, 2)
-    if nm and (mrows[:, 0].max() > emask or mrows[:, 1].max() > 32 or np.any(np.diff(mrows[:, 0]) <= 0)):
-        raise CodecError("delta magnitude table is corrupt")
-    return DeltaTable(bool(flags & _FLAG_CONTEXT), ctx_count, fingerprint, n_new, k_new, rows, mrows, pos + 2 * nm)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from services.weightsync.codec.format import _BIN_RAW, _G_FLIP, _G_NEWSIGN, _NGROUPS, _QMAX, _RAW_BITS
+from services.weightsync.codec.format import _BIN_RAW, _FLAG_CONTEXT, _G_FLIP, _G_NEWSIGN, _NGROUPS, _QMAX, _RAW_BITS
 from services.weightsync.codec.kernels import _best_k, _get_rice, _ordered_key, _peek, _put, _put_rice
 
 # See the note in kernels.py: numba freezes these into its cached kernels.
-if (_NGROUPS, _G_FLIP, _G_NEWSIGN, _BIN_RAW, _QMAX, _RAW_BITS) != (258, 256, 257, 0x80, 24, 40):
+if (_NGROUPS, _G_FLIP, _G_NEWSIGN, _BIN_RAW, _FLAG_CONTEXT, _QMAX, _RAW_BITS) != (258, 256, 257, 0x80, 1, 24, 40):
     raise ImportError("codec format constants changed: update kernels2.py too (numba cache)")
 
 
@@ -32,22 +32,42 @@ def _fingerprint(pos, old, new):
 
 
 @njit(cache=True, nogil=True)
-def _context_features(pos, old, new, count, shift, emask, sign_bit, full):
-    """Per context change: its group (old exponent of *this* delta = the
-    context's new exponent) and its step sign. Returns status 0, or -1 when the
-    positions are not strictly ascending inside [0, count)."""
+def _context_features(pos, old, new, start, count, shift, emask, sign_bit, full):
+    """A context change list (absolute positions) as the coder uses it:
+    chunk-relative positions, per change its group (the old exponent of *this*
+    delta = the context's new exponent) and its step sign, and the list's
+    fingerprint. Status -1 when the positions are not strictly ascending
+    inside [start, start + count)."""
     m = pos.shape[0]
+    rel = np.empty(m, dtype=np.int64)
     grp = np.empty(m, dtype=np.int64)
     neg = np.empty(m, dtype=np.bool_)
     last = -1
     for j in range(m):
-        p = pos[j]
+        p = pos[j] - start
         if p <= last or p >= count:
-            return -1, grp, neg
+            return -1, rel, grp, neg, 0
         last = p
+        rel[j] = p
         grp[j] = (np.int64(new[j]) >> shift) & emask
         neg[j] = _ordered_key(np.int64(new[j]), sign_bit, full) < _ordered_key(np.int64(old[j]), sign_bit, full)
-    return 0, grp, neg
+    return 0, rel, grp, neg, _fingerprint(rel, old, new)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _zigzag(x):
+    """Signed -> unsigned: 0, -1, 1, -2, 2 ... -> 0, 1, 2, 3, 4 ..."""
+    return 2 * x if x >= 0 else -2 * x - 1
+
+
+@njit(cache=True, nogil=True)
+def _rice_total(values, k):
+    """Bits of the Rice(k) codes of values (with the escape of format.py)."""
+    total = 0
+    for v in values:
+        q = v >> k
+        total += (_QMAX + _RAW_BITS) if q >= _QMAX else q + 1 + k
+    return total
 
 
 @njit(cache=True, nogil=True)
@@ -223,7 +243,10 @@ def _encode_v2(new, old, pos, ctx_pos, ctx_grp, ctx_neg, shift, emask, sign_bit,
         c = cls[e]
         mags[cfill[c]] = abs(steps[e]) - 1
         cfill[c] += 1
-    mrows = np.empty((256, 2), dtype=np.int64)
+    # Per class either Rice(|steps| - 1) or, when the steps bunch around a
+    # typical size (tiny weights move by ~lr / grid spacing steps each time),
+    # Rice of the zigzag distance to the class median, which costs less.
+    mrows = np.empty((256, 3), dtype=np.int64)
     nm = 0
     for c in range(256):
         if ccount[c] == 0:
@@ -231,8 +254,21 @@ def _encode_v2(new, old, pos, ctx_pos, ctx_grp, ctx_neg, shift, emask, sign_bit,
         seg = mags[coff[c] : coff[c + 1]]
         if seg.max() == 0:
             continue
+        n = ccount[c]
+        kp = _best_k(seg, n, 32)
+        center = np.int64(np.median(seg))
+        zz = np.empty(n, dtype=np.int64)
+        for t in range(n):
+            zz[t] = _zigzag(seg[t] - center)
+        kc = _best_k(zz, n, 32)
         mrows[nm, 0] = c
-        mrows[nm, 1] = _best_k(seg, ccount[c], 32)
+        if center > 0 and _rice_total(zz, kc) + 24 < _rice_total(seg, kp):
+            mrows[nm, 1] = kc
+            mrows[nm, 2] = center
+            mags[coff[c] : coff[c + 1]] = zz
+        else:
+            mrows[nm, 1] = kp
+            mrows[nm, 2] = -1
         nm += 1
     # Worst case: 64 bits per Rice code (gaps, magnitudes, runs), one per bit.
     cap = (goff[_NGROUPS] * 64 + ne * 128) // 64 + 4
@@ -380,9 +416,13 @@ def _decode_v2(old, out, count, ctx_pos, ctx_grp, ctx_neg, rows, mrows, n_new, k
             pos[e] = new_pos[b]
             neg[e] = nsign[b] != 0
             b += 1
-        o = old[pos[e]]
-        olds[e] = o
-        c = (np.int64(o) >> shift) & emask
+    # The gather is a loop of its own: without the merge's unpredictable
+    # branches the CPU keeps many cache misses in flight (the changes are
+    # scattered over the tensor, so nearly every read is one).
+    for e in range(ne):
+        olds[e] = old[pos[e]]
+    for e in range(ne):
+        c = (np.int64(olds[e]) >> shift) & emask
         cls[e] = c
         ccount[c] += 1
     # 5. Magnitudes per class (classes not in the table are all +-1 step).
@@ -392,10 +432,16 @@ def _decode_v2(old, out, count, ctx_pos, ctx_grp, ctx_neg, rows, mrows, n_new, k
     mags = np.zeros(ne, dtype=np.int64)
     for t in range(mrows.shape[0]):
         c = mrows[t, 0]
+        center = mrows[t, 2]
         for e in range(coff[c], coff[c + 1]):
-            mags[e], bp = _get_rice(words, bp, mrows[t, 1])
+            v, bp = _get_rice(words, bp, mrows[t, 1])
             if bp > nbits:
                 return -1, no_pos, no_bits, no_bits
+            if center >= 0:  # zigzag distance to the class centre
+                v = center + ((v >> 1) if (v & 1) == 0 else -((v + 1) >> 1))
+                if v < 0:
+                    return -3, no_pos, no_bits, no_bits
+            mags[e] = v
     if nbits - bp >= 8:
         return -4, no_pos, no_bits, no_bits
     # 6. New values (all checked before the first write), then the writes.
@@ -413,6 +459,106 @@ def _decode_v2(old, out, count, ctx_pos, ctx_grp, ctx_neg, rows, mrows, n_new, k
         out[pos[e]] = news[e]
     return 0, pos, olds, news
 
+
+@njit(cache=True, nogil=True, inline="always")
+def _uv(buf, pos):
+    """Unsigned LEB128 at buf[pos]: (value, new pos), or (-1, -1) if truncated
+    or longer than 63 bits."""
+    value = np.int64(0)
+    shift = 0
+    while True:
+        if pos >= buf.shape[0] or shift > 56:
+            return np.int64(-1), -1
+        b = np.int64(buf[pos])
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+
+
+@njit(cache=True, nogil=True)
+def _parse_head(buf, count, emask):
+    """Parse and validate the head of a version-2 delta body (see format.py).
+
+    Returns (status, flags, context count, fingerprint, n_new, k_new, binary
+    group rows, magnitude rows, stream offset); status < 0: see _HEAD_ERRORS."""
+    rows = np.zeros((0, 3), dtype=np.int64)
+    mrows = np.zeros((0, 3), dtype=np.int64)
+    z = np.int64(0)
+    if buf.shape[0] < 1:
+        return -10, z, z, z, z, z, rows, mrows, 0
+    flags = np.int64(buf[0])
+    if flags & ~np.int64(_FLAG_CONTEXT):
+        return -11, z, z, z, z, z, rows, mrows, 0
+    pos = 1
+    ctx_count = z
+    fp = z
+    if flags & _FLAG_CONTEXT:
+        ctx_count, pos = _uv(buf, pos)
+        if pos < 0 or pos + 4 > buf.shape[0] or ctx_count > count:
+            return -12, z, z, z, z, z, rows, mrows, 0
+        fp = np.int64(buf[pos]) | (np.int64(buf[pos + 1]) << 8) | (np.int64(buf[pos + 2]) << 16) | (np.int64(buf[pos + 3]) << 24)
+        pos += 4
+    n_new, pos = _uv(buf, pos)
+    if pos < 0 or n_new > count or pos >= buf.shape[0]:
+        return -13, z, z, z, z, z, rows, mrows, 0
+    k_new = np.int64(buf[pos])
+    if k_new > _RAW_BITS:
+        return -13, z, z, z, z, z, rows, mrows, 0
+    nrows, pos = _uv(buf, pos + 1)
+    if pos < 0 or nrows > _NGROUPS:
+        return -14, z, z, z, z, z, rows, mrows, 0
+    rows = np.zeros((nrows, 3), dtype=np.int64)
+    last = -1
+    for j in range(nrows):
+        g, pos = _uv(buf, pos)
+        if pos < 0 or pos >= buf.shape[0] or g <= last or g >= _NGROUPS:
+            return -14, z, z, z, z, z, rows, mrows, 0
+        last = g
+        code = np.int64(buf[pos])
+        pos += 1
+        r = np.int64(0)
+        if code != _BIN_RAW:
+            r, pos = _uv(buf, pos)
+            if pos < 0 or code & 0x80 or (code & 63) > _RAW_BITS or r > count:
+                return -14, z, z, z, z, z, rows, mrows, 0
+        rows[j, 0] = g
+        rows[j, 1] = code
+        rows[j, 2] = r
+    nm, pos = _uv(buf, pos)
+    if pos < 0 or nm > emask + 1:
+        return -15, z, z, z, z, z, rows, mrows, 0
+    mrows = np.zeros((nm, 3), dtype=np.int64)
+    last = -1
+    for j in range(nm):
+        if pos + 2 > buf.shape[0]:
+            return -15, z, z, z, z, z, rows, mrows, 0
+        c = np.int64(buf[pos])
+        kc = np.int64(buf[pos + 1])
+        pos += 2
+        center = np.int64(-1)
+        if kc & 0x80:
+            center, pos = _uv(buf, pos)
+            if pos < 0 or center == 0:
+                return -15, z, z, z, z, z, rows, mrows, 0
+        if c <= last or c > emask or (kc & 0x7F) > 32:
+            return -15, z, z, z, z, z, rows, mrows, 0
+        last = c
+        mrows[j, 0] = c
+        mrows[j, 1] = kc & 0x7F
+        mrows[j, 2] = center
+    return 0, flags, ctx_count, fp, n_new, k_new, rows, mrows, pos
+
+
+_HEAD_ERRORS = {
+    -10: "truncated delta body (flags)",
+    -11: "unknown delta flags",
+    -12: "delta context count or fingerprint is corrupt or truncated",
+    -13: "delta new-change count or gap parameter is corrupt or truncated",
+    -14: "delta binary group table is corrupt or truncated",
+    -15: "delta magnitude table is corrupt or truncated",
+}
 
 _V2_ERRORS = {
     -1: "delta bit stream is truncated",
