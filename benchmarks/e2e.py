@@ -53,6 +53,10 @@ async def _mode(addresses: dict[str, str], mode: str, ns: argparse.Namespace) ->
     summary = await Job(addresses, config, progress=True).run()
     rollout = await service_status(addresses["rollout"], "rollout")
     steps = summary["trainer_steps"]
+
+    def median(values: list[float]) -> float:
+        return round(statistics.median(values), 3) if values else 0.0
+
     return {
         "samples_per_s": summary["samples_per_s"],
         "seconds": summary["seconds"],
@@ -60,7 +64,18 @@ async def _mode(addresses: dict[str, str], mode: str, ns: argparse.Namespace) ->
         "steps": summary["steps"],
         "dropped_stale": summary["dropped_stale_total"],
         "policy_lag_mean": round(statistics.mean(s["policy_lag_mean"] for s in steps), 3) if steps else 0.0,
-        "learn_s_median": round(statistics.median(s["step_seconds"] for s in steps), 3) if steps else 0.0,
+        "learn_s_median": median([s["step_seconds"] for s in steps]),
+        # Medians of each stage of a step. sample: one group's RunEpisodes request; learn:
+        # the learner's step; commit: the loop's wait before the next step (weights
+        # copied, canary, a due checkpoint's state copy); publish: the background publish;
+        # apply: rollout's last in-place apply (checkpoints are written in the background).
+        "step_breakdown_s": {
+            "sample": median(summary["sample_seconds"]),
+            "learn": median([s["step_seconds"] for s in steps]),
+            "commit": median([s["commit_seconds"] for s in steps]),
+            "publish": median([s["publish_seconds"] for s in steps if s["publish_seconds"]]),
+            "apply": round(rollout.last_apply_ms / 1000, 3),
+        },
         "wall_s_per_step": round(summary["seconds"] / max(1, summary["steps"]), 3),
         "last_apply_ms": round(rollout.last_apply_ms, 1),
         "trainer_peak_rss_mb": max((s["peak_rss_mb"] for s in steps), default=0.0),

@@ -101,6 +101,7 @@ class Job:
         self._next_task = 0
         self.sampled = 0  # trajectories published by this job
         self.rewards: list[float] = []
+        self.sample_seconds: list[float] = []  # each RunEpisodes request, start to reply
         self.consumed = 0  # trajectories the trainer consumed since the job started
         self.started = 0.0
 
@@ -115,6 +116,7 @@ class Job:
         from meridian.v1 import rollout_pb2
 
         picked = self._pick(groups)
+        started = time.monotonic()
         reply = await rollout.RunEpisodes(
             rollout_pb2.RunEpisodesRequest(
                 task_ids=picked,
@@ -125,6 +127,7 @@ class Job:
             ),
             timeout=self.config.step_timeout_s,  # a stalled rollout ends the job with its error
         )
+        self.sample_seconds.append(time.monotonic() - started)
         self.sampled += len(reply.trajectories)
         self.rewards.extend(t.reward for t in reply.trajectories)
 
@@ -173,6 +176,7 @@ class Job:
             "dropped_stale_total": trainer.dropped_stale_total - first.dropped_stale_total,
             "model": trainer.model,
             "trainer_steps": [step_summary(m) for m in steps],
+            "sample_seconds": [round(x, 3) for x in self.sample_seconds],
         }
 
     async def _follow(self, rollout: Any, start_step: int, consumed0: int, samplers: list[asyncio.Task[None]]) -> tuple[Any, int]:
@@ -235,6 +239,8 @@ def step_summary(m: Any) -> dict[str, Any]:
         "loss": m.loss,
         "grad_norm": m.grad_norm,
         "step_seconds": m.step_seconds,
+        "commit_seconds": m.commit_seconds,
+        "publish_seconds": m.publish_seconds,
         "peak_rss_mb": m.peak_rss_mb,
     }
 

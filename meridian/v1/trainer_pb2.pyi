@@ -11,7 +11,7 @@ class TrainerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("step", "policy_version", "loss", "reward_mean", "trajectories", "groups", "step_seconds", "grad_norm", "dropped_stale", "downweighted_stale", "dropped_groups", "pass_rate", "policy_lag_mean", "policy_lag_max", "published", "weightsync_raw_bytes", "weightsync_encoded_bytes", "lr", "stepped", "tis_weight_mean", "kl", "peak_rss_mb")
+    __slots__ = ("step", "policy_version", "loss", "reward_mean", "trajectories", "groups", "step_seconds", "grad_norm", "dropped_stale", "downweighted_stale", "dropped_groups", "pass_rate", "policy_lag_mean", "policy_lag_max", "published", "weightsync_raw_bytes", "weightsync_encoded_bytes", "lr", "stepped", "tis_weight_mean", "kl", "peak_rss_mb", "commit_seconds", "publish_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class StepMetrics(_message.Message):
     TIS_WEIGHT_MEAN_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
     PEAK_RSS_MB_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     policy_version: int
     loss: float
@@ -56,7 +58,9 @@ class StepMetrics(_message.Message):
     tis_weight_mean: float
     kl: float
     peak_rss_mb: float
-    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., trajectories: _Optional[int] = ..., groups: _Optional[int] = ..., step_seconds: _Optional[float] = ..., grad_norm: _Optional[float] = ..., dropped_stale: _Optional[int] = ..., downweighted_stale: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., pass_rate: _Optional[float] = ..., policy_lag_mean: _Optional[float] = ..., policy_lag_max: _Optional[int] = ..., published: _Optional[bool] = ..., weightsync_raw_bytes: _Optional[int] = ..., weightsync_encoded_bytes: _Optional[int] = ..., lr: _Optional[float] = ..., stepped: _Optional[bool] = ..., tis_weight_mean: _Optional[float] = ..., kl: _Optional[float] = ..., peak_rss_mb: _Optional[float] = ...) -> None: ...
+    commit_seconds: float
+    publish_seconds: float
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., trajectories: _Optional[int] = ..., groups: _Optional[int] = ..., step_seconds: _Optional[float] = ..., grad_norm: _Optional[float] = ..., dropped_stale: _Optional[int] = ..., downweighted_stale: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., pass_rate: _Optional[float] = ..., policy_lag_mean: _Optional[float] = ..., policy_lag_max: _Optional[int] = ..., published: _Optional[bool] = ..., weightsync_raw_bytes: _Optional[int] = ..., weightsync_encoded_bytes: _Optional[int] = ..., lr: _Optional[float] = ..., stepped: _Optional[bool] = ..., tis_weight_mean: _Optional[float] = ..., kl: _Optional[float] = ..., peak_rss_mb: _Optional[float] = ..., commit_seconds: _Optional[float] = ..., publish_seconds: _Optional[float] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
     __slots__ = ("step", "policy_version", "trajectories_consumed", "trajectories_pending", "recent_steps", "model", "dropped_stale_total", "downweighted_stale_total", "dead_lettered", "duplicates_skipped", "claimed", "checkpoint_step", "resumed_from_step", "dropped_groups_total")

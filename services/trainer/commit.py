@@ -178,7 +178,7 @@ class Committer:
         checkpoint, if it is still running: at most one of each is in flight)."""
         learner = self.learner
         p = self.progress
-        self.last_step_at = time.monotonic()
+        self.last_step_at = started = time.monotonic()
         if self._root() is not None:
             p.history.append({"step": learner.step_count, "version": learner.version, "master_hash": await asyncio.to_thread(learner.master_hash)})
         weights = await asyncio.to_thread(learner.policy_weights)
@@ -192,11 +192,13 @@ class Committer:
         self._since_checkpoint += 1
         if self._root() is not None and self._since_checkpoint >= self.config.checkpoint_every:
             await self.checkpoint()
+        metrics.commit_seconds = time.monotonic() - started
 
     async def _publish(
         self, version: int, weights: dict[str, RawTensor], probe: weightsync_pb2.Canary, trace: dict[str, str], values: dict[str, float],
         metrics: pb.StepMetrics, acks: dict[str, str] | None,
     ) -> None:
+        started = time.monotonic()
         try:
             reply = await self._publish_now(version, weights, trace, values, probe)
         except CommitRefused:
@@ -207,6 +209,7 @@ class Committer:
             log.exception("version %d was not published", version)
             return
         metrics.published = True
+        metrics.publish_seconds = time.monotonic() - started
         metrics.weightsync_raw_bytes = reply.raw_bytes
         metrics.weightsync_encoded_bytes = reply.encoded_bytes
         if acks is not None:
