@@ -36,12 +36,15 @@ SPECIAL = {
 }
 
 
-def _roundtrip(new: np.ndarray, old: np.ndarray | None, dtype: str, chunk_elems: int) -> list:
-    chunks = encode_tensor("t", new, old, dtype, chunk_elems=chunk_elems)
+def _roundtrip(new: np.ndarray, old: np.ndarray | None, dtype: str, chunk_elems: int, fmt: int = 1) -> list:
+    chunks = encode_tensor("t", new, old, dtype, chunk_elems=chunk_elems, format_version=fmt)
     out = np.empty_like(new)
     for c in chunks:
         decode_chunk_into(c.payload, out, old)
+        assert codec.parse_header(c.payload).version == fmt
     assert np.array_equal(out, new), "round trip is not bit exact"
+    if fmt == 1 and old is not None:
+        _roundtrip(new, old, dtype, chunk_elems, 2)  # and without context in format 2
     return chunks
 
 
@@ -206,19 +209,20 @@ def test_fp32_to_bf16_rounds_to_nearest_even():
 # ---------------------------------------------------------------- errors
 
 
-def _sample_delta_payload() -> tuple[bytes, np.ndarray, np.ndarray]:
+def _sample_delta_payload(fmt: int = 1) -> tuple[bytes, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(7)
     old = rng.integers(0, 2**16, 5000, dtype=np.uint16)
     new = old.copy()
     idx = rng.choice(5000, 100, replace=False)
     new[idx] += np.uint16(1)
-    (chunk,) = encode_tensor("t", new, old, "bf16")
+    (chunk,) = encode_tensor("t", new, old, "bf16", format_version=fmt)
     assert codec.parse_header(chunk.payload).mode == codec.MODE_DELTA
     return chunk.payload, old, new
 
 
-def test_truncated_payloads_raise():
-    payload, old, _ = _sample_delta_payload()
+@pytest.mark.parametrize("fmt", codec.FORMAT_VERSIONS)
+def test_truncated_payloads_raise(fmt):
+    payload, old, _ = _sample_delta_payload(fmt)
     out = np.empty_like(old)
     for cut in range(len(payload)):
         with pytest.raises(CodecError):
@@ -244,16 +248,18 @@ def test_bad_magic_version_mode_dtype_raise():
         decode_chunk_into(payload, np.empty(old.size + 1, dtype=np.uint16), old)
 
 
-def test_delta_without_base_raises():
-    payload, old, _ = _sample_delta_payload()
+@pytest.mark.parametrize("fmt", codec.FORMAT_VERSIONS)
+def test_delta_without_base_raises(fmt):
+    payload, old, _ = _sample_delta_payload(fmt)
     with pytest.raises(CodecError, match="previous version"):
         decode_chunk_into(payload, np.empty_like(old), None)
     with pytest.raises(CodecError, match="old has"):
         decode_chunk_into(payload, np.empty_like(old), old[:-1])
 
 
-def test_corrupted_bytes_raise():
-    payload, old, _ = _sample_delta_payload()
+@pytest.mark.parametrize("fmt", codec.FORMAT_VERSIONS)
+def test_corrupted_bytes_raise(fmt):
+    payload, old, _ = _sample_delta_payload(fmt)
     out = np.empty_like(old)
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -377,7 +383,7 @@ def test_format_2_chain_roundtrips_with_context(case):
     enc_ctx = dec_ctx = None
     held = versions[0].copy()
     for old, new in zip(versions, versions[1:]):
-        chunks = encode_tensor("t", new, old, dtype, chunk_elems=chunk_elems, context=enc_ctx)
+        chunks = encode_tensor("t", new, old, dtype, chunk_elems=chunk_elems, context=enc_ctx, format_version=2)
         fresh = np.empty_like(new)
         got = []
         for j, c in enumerate(chunks):
@@ -415,9 +421,9 @@ def _chain(n: int = 20_000, seed: int = 0) -> list[np.ndarray]:
 
 def test_context_makes_persistent_changes_smaller():
     v0, v1, v2 = _chain()
-    (c1,) = encode_tensor("t", v1, v0, "bf16")
-    (with_ctx,) = encode_tensor("t", v2, v1, "bf16", context=[c1.changes])
-    (without,) = encode_tensor("t", v2, v1, "bf16")
+    (c1,) = encode_tensor("t", v1, v0, "bf16", format_version=2)
+    (with_ctx,) = encode_tensor("t", v2, v1, "bf16", context=[c1.changes], format_version=2)
+    (without,) = encode_tensor("t", v2, v1, "bf16", format_version=2)
     assert len(with_ctx.payload) < 0.75 * len(without.payload)
 
 
@@ -426,8 +432,8 @@ def test_delta_decode_touches_only_changed_elements():
     neither affects the result nor gets overwritten, and nothing is read or
     written outside the changed positions (format 1 reads every old exponent)."""
     v0, v1, v2 = _chain(seed=1)
-    (c1,) = encode_tensor("t", v1, v0, "bf16")
-    (c2,) = encode_tensor("t", v2, v1, "bf16", context=[c1.changes])
+    (c1,) = encode_tensor("t", v1, v0, "bf16", format_version=2)
+    (c2,) = encode_tensor("t", v2, v1, "bf16", context=[c1.changes], format_version=2)
     for payload, old, new, ctx in ((c1.payload, v0, v1, None), (c2.payload, v1, v2, c1.changes)):
         changed = old != new
         garbage = np.random.default_rng(2).integers(0, 2**16, old.size, dtype=np.uint16)
@@ -448,8 +454,8 @@ def test_delta_decode_touches_only_changed_elements():
 
 def test_wrong_or_missing_context_raises():
     v0, v1, v2 = _chain(seed=3)
-    chunks1 = encode_tensor("t", v1, v0, "bf16", chunk_elems=5000)
-    chunks2 = encode_tensor("t", v2, v1, "bf16", chunk_elems=5000, context=[c.changes for c in chunks1])
+    chunks1 = encode_tensor("t", v1, v0, "bf16", chunk_elems=5000, format_version=2)
+    chunks2 = encode_tensor("t", v2, v1, "bf16", chunk_elems=5000, context=[c.changes for c in chunks1], format_version=2)
     payload, ctx = chunks2[1].payload, chunks1[1].changes
     assert payload[codec.parse_header(payload).body_offset] & 1  # coded against the context
     buf = v1.copy()
@@ -468,15 +474,15 @@ def test_wrong_or_missing_context_raises():
     with pytest.raises(CodecError, match="format version 1 has no context"):
         encode_tensor("t", v2, v1, "bf16", chunk_elems=5000, context=[c.changes for c in chunks1], format_version=1)
     with pytest.raises(CodecError, match="context has"):
-        encode_tensor("t", v2, v1, "bf16", chunk_elems=5000, context=[None])
+        encode_tensor("t", v2, v1, "bf16", chunk_elems=5000, context=[None], format_version=2)
     with pytest.raises(CodecError, match="format_version"):
         encode_tensor("t", v2, v1, "bf16", format_version=3)
 
 
 def test_format_2_corrupt_payloads_raise():
     v0, v1, v2 = _chain(seed=4)
-    (c1,) = encode_tensor("t", v1, v0, "bf16")
-    (c2,) = encode_tensor("t", v2, v1, "bf16", context=[c1.changes])
+    (c1,) = encode_tensor("t", v1, v0, "bf16", format_version=2)
+    (c2,) = encode_tensor("t", v2, v1, "bf16", context=[c1.changes], format_version=2)
     payload = c2.payload
     rng = np.random.default_rng(0)
     for _ in range(100):  # any flipped bit: the body checksum or the header catches it

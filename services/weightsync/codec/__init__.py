@@ -39,10 +39,9 @@ from services.weightsync.codec.kernels2 import (
     _HEAD_ERRORS,
     _V2_ERRORS,
     _context_features,
-    _decode_v2,
+    _decode_chunk2,
     _diff_positions,
     _encode_v2,
-    _parse_head,
 )
 
 __all__ = [
@@ -68,6 +67,9 @@ __all__ = [
 _TRY_KEYFRAME_FRACTION = 0.2
 
 #: Format versions the encoders write (``format_version=``); the decoder reads both.
+#: The encoders write version 1 unless asked for 2: a version-2 delta pays off
+#: only when the caller keeps and passes each chunk's context (see format.py);
+#: without one it is larger than version 1 (measured in format.py).
 FORMAT_VERSIONS = (_VERSION, _VERSION_2)
 
 
@@ -109,7 +111,7 @@ def _scan(new: np.ndarray, old: np.ndarray, dtype: str):
     return _scan_changes(new, old, new64, old64, shift, emask, sign_bit, full)
 
 
-def encode_keyframe_chunk(new: np.ndarray, dtype: str, start: int, count: int, *, format_version: int = _VERSION_2) -> bytes:
+def encode_keyframe_chunk(new: np.ndarray, dtype: str, start: int, count: int, *, format_version: int = _VERSION) -> bytes:
     """Encode new[start:start+count] as a self-contained keyframe payload
     (the same body in both format versions)."""
     _check_dtype(dtype)
@@ -184,7 +186,7 @@ def encode_chunk(
     count: int,
     *,
     context: ChunkChanges | None = None,
-    format_version: int = _VERSION_2,
+    format_version: int = _VERSION,
     name: str = "",
 ) -> EncodedChunk:
     """Encode new[start:start+count] against old as one chunk (a delta, or a
@@ -243,7 +245,7 @@ def encode_delta_chunk(
     count: int,
     *,
     context: ChunkChanges | None = None,
-    format_version: int = _VERSION_2,
+    format_version: int = _VERSION,
 ) -> bytes:
     """Encode new[start:start+count] against old; falls back to a keyframe
     payload when most of the chunk changed and the keyframe is smaller. See
@@ -259,7 +261,7 @@ def encode_tensor(
     *,
     chunk_elems: int = 1 << 22,
     context: Sequence[ChunkChanges | None] | None = None,
-    format_version: int = _VERSION_2,
+    format_version: int = _VERSION,
 ) -> list[EncodedChunk]:
     """Encode one tensor (1-D raw-bit view) as independently decodable chunks.
 
@@ -377,39 +379,45 @@ def _base_into(dst: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 def _decode_delta2(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.ndarray, context: ChunkChanges | None) -> ChunkChanges:
-    """Decode a version-2 delta chunk (see decode_chunk_into)."""
+    """Decode a version-2 delta chunk (see decode_chunk_into): one kernel call,
+    since per-call overhead is a real share of applying a sparse version."""
     lo, hi = hdr.start, hdr.start + hdr.count
+    raw = DTYPES[hdr.dtype]
+    if context is None or context.positions.shape[0] == 0:
+        has_ctx, ctx_pos, ctx_old, ctx_new = False, _NO_INT, old[:0], old[:0]
+    else:
+        if not isinstance(context, ChunkChanges):
+            raise CodecError(f"context must be the ChunkChanges of the previous delta, got {type(context).__name__}")
+        if context.old.dtype != raw or context.new.dtype != raw:
+            raise CodecError(f"context bits have dtype {context.old.dtype}, {hdr.dtype} needs {np.dtype(raw)}")
+        if not context.positions.shape == context.old.shape == context.new.shape:
+            raise CodecError("context positions, old and new bits differ in length")
+        has_ctx = True
+        ctx_pos = np.ascontiguousarray(context.positions, dtype=np.int64)
+        ctx_old, ctx_new = np.ascontiguousarray(context.old), np.ascontiguousarray(context.new)
+    if out is old:
+        dst = src = out[lo:hi]  # in place: reads and writes only the changed elements
+    else:
+        dst, src = _base_into(out[lo:hi], old[lo:hi])
     shift, emask = _EXP_FIELD[hdr.dtype]
-    buf = np.frombuffer(body, dtype=np.uint8)
-    st, flags, ctx_count, fingerprint, n_new, k_new, rows, mrows, offset = _parse_head(buf, hdr.count, emask)
-    if st != 0:
-        raise CodecError(f"{_HEAD_ERRORS.get(st, f'delta head error {st}')} (chunk start {lo})")
-    ctx_pos, ctx_grp, ctx_neg = _NO_INT, _NO_INT, _NO_BOOL
-    if flags & 1:
-        if context is None:
-            raise CodecError(f"delta chunk [{lo}, {hi}) is coded against the previous delta's changes of this chunk (context), and none was given")
-        ctx = _context_arrays(context, hdr.dtype, lo, hdr.count)
-        got = 0 if ctx is None else ctx[0].shape[0]
-        if ctx is None or got != ctx_count or ctx[3] != fingerprint:
-            raise CodecError(
-                f"delta chunk [{lo}, {hi}) was coded against a different context ({ctx_count} changes, "
-                f"fingerprint {fingerprint:08x}; given {got} changes): pass the changes of the previous "
-                "version's delta for this chunk"
-            )
-        ctx_pos, ctx_grp, ctx_neg = ctx[0], ctx[1], ctx[2]
-    stream = body[offset:]
-    words = _stream_words(stream)
-    dst, src = _base_into(out[lo:hi], old[lo:hi])
-    sign_bit, full = 1 << (_BITS[hdr.dtype] - 1), (1 << _BITS[hdr.dtype]) - 1
-    rc, positions, olds, news = _decode_v2(
-        src, dst, hdr.count, ctx_pos, ctx_grp, ctx_neg, rows, mrows, n_new, k_new, words, 8 * len(stream),
-        shift, emask, sign_bit, full,
+    rc, ctx_count, fingerprint, positions, olds, news = _decode_chunk2(
+        np.frombuffer(body, dtype=np.uint8), src, dst, lo, hdr.count, has_ctx, ctx_pos, ctx_old, ctx_new,
+        shift, emask, 1 << (_BITS[hdr.dtype] - 1), (1 << _BITS[hdr.dtype]) - 1,
     )  # fmt: skip
-    if rc != 0:
-        raise CodecError(f"{_V2_ERRORS.get(rc, f'delta decode error {rc}')} (chunk start {lo})")
-    if lo:
-        positions += lo
-    return ChunkChanges(positions, olds, news)
+    if rc == 0:
+        return ChunkChanges(positions, olds, news)
+    if rc == -20:
+        raise CodecError(f"delta chunk [{lo}, {hi}) is coded against the previous delta's changes of this chunk (context), and none was given")
+    if rc == -21:
+        raise CodecError(f"context positions are not ascending inside this chunk [{lo}, {hi}): pass the changes of the previous delta for the same chunk range")
+    if rc == -22:
+        raise CodecError(
+            f"delta chunk [{lo}, {hi}) was coded against a different context ({ctx_count} changes, "
+            f"fingerprint {ctx_count and fingerprint:08x}; given {context.positions.shape[0]} changes): pass the "
+            "changes of the previous version's delta for this chunk"
+        )
+    msg = _HEAD_ERRORS.get(rc) or _V2_ERRORS.get(rc, f"delta decode error {rc}")
+    raise CodecError(f"{msg} (chunk start {lo})")
 
 
 def decode_tensor(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from services.weightsync.codec.format import _BIN_RAW, _FLAG_CONTEXT, _G_FLIP, _G_NEWSIGN, _NGROUPS, _QMAX, _RAW_BITS
+from services.weightsync.codec.format import _BIN_RAW, _FLAG_CONTEXT, _PAD, _G_FLIP, _G_NEWSIGN, _NGROUPS, _QMAX, _RAW_BITS
 from services.weightsync.codec.kernels import _best_k, _get_rice, _ordered_key, _peek, _put, _put_rice
 
 # See the note in kernels.py: numba freezes these into its cached kernels.
@@ -549,6 +549,41 @@ def _parse_head(buf, count, emask):
         mrows[j, 1] = kc & 0x7F
         mrows[j, 2] = center
     return 0, flags, ctx_count, fp, n_new, k_new, rows, mrows, pos
+
+
+@njit(cache=True, nogil=True)
+def _decode_chunk2(body, src, dst, start, count, has_ctx, ctx_pos, ctx_old, ctx_new, shift, emask, sign_bit, full):
+    """Decode a version-2 delta body (uint8) onto dst (holding the base src of
+    the chunk starting at element ``start``) in one call: the head, the
+    context's check, the bit stream. Returns (status, context count and
+    fingerprint the payload names, absolute positions, old bits, new bits);
+    status < 0: see _HEAD_ERRORS / _V2_ERRORS."""
+    no_pos = np.empty(0, dtype=np.int64)
+    no_bits = np.empty(0, dtype=src.dtype)
+    st, flags, ctx_count, fp, n_new, k_new, rows, mrows, off = _parse_head(body, count, emask)
+    if st != 0:
+        return st, ctx_count, fp, no_pos, no_bits, no_bits
+    rel = np.empty(0, dtype=np.int64)
+    grp = np.empty(0, dtype=np.int64)
+    neg = np.empty(0, dtype=np.bool_)
+    if flags & _FLAG_CONTEXT:
+        if not has_ctx:
+            return -20, ctx_count, fp, no_pos, no_bits, no_bits
+        st, rel, grp, neg, got = _context_features(ctx_pos, ctx_old, ctx_new, start, count, shift, emask, sign_bit, full)
+        if st != 0:
+            return -21, ctx_count, fp, no_pos, no_bits, no_bits
+        if rel.shape[0] != ctx_count or got != fp:
+            return -22, ctx_count, fp, no_pos, no_bits, no_bits
+    nb = body.shape[0] - off
+    words = np.zeros((nb + _PAD + 7) // 8, dtype=np.uint64)
+    for i in range(nb):  # little-endian words, whatever the host
+        words[i >> 3] |= np.uint64(body[off + i]) << np.uint64(8 * (i & 7))
+    rc, pos, olds, news = _decode_v2(src, dst, count, rel, grp, neg, rows, mrows, n_new, k_new, words, 8 * nb, shift, emask, sign_bit, full)
+    if rc != 0:
+        return rc, ctx_count, fp, no_pos, no_bits, no_bits
+    for e in range(pos.shape[0]):
+        pos[e] += start
+    return 0, ctx_count, fp, pos, olds, news
 
 
 _HEAD_ERRORS = {
