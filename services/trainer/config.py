@@ -40,6 +40,7 @@ class TrainerConfig:
     stale_weight: float = opt(0.25, "loss weight of a stale sample in downweight mode")
     micro_batch: int = opt(8, "sequences per forward and backward pass; gradients accumulate over the batch (fewer: less memory; 0: the whole batch at once)")
     pack_prefix: bool = opt(True, "pack each micro-batch into one sequence with the rows' common prefix (a group's prompt) computed once; off: padded rows")
+    pack_max_tokens: int = opt(4096, "packed positions per micro-batch at most (attention is quadratic in the packed length); a longer row is packed alone")
     autocast_bf16: bool = opt(False, "run forward and backward under bf16 autocast (master weights stay fp32)")
     publish_every: int = opt(1, "publish every k optimizer steps")
     checkpoint_every: int = opt(10, "checkpoint every k publishing steps, in the background (groups are acked once a checkpoint covers them)")
@@ -75,6 +76,8 @@ class TrainerConfig:
             raise ValueError("tis_cap, kl_coef and warmup_steps must be >= 0")
         if self.publish_every <= 0 or self.checkpoint_every <= 0 or self.keep_checkpoints <= 0 or self.dedupe_window <= 0:
             raise ValueError("publish_every, checkpoint_every, keep_checkpoints and dedupe_window must be positive")
+        if self.pack_max_tokens <= 0:
+            raise ValueError(f"pack_max_tokens must be positive, got {self.pack_max_tokens}")
         if self.micro_batch < 0:
             raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
         if self.checkpoint_idle_s < 0:

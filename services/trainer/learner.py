@@ -32,7 +32,7 @@ from services.trainer.batch import Batch, build_batch, policy_lag, token_logprob
 from services.trainer.config import TrainerConfig
 from services.trainer.learner_protocol import PASS_REWARD, StepResult
 from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal, staleness_weight
-from services.trainer.packing import PackedLayout, pack, packed_logprobs
+from services.trainer.packing import PackedLayout, pack, packed_logprobs, plan_packs
 from meridian.tensors import RawTensor, from_torch, to_torch
 
 
@@ -315,13 +315,18 @@ class Learner:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def _micro_batches(self, shard: Batch) -> list[Batch]:
-        """``micro_batch`` rows at a time, each cut to its own longest sequence (rows are
-        right-padded to the whole batch's)."""
+        """``micro_batch`` rows at a time (packed: also at most ``pack_max_tokens``
+        positions), each cut to its own longest sequence (rows are right-padded to the
+        whole batch's)."""
         rows = shard.input_ids.shape[0]
         size = self.config.micro_batch or rows
+        if self.config.pack_prefix:
+            ranges = plan_packs(shard.input_ids, shard.attention_mask.sum(dim=1), size, self.config.pack_max_tokens)
+        else:
+            ranges = [(start, min(start + size, rows)) for start in range(0, rows, size)]
         parts = []
-        for start in range(0, rows, size):
-            part = Batch(**{f.name: getattr(shard, f.name)[start : start + size].to(self.device) for f in dataclasses.fields(Batch)})
+        for start, stop in ranges:
+            part = Batch(**{f.name: getattr(shard, f.name)[start:stop].to(self.device) for f in dataclasses.fields(Batch)})
             length = max(2, int(part.attention_mask.sum(dim=1).max()))
             parts.append(
                 dataclasses.replace(

@@ -53,6 +53,28 @@ def common_prefix(input_ids: torch.Tensor, lengths: torch.Tensor) -> int:
     return int(differs[0]) if differs.numel() else shortest
 
 
+def plan_packs(input_ids: torch.Tensor, lengths: torch.Tensor, max_rows: int, max_positions: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges ``[start, stop)`` to pack together: at most ``max_rows``
+    rows and ``max_positions`` packed positions each (a row longer than that alone).
+
+    The bound matters because attention over a packed sequence is quadratic in its whole
+    length, not in each row's: a few long rows are cheaper padded side by side.
+    """
+    ranges: list[tuple[int, int]] = []
+    start, rows = 0, input_ids.shape[0]
+    while start < rows:
+        stop = start + 1
+        while stop < rows and stop - start < max_rows:
+            candidate = slice(start, stop + 1)
+            prefix = common_prefix(input_ids[candidate], lengths[candidate])
+            if prefix + int((lengths[candidate] - prefix).sum()) > max_positions:
+                break
+            stop += 1
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor) -> PackedLayout:
     """The packed layout of a right-padded batch ([B, T] ids and mask, [B, T-1] targets).
 
@@ -103,7 +125,10 @@ def packed_logprobs(model: torch.nn.Module, layout: PackedLayout, fill: torch.Te
     overflows before its mask zeroes it)."""
     out = fill.detach().clone()
     if layout.keep.numel() == 0:
-        return out
+        # Nothing trained, but the forward and backward passes still run (data-parallel
+        # ranks wait for every parameter's gradient): a zero that depends on the model.
+        logits = model(input_ids=layout.input_ids, attention_mask=layout.attention, position_ids=layout.position_ids, logits_to_keep=1).logits
+        return out + 0.0 * logits.sum()
     logits = model(input_ids=layout.input_ids, attention_mask=layout.attention, position_ids=layout.position_ids, logits_to_keep=layout.keep).logits[0]
     values = []
     for start in range(0, layout.source.numel(), chunk):

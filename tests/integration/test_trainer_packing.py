@@ -44,3 +44,18 @@ def test_packed_logprobs_and_gradients_equal_the_padded_batch(tiny_model: Path, 
     # Untrained positions hold the behaviour log-probs (ratio 1 there, masked anyway).
     assert torch.equal(packed[~trained], batch.behaviour_logprobs[~trained])
     assert float((packed_grad - padded_grad).norm() / padded_grad.norm()) < 1e-4
+
+
+def test_a_micro_batch_with_nothing_trained_still_runs_backward(tiny_model: Path) -> None:
+    # Data-parallel ranks wait for every parameter's gradient, even from a shard
+    # whose tokens are all masked.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    batch = build_batch(fixed_groups(tiny_model, 1, group_size=2), pad_id=0)
+    nothing = torch.zeros_like(batch.target_mask)
+    packed = packed_logprobs(model, pack(batch.input_ids, batch.attention_mask, nothing), batch.behaviour_logprobs)
+    assert torch.equal(packed.detach(), batch.behaviour_logprobs)
+    packed.sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads) and all(float(g.abs().max()) == 0.0 for g in grads)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.packing import common_prefix, pack
+from services.trainer.packing import common_prefix, pack, plan_packs
 
 PAD = 0
 
@@ -72,3 +72,14 @@ def test_rows_with_nothing_in_common_are_packed_side_by_side() -> None:
     assert layout.position_ids.tolist() == [[0, 1, 2, 0, 1]]
     assert not layout.attention[0, 0, 3, :3].any() and not layout.attention[0, 0, :3, 3:].any()
     assert layout.keep.tolist() == [0, 1, 3]
+
+
+def test_packs_stay_within_the_row_and_position_bounds() -> None:
+    prompt = [7] * 10
+    rows = [prompt + [1, 2, 3], prompt + [4, 5], prompt + [6], [9] * 30, prompt + [8, 8]]
+    ids, mask, _ = _batch(rows, [[] for _ in rows])
+    lengths = mask.sum(dim=1)
+    # Rows 0-2 share the prompt: 10 + 3 + 2 + 1 = 16 positions; row 3 is 30 on its own.
+    assert plan_packs(ids, lengths, max_rows=8, max_positions=20) == [(0, 3), (3, 4), (4, 5)]
+    assert plan_packs(ids, lengths, max_rows=2, max_positions=100) == [(0, 2), (2, 4), (4, 5)]
+    assert plan_packs(ids, lengths, max_rows=8, max_positions=15) == [(0, 2), (2, 3), (3, 4), (4, 5)]
