@@ -189,21 +189,24 @@ class CodecRates:
         return dataclasses.replace(self, **changes)
 
 
-#: Figures measured on the 2-core development machine (shared, under load) with the
-#: built-in SmolLM2-135M and real RL steps at lr 1e-6: codec rates and the delta size from
-#: ``meridian bench weightsync --json``, sha256 and the element hash with the stdlib and
-#: ``meridian.elementhash`` on 8-64 MiB buffers, the per-message cost fitted by
-#: ``benchmarks/weightsync_simulation.py`` on a loopback run (no emulated link) of the real
-#: services. ``--rates-from`` replaces the codec figures with another bench result.
+#: Figures measured on the 2-core development machine (AMD EPYC, shared with other work,
+#: load average ~5) with the built-in SmolLM2-135M and real RL steps at lr 1e-6. From
+#: ``meridian bench weightsync --json``: the delta size (median 0.181 % of full bf16), encode
+#: (0.89 GB/s, one core, wall clock), in-place decode per CPU second (1.03 GB/s; 0.85 by the
+#: wall clock), decode into fresh buffers (0.83 GB/s). sha256 with the stdlib on 8 MiB buffers
+#: (0.52 GB/s under that load); the full-weights element hash (``weights_hash``) 0.8 GB/s as
+#: ``benchmarks/weightsync_simulation.py`` timed it; the event-loop cost of one gRPC message
+#: per side (360-380 us) fitted there on a real run. Persist (write + fsync of the encoded
+#: bytes) is assumed, not measured: for a delta it is small either way.
 DEFAULT_RATES = CodecRates(
-    encode_bytes_s=0.45e9,
-    decode_bytes_s=2.0e9,
-    decode_copy_bytes_s=0.6e9,
-    weights_hash_bytes_s=0.5e9,
+    encode_bytes_s=0.89e9,
+    decode_bytes_s=1.03e9,
+    decode_copy_bytes_s=0.83e9,
+    weights_hash_bytes_s=0.8e9,
     sha256_bytes_s=0.5e9,
     persist_bytes_s=0.5e9,
-    delta_fraction=0.0015,
-    message_overhead_s=250e-6,
+    delta_fraction=0.00181,
+    message_overhead_s=370e-6,
     engine_apply_bytes_s=0.0,
     source="defaults measured on the development machine (see DEFAULT_RATES)",
 )
@@ -623,7 +626,8 @@ def simulate(config: SimConfig) -> dict[str, Any]:
     # origin on one thread; decoding on min(4, cores) threads. Pipelined: all cores.
     decode_lanes = c.cores if pipelined else min(CURRENT_DECODE_THREADS, c.cores)
     shared_loop = _Resource("loop", 1) if c.single_process else None
-    shared_cpu = _Resource("cpu", max(1, c.cores - 1)) if c.single_process else None
+    # One process: every subscriber's decode threads share the machine's cores.
+    shared_cpu = _Resource("cpu", c.cores) if c.single_process else None
     loop: dict[str, _Resource] = {}
     cpu: dict[str, _Resource] = {}
     nic: dict[str, _Resource] = {}

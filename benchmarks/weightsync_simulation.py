@@ -1,0 +1,295 @@
+"""``python -m benchmarks.weightsync_simulation [--bench FILE] [--versions N] [--json]``:
+checks the weightsync propagation model (:mod:`services.weightsync.simulation`) against
+real runs at small scale before it is trusted at large scale.
+
+The real runs: the services themselves (origin, relay, in-place subscribers) in this
+process, as ``meridian bench weightsync`` runs them, on the versions that bench records
+(real RL steps of the built-in model, taken from its cache or recorded once), with the
+inter-region hop through the WAN link emulator. One run calibrates the only figure the
+model cannot take from elsewhere, the event-loop cost of one gRPC message, on a loopback
+origin -> subscriber path with no emulated link; the others (relay, emulated links of
+several bandwidths and latencies, one or two subscribers) are predicted with no further
+fitting and compared. Codec rates and the delta size come from a ``meridian bench
+weightsync --json`` result (``--bench``), else from this run's versions.
+
+Prints one JSON object (``--json``) or a table: per configuration the measured median
+propagation (origin holds the version -> every subscriber holds it verified), the model's
+prediction and the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from services.weightsync import simulation as sim
+
+LOOPBACK = sim.Link(1e9, 0.0)  # in-process gRPC over loopback: bytes are cheap, no latency
+TOLERANCE = 0.20
+CHUNK_BYTES = 4 << 20  # the service default (chunk_mb = 4)
+
+#: name -> (emulated link Mbit/s, None: unlimited; one-way ms; relay behind the emulator; subscribers)
+CONFIGS: dict[str, tuple[float | None, float, bool, int]] = {
+    "calibration: relay, unlimited link, 1 subscriber": (None, 0.0, True, 1),
+    "bench link: relay, 100 Mbit/s 50 ms, 1 subscriber": (100.0, 50.0, True, 1),
+    "relay, 20 Mbit/s 20 ms, 1 subscriber": (20.0, 20.0, True, 1),
+    "relay, 100 Mbit/s 150 ms, 2 subscribers": (100.0, 150.0, True, 2),
+    "relay, unlimited link, 2 subscribers": (None, 0.0, True, 2),
+    "no relay: origin -> 2 subscribers": (None, 0.0, False, 2),
+}
+CALIBRATION = next(iter(CONFIGS))
+
+
+# ---------------------------------------------------------------- real runs
+
+
+@contextlib.asynccontextmanager
+async def _serving(service: Any) -> AsyncIterator[str]:
+    import grpc
+
+    from meridian.grpc_runtime import ErrorBoundary, channel_options
+
+    server = grpc.aio.server(interceptors=[ErrorBoundary()], options=channel_options())
+    service.register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        await service.start()
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace=None)
+        await service.stop()
+
+
+async def _measure(versions: list[Any], workdir: Path, mbit: float | None, latency_ms: float, relay: bool, subscribers: int) -> dict[str, Any]:
+    """Propagation of versions 1.. from the origin to ``subscribers`` in-place subscribers,
+    through a relay behind the link emulator or straight from the origin."""
+    from benchmarks.support.linkemu import LinkEmulator
+    from services.weightsync import client
+    from services.weightsync.client import WeightSubscriber
+    from services.weightsync.config import WeightSyncConfig
+    from services.weightsync.server import WeightSyncService
+
+    origin_svc = WeightSyncService(WeightSyncConfig(data_dir=str(workdir / "origin")))
+    out: dict[str, Any] = {"propagation_s": [], "encoded_bytes": [], "chunks": 0}
+    async with contextlib.AsyncExitStack() as stack:
+        origin = await stack.enter_async_context(_serving(origin_svc))
+        await client.publish(origin, 0, versions[0])
+        source, relay_svc = origin, None
+        link = None
+        if relay:
+            link = await stack.enter_async_context(LinkEmulator(origin))
+            relay_svc = WeightSyncService(WeightSyncConfig(role="relay", upstream=link.address, data_dir=str(workdir / "relay")))
+            source = await stack.enter_async_context(_serving(relay_svc))
+        subs = [WeightSubscriber(source, None, -1, in_place=True) for _ in range(subscribers)]
+        streams = [s.updates(follow=True) for s in subs]
+        try:
+            for stream in streams:  # v0 over an unlimited link; the deltas are measured
+                assert (await anext(stream)).version == 0
+            while relay_svc is not None and relay_svc.store.latest < 0:
+                await asyncio.sleep(0.05)
+            if link is not None and mbit is not None:
+                link.set_link(bandwidth=mbit * 1e6 / 8, latency_s=latency_ms / 1e3)
+            await asyncio.sleep(0.5)
+
+            async def next_update(stream: AsyncIterator[Any]) -> tuple[Any, float]:
+                update = await anext(stream)
+                return update, time.monotonic()
+
+            for v in range(1, len(versions)):
+                # Subscribers take the version as it comes, while the origin still answers Publish.
+                waiting = [asyncio.ensure_future(next_update(s)) for s in streams]
+                await client.publish(origin, v, versions[v])
+                got = await asyncio.gather(*waiting)
+                for update, _ in got:
+                    if update.version != v:
+                        raise RuntimeError(f"a subscriber got version {update.version}, expected {v}")
+                out["propagation_s"].append(max(t for _, t in got) - origin_svc.available_at[v])
+                out["encoded_bytes"].append(int(got[0][0].manifest.encoded_bytes))
+                out["chunks"] = len(got[0][0].manifest.chunks)
+                while relay_svc is not None and relay_svc.store.latest < v:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)  # let the relay's store work finish before the next version
+        finally:
+            for stream in streams:
+                await stream.aclose()
+            for s in subs:
+                await s.close()
+    return out
+
+
+# ---------------------------------------------------------------- the model of those runs
+
+
+def _layout(weights: dict[str, Any]) -> sim.ModelLayout:
+    """The recorded model's real tensors, in the encoder's order."""
+    return sim.ModelLayout("recorded", tuple((1, int(weights[name].bits.size)) for name in sorted(weights)))
+
+
+def _config(layout: sim.ModelLayout, rates: sim.CodecRates, mbit: float | None, latency_ms: float, relay: bool, subscribers: int) -> sim.SimConfig:
+    wan = LOOPBACK if mbit is None else sim.Link(mbit * 1e6 / 8, latency_ms / 1e3)
+    if relay:
+        topology = sim.Topology(
+            regions=2, subscribers_per_region=subscribers, origin_subscribers=0, wan=wan, lan=LOOPBACK, nic_bytes_s=LOOPBACK.bandwidth_bytes_s
+        )
+    else:
+        topology = sim.Topology(regions=1, subscribers_per_region=subscribers, lan=LOOPBACK, nic_bytes_s=LOOPBACK.bandwidth_bytes_s)
+    # Every service in one process, as in the runs: one event loop, this machine's cores.
+    return sim.SimConfig(layout, topology, rates, mode="current", cores=os.cpu_count() or 1, single_process=True, max_segments=1024)
+
+
+def _fit_message_overhead(layout: sim.ModelLayout, rates: sim.CodecRates, measured_s: float, config: tuple[float | None, float, bool, int]) -> float:
+    """The per-message cost with which the model gives ``measured_s`` for ``config``
+    (bisection: the prediction grows with it)."""
+    lo, hi = 0.0, 0.1
+    for _ in range(30):  # 0.1 s / 2**30: far below the noise
+        mid = (lo + hi) / 2
+        predicted = sim.simulate(_config(layout, rates.replace(message_overhead_s=mid), *config))["propagation_s"]
+        lo, hi = (mid, hi) if predicted < measured_s else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _codec_rates(versions: list[Any]) -> dict[str, float]:
+    """Per-core codec speeds on these versions, measured now (the machine's load changes;
+    rates measured at another time would not describe these runs): the origin's encode
+    (``encode_version``: codec, sha256 per chunk; its full weights hash timed apart), a
+    subscriber's in-place apply and a relay's decode into fresh buffers (``Decoder``)."""
+    from meridian.tensors import RawTensor, weights_hash
+    from services.weightsync.receiver import Decoder
+    from services.weightsync.versions import encode_version
+
+    raw = sum(t.nbytes for t in versions[0].values())
+    t_enc, t_hash, t_apply, t_copy, sizes = [], [], [], [], []
+    encode_version(1, versions[1], versions[0], 0, CHUNK_BYTES)  # compile the kernels outside the timing
+    for v in range(1, len(versions)):
+        old, new = versions[v - 1], versions[v]
+        t0 = time.perf_counter()
+        enc = encode_version(v, new, old, v - 1, CHUNK_BYTES)
+        t1 = time.perf_counter()
+        weights_hash(new)
+        t2 = time.perf_counter()
+        t_enc.append(t1 - t0 - (t2 - t1))
+        t_hash.append(t2 - t1)
+        sizes.append(enc.size)
+        for in_place, times in ((True, t_apply), (False, t_copy)):
+            held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in old.items()}
+            decoder = Decoder(held, v - 1, in_place=in_place)
+            decoder.prepare()  # once per subscriber, not per version
+            t0 = time.perf_counter()
+            decoder.begin(enc.manifest)
+            for i, payload in enumerate(enc.chunks):
+                decoder.add_chunk(i, payload, verified=True)
+            decoder.finish()
+            times.append(time.perf_counter() - t0)
+    med = statistics.median
+    return {
+        "encode_bytes_s": raw / med(t_enc),
+        "weights_hash_bytes_s": raw / med(t_hash),
+        "decode_bytes_s": raw / med(t_apply),
+        "decode_copy_bytes_s": raw / med(t_copy),
+        "delta_fraction": med(sizes) / raw,
+    }
+
+
+def validate(versions: list[Any], rounds: int, log: Any) -> dict[str, Any]:
+    """Runs every configuration ``rounds`` times, interleaved (the machine's load drifts),
+    fits the per-message cost on the calibration configuration and predicts the others."""
+    layout = _layout(versions[0])
+    codec = _codec_rates(versions)
+    log("codec rates now: " + ", ".join(f"{k} {v:.4g}" for k, v in codec.items()))
+    measured: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    chunks: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="meridian-ws-sim-") as tmp:
+        for r in range(rounds):
+            for i, (name, config) in enumerate(CONFIGS.items()):
+                run = asyncio.run(_measure(versions, Path(tmp) / f"{r}-{i}", *config))
+                measured[name] += run["propagation_s"]
+                chunks[name] = run["chunks"]
+                log(f"round {r}, {name}: {[round(x, 3) for x in run['propagation_s']]}")
+    rates = sim.DEFAULT_RATES.replace(**codec)
+    calibration = statistics.median(measured[CALIBRATION])
+    overhead = _fit_message_overhead(layout, rates, calibration, CONFIGS[CALIBRATION])
+    rates = rates.replace(message_overhead_s=overhead, source="this run: codec rates measured now, per-message cost fitted on the calibration configuration")
+    rows = []
+    for name, config in CONFIGS.items():
+        report = sim.simulate(_config(layout, rates, *config))
+        real = statistics.median(measured[name])
+        rows.append(
+            {
+                "config": name,
+                "calibration": name == CALIBRATION,
+                "measured_s": real,
+                "measured_each_s": measured[name],
+                "predicted_s": report["propagation_s"],
+                "error_pct": 100 * (report["propagation_s"] - real) / real,
+                "link_bound_s": report["link_bound_s"],
+                "where_the_time_goes": report["where_the_time_goes"],
+                "chunks_real": chunks[name],
+                "chunks_model": report["model"]["chunks"],
+            }
+        )
+    checked = [r for r in rows if not r["calibration"]]
+    return {
+        "model_rates": dataclasses.asdict(rates),
+        "rows": rows,
+        "max_abs_error_pct": max(abs(r["error_pct"]) for r in checked),
+        "within_20pct": all(abs(r["error_pct"]) <= 100 * TOLERANCE for r in checked),
+        "load_average_1m": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.weightsync_simulation")
+    parser.add_argument("--bench", type=Path, default=None, help="a `meridian bench weightsync --json` output: also compare with its propagation run")
+    parser.add_argument("--versions", type=int, default=3, help="deltas propagated per configuration and round (1-5; the bench's cached versions)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over all configurations, interleaved (default 2)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    ns = parser.parse_args(argv)
+    if not 1 <= ns.versions <= 5 or ns.rounds < 1:
+        parser.error("--versions must be in 1..5 and --rounds >= 1")
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    from benchmarks.weightsync import recorded_versions
+
+    versions, _ = recorded_versions(5, True, log)  # what `meridian bench weightsync` records (and caches)
+    result = validate(versions[: ns.versions + 1], ns.rounds, log)
+    if ns.bench is not None:
+        # The bench's own run of the second configuration, with its own codec figures.
+        bench = json.loads(ns.bench.read_text())
+        real = statistics.median(p["propagation_s"] for p in bench["propagation"]["per_version"])
+        rates = sim.rates_from_bench(bench, sim.CodecRates(**result["model_rates"]))
+        # Wall-clock decode, as the run saw it (the CPU-time figure describes a free core).
+        rates = rates.replace(decode_bytes_s=bench["summary"]["decode_gbps"] * 1e9)
+        layout = _layout(versions[0])
+        predicted = sim.simulate(_config(layout, rates, *CONFIGS["bench link: relay, 100 Mbit/s 50 ms, 1 subscriber"]))["propagation_s"]
+        result["bench_run"] = {
+            "measured_s": real,
+            "predicted_s": predicted,
+            "error_pct": 100 * (predicted - real) / real,
+            "load_average_1m": bench["summary"].get("load_average_1m"),
+        }
+    if ns.json:
+        print(json.dumps(result))
+    else:
+        for r in result["rows"]:
+            tag = " (calibration)" if r["calibration"] else ""
+            print(f"{r['config']}: measured {r['measured_s']:.3f}s, model {r['predicted_s']:.3f}s ({r['error_pct']:+.0f}%){tag}")
+        print(f"largest error {result['max_abs_error_pct']:.0f}% (within 20%: {result['within_20pct']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
