@@ -526,3 +526,17 @@ def test_format_2_garbage_body_with_valid_checksum_never_crashes(blob, dtype_cod
     untouched = np.ones(n, dtype=bool)
     untouched[changes.positions] = False
     assert np.array_equal(buf[untouched], old[untouched])
+
+
+def test_decode_tensor_and_encode_chunk_take_contexts():
+    v0, v1, v2 = _chain(seed=5)
+    first = encode_tensor("t", v1, v0, "bf16", chunk_elems=3000, format_version=2)
+    ctx = [c.changes for c in first]
+    second = encode_tensor("t", v2, v1, "bf16", chunk_elems=3000, context=ctx, format_version=2)
+    assert np.array_equal(codec.decode_tensor(second, v1, "bf16", context=ctx), v2)
+    with pytest.raises(CodecError, match="context has"):
+        codec.decode_tensor(second, v1, "bf16", context=ctx[:-1])
+    one = codec.encode_chunk(v2, v1, "bf16", 3000, 3000, context=ctx[1], format_version=2, name="t")
+    assert one.payload == second[1].payload and one.tensor == "t"
+    assert np.array_equal(one.changes.positions, second[1].changes.positions)
+    assert codec.encode_delta_chunk(v2, v1, "bf16", 3000, 3000, context=ctx[1], format_version=2) == one.payload

@@ -420,9 +420,9 @@ def _decode_v2(old, out, count, ctx_pos, ctx_grp, ctx_neg, rows, mrows, n_new, k
     # branches the CPU keeps many cache misses in flight (the changes are
     # scattered over the tensor, so nearly every read is one).
     for e in range(ne):
-        olds[e] = old[pos[e]]
-    for e in range(ne):
-        c = (np.int64(olds[e]) >> shift) & emask
+        o = old[pos[e]]
+        olds[e] = o
+        c = (np.int64(o) >> shift) & emask
         cls[e] = c
         ccount[c] += 1
     # 5. Magnitudes per class (classes not in the table are all +-1 step).
