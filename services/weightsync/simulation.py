@@ -2,9 +2,10 @@
 
 Plans the frontier case (models up to 1T parameters, several regions) that cannot be run
 here: how long until a version is served everywhere, where that time goes (the critical
-path, by stage), and how many bytes each link carries per day. Pure core: stdlib only
-(a ``heapq`` event queue), deterministic, no I/O; the CLI (``meridian simulate
-weightsync``) and the validation bench (``benchmarks/weightsync_simulation.py``) wrap it.
+path, by stage), and how many bytes each link carries per day. The model is a pure core:
+stdlib only (a ``heapq`` event queue), deterministic, no I/O; ``main`` at the end is the
+``meridian simulate weightsync`` command, and ``benchmarks/weightsync_simulation.py``
+checks the model against real runs.
 
 What travels is modelled from the real format: a version is the model's tensors cut into
 chunks of at most ``chunk_bytes`` raw bf16 bytes (a chunk never spans two tensors, as in
@@ -27,10 +28,11 @@ once every chunk is decoded and the full-weights hash checked.
 
 ``pipelined`` -- the design target, not the code: the origin encodes chunk by chunk on
 all its cores (the weights hash moved by the encoder's changes, no full pass) and sends
-each chunk as soon as it is encoded; chunks are coalesced into
-messages of up to ``message_bytes``; per-message work, verification and decoding run on
-all cores of a node; the flow-control window is the bandwidth-delay product (links run
-at full rate); subscribers apply each chunk to the engine as it is decoded.
+each chunk as soon as it is encoded; chunks are coalesced into messages of up to
+``message_bytes``; per-message work, verification and decoding run on all cores of a
+node; the flow-control window is the bandwidth-delay product (a link's ``window_bytes``
+is ignored: links run at full rate); subscribers apply each chunk to the engine as it is
+decoded.
 
 Left out on purpose (see the README): congestion and packet loss, TCP slow start, other
 traffic on the links, CPU or memory-bandwidth contention with the trainer or the engine,
@@ -687,7 +689,7 @@ def simulate(config: SimConfig) -> dict[str, Any]:
             continue
         p, link = n.parent, n.link
         assert link is not None
-        rate = link.rate
+        rate = link.bandwidth_bytes_s if pipelined else link.rate
         prev_send = prev_recv = prev_wire = None
         recvs: list[_Job] = []
         decodes: list[_Job] = []
@@ -765,7 +767,8 @@ def simulate(config: SimConfig) -> dict[str, Any]:
     wan_depth = max((_wan_depth(n) for n in nodes), default=0)
     # What the links alone allow: the bytes through the slowest link once, plus every
     # latency on the deepest path (cut-through relays).
-    bound = enc_total / t.wan.rate + t.wan.latency_s * wan_depth if wan_depth else enc_total / t.lan.rate + t.lan.latency_s
+    wan_rate = t.wan.bandwidth_bytes_s if pipelined else t.wan.rate
+    bound = enc_total / wan_rate + t.wan.latency_s * wan_depth if wan_depth else enc_total / t.lan.rate + t.lan.latency_s
     busiest = max(
         (r for r in {id(x): x for x in [*loop.values(), *cpu.values(), *nic.values(), *wire.values(), encode_cpu]}.values()),
         key=lambda r: r.busy / len(r.lanes),

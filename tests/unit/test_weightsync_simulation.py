@@ -112,6 +112,13 @@ def test_a_small_window_limits_a_long_link() -> None:
     link = Link(1e9, 0.05, window_bytes=1e6)  # one MB per 100 ms round trip
     assert link.rate == pytest.approx(1e7)
     assert Link(1e9, 0.05).rate == 1e9
+    model = ModelLayout("m", ((4, 1 << 20),))
+    times = {}
+    for window in (None, 1e6):
+        topology = Topology(regions=2, subscribers_per_region=1, origin_subscribers=0, wan=Link(1e9, 0.05, window), lan=NO_LAN, nic_bytes_s=FAST)
+        times[window] = {mode: _served(SimConfig(model, topology, LINKS_ONLY, mode=mode)) for mode in sim.MODES}
+    assert times[1e6]["current"] == pytest.approx(0.05 + 8 * (1 << 20) / 1e7, rel=1e-6)  # window-bound
+    assert times[1e6]["pipelined"] == pytest.approx(times[None]["pipelined"])  # the design's window is the BDP
 
 
 def test_shared_nic_slows_a_wide_fan_out() -> None:
