@@ -9,11 +9,13 @@ calls for ``grace_s``, then close the service's own resources, bounded in time.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import logging
 import signal
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -27,6 +29,12 @@ log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
+#: Calls beyond ``max_concurrent_rpcs`` that only health and reflection may use: gRPC's
+#: own limit is set this far above ours, so a server full of work still answers probes.
+RESERVED_RPCS = 64
+#: Methods no call limit applies to (probes must answer while the server is full).
+UNLIMITED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
 
 @dataclasses.dataclass
 class ServerConfig:
@@ -35,17 +43,25 @@ class ServerConfig:
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(0, "port to listen on (0 picks a free one and prints it)")
     grace_s: float = opt(10.0, "seconds to drain in-flight calls on shutdown")
-    max_message_mb: int = opt(64, "largest request or response message, MiB")
+    max_message_mb: int = opt(64, "largest request or response message, MiB (larger ones answer RESOURCE_EXHAUSTED)")
+    max_concurrent_rpcs: int = opt(1024, "calls in flight at once, open streams included (health and reflection apart); more answer RESOURCE_EXHAUSTED")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grace_s < 0 or self.max_message_mb <= 0:
             raise ValueError("grace_s must be >= 0 and max_message_mb > 0")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
 
 
 class Service(Protocol):
-    """What a service hands to :func:`serve`."""
+    """What a service hands to :func:`serve`.
+
+    A service may also define ``call_limits``, a mapping of full method names
+    (``/meridian.v1.WeightSync/Subscribe``) to :class:`CallLimit`: how many calls of
+    that method may be in flight at once (read once, when the server is built).
+    """
 
     #: fully qualified gRPC service names, for health and reflection
     service_names: Sequence[str]
@@ -78,10 +94,92 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error (ref={ref}); see the service log"
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+@dataclasses.dataclass(frozen=True)
+class CallLimit:
+    """At most ``calls`` calls of one method in flight; ``setting`` is the config field
+    that sets it, named in the refusal so an operator knows what to raise."""
+
+    calls: int
+    setting: str
+
+
+class CallLimits:
+    """Counts calls in flight, in total and per limited method, and refuses the one over
+    a limit with RESOURCE_EXHAUSTED before the handler runs. Health and reflection are
+    never counted: a server busy to its limit must still answer its probes. One event
+    loop runs every handler, so plain counters suffice."""
+
+    def __init__(self, total: int, per_method: Mapping[str, CallLimit] | None = None) -> None:
+        self.total = total
+        self.per_method = dict(per_method or {})
+        self.active = 0
+        self.by_method: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def hold(self, method: str) -> Iterator[None]:
+        if method.startswith(UNLIMITED_PREFIXES):
+            yield
+            return
+        if self.active >= self.total:
+            raise errors.ResourceExhausted(f"{self.active} calls are in flight, this server's limit (max_concurrent_rpcs={self.total}); retry later")
+        limit = self.per_method.get(method)
+        if limit is not None and self.by_method[method] >= limit.calls:
+            name = method.rsplit("/", 1)[-1]
+            raise errors.ResourceExhausted(f"{self.by_method[method]} {name} calls are in flight, this server's limit ({limit.setting}={limit.calls}); retry later")
+        self.active += 1
+        self.by_method[method] += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            self.by_method[method] -= 1
+
+
+class _Malformed:
+    """What the lenient deserializer hands on in place of a request it could not parse."""
+
+    def __init__(self, type_name: str) -> None:
+        self.message = f"malformed request: the bytes are not a valid {type_name} message"
+
+
+def _lenient(deserialize: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
+    """Wraps a request deserializer so that bad bytes reach the boundary as a value.
+
+    grpc.aio parses a request outside the handler: a parse error of a unary request
+    answers UNKNOWN with the parser's own text, and one of a streamed request surfaces
+    in the middle of the handler. Returning a marker instead lets the boundary answer
+    INVALID_ARGUMENT with a short message of its own, the parser's details only logged."""
+    owner = getattr(deserialize, "__self__", None)
+    descriptor = getattr(owner, "DESCRIPTOR", None)
+    type_name = getattr(descriptor, "full_name", "request")
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's bad bytes
+            log.info("%s: malformed %s (%d bytes): %s", method, type_name, len(raw), exc)
+            return _Malformed(type_name)
+
+    return parse
+
+
+def _checked(request: Any) -> Any:
+    if isinstance(request, _Malformed):
+        raise errors.InvalidArgument(request.message)
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _checked(request)
+
+
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], hold: Callable[[], contextlib.AbstractContextManager[None]], streamed: bool) -> Callable[..., Awaitable[Any]]:
     async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await fn(request_or_iterator, context)
+            with hold():
+                request = _checked_stream(request_or_iterator) if streamed else _checked(request_or_iterator)
+                return await fn(request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - this is the boundary
@@ -91,11 +189,13 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
     return handler
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], hold: Callable[[], contextlib.AbstractContextManager[None]], streamed: bool) -> Callable[..., AsyncIterator[Any]]:
     async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in fn(request_or_iterator, context):
-                yield item
+            with hold():
+                request = _checked_stream(request_or_iterator) if streamed else _checked(request_or_iterator)
+                async for item in fn(request, context):
+                    yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - this is the boundary
@@ -106,7 +206,12 @@ def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIt
 
 
 class ErrorBoundary(grpc.aio.ServerInterceptor):
-    """Maps exceptions escaping any handler to a gRPC status, in one place."""
+    """The one place where a call meets its bounds and its errors: malformed request
+    bytes answer INVALID_ARGUMENT, a call over a :class:`CallLimits` limit answers
+    RESOURCE_EXHAUSTED, and exceptions escaping any handler become a gRPC status."""
+
+    def __init__(self, limits: CallLimits | None = None) -> None:
+        self.limits = limits
 
     async def intercept_service(
         self,
@@ -116,26 +221,44 @@ class ErrorBoundary(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
+        method = handler_call_details.method
+        limits = self.limits
+        hold = (lambda: limits.hold(method)) if limits is not None else contextlib.nullcontext
+        streamed = bool(handler.request_streaming)
+        if handler.request_deserializer is not None:
+            handler = handler._replace(request_deserializer=_lenient(handler.request_deserializer, method))
         if handler.unary_unary:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, hold, streamed))
         if handler.stream_unary:
-            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, hold, streamed))
         if handler.unary_stream:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, hold, streamed))
         if handler.stream_stream:
-            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
+            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, hold, streamed))
         return handler
 
 
 # ---------------------------------------------------------------- server
 
 
+def create_server(
+    service: Service, config: ServerConfig, interceptors: Sequence[grpc.aio.ServerInterceptor] = (), options: Sequence[tuple[str, Any]] | None = None
+) -> grpc.aio.Server:
+    """A grpc.aio server with the error boundary innermost and the call limits of
+    ``config`` and ``service.call_limits``; ``options`` default to the message size of
+    ``config``. gRPC's own limit sits :data:`RESERVED_RPCS` above ours, as a backstop
+    that leaves room for health checks."""
+    limits = CallLimits(config.max_concurrent_rpcs, getattr(service, "call_limits", None))
+    return grpc.aio.server(
+        interceptors=[*interceptors, ErrorBoundary(limits)],
+        options=list(channel_options(config.max_message_mb) if options is None else options),
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs + RESERVED_RPCS,
+    )
+
+
 async def run_server(name: str, service: Service, config: ServerConfig) -> None:
     """Runs ``service`` until SIGTERM/SIGINT, with the lifecycle in the module docstring."""
-    server = grpc.aio.server(
-        interceptors=[*telemetry.server_interceptors(), ErrorBoundary()],
-        options=channel_options(config.max_message_mb),
-    )
+    server = create_server(service, config, telemetry.server_interceptors())
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service.register(server)

@@ -1,6 +1,6 @@
 """The local stack without Docker: ``meridian up`` starts its own redis-server (AOF on,
-data in the run folder) and the four services as child processes, waits until each
-reports SERVING, and records PIDs, addresses and logs in ``<run_dir>/stack.json``;
+fsynced before every reply, data in the run folder) and the four services as child
+processes, waits until each reports SERVING, and records PIDs, addresses and logs in ``<run_dir>/stack.json``;
 ``meridian down`` stops them in reverse order (SIGTERM, then SIGKILL after a grace
 period, always by PID and process group); ``meridian status`` reports health, policy
 versions and the trajectory stream."""
@@ -218,7 +218,14 @@ def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str]) -> tu
     data = run_dir / "redis"
     data.mkdir(parents=True, exist_ok=True)
     log = run_dir / "redis.log"
-    argv = [server, "--bind", host, "--port", str(port), "--dir", str(data), "--appendonly", "yes", "--save", "", "--daemonize", "no", "--protected-mode", "yes"]
+    # appendfsync always: Redis fsyncs the append-only file before it answers a write, so
+    # an XADD a rollout was told succeeded, or an XACK the trainer made after its
+    # checkpoint, survives a host crash; exactly-once delivery rests on both.
+    # (everysec, Redis' default, can lose the last second of acknowledged writes.)
+    argv = [
+        server, "--bind", host, "--port", str(port), "--dir", str(data), "--appendonly", "yes", "--appendfsync", "always",
+        "--save", "", "--daemonize", "no", "--protected-mode", "yes",
+    ]
     proc = _spawn(argv, log, env)
     url = f"redis://{host}:{port}/0"
     deadline = time.monotonic() + 20

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from meridian.grpc_runtime import ErrorBoundary, Service
+from meridian.grpc_runtime import Service, ServerConfig, create_server
 
 REDIS_SERVER = "/usr/bin/redis-server"
 
@@ -95,14 +95,19 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
 
 @contextlib.asynccontextmanager
 async def serving(
-    service: Service, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+    service: Service,
+    options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    config: ServerConfig | None = None,
 ) -> AsyncIterator[str]:
     """Runs ``service`` on a free loopback port inside the running loop; yields its address.
 
-    Mirrors :func:`meridian.grpc_runtime.run_server`: ErrorBoundary, health (SERVING only
-    after ``service.start()`` returned), and on exit stop the server, then the service.
+    Mirrors :func:`meridian.grpc_runtime.run_server`: the same server (ErrorBoundary with
+    the call limits of ``config`` and the service), health (SERVING only after
+    ``service.start()`` returned), and on exit stop the server, then the service.
+    ``options`` default to gRPC's own (4 MiB messages), not ``config``'s.
     """
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorBoundary()], options=list(options))
+    server = create_server(service, config or ServerConfig(), interceptors, options=options)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service.register(server)

@@ -7,6 +7,10 @@ from meridian import trajectory_transport as transport
 from meridian.config import opt
 from services.rollout.admission import AdmissionConfig
 
+#: Defaults of the request bounds, shared with the HTTP app's own defaults.
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+DEFAULT_HTTP_MAX_BODY_BYTES = 4 << 20
+
 
 @dataclasses.dataclass
 class RolloutConfig:
@@ -41,6 +45,8 @@ class RolloutConfig:
     caller_classes: str = opt("", "JSON file mapping API keys (Authorization: Bearer <key>, HTTP and gRPC) to a traffic class, production or rl")
     anonymous_class: str = opt("production", "traffic class of callers with no key: production, rl, or deny")
     max_n: int = opt(8, "most completions one OpenAI API request may ask for (n)")
+    max_prompt_bytes: int = opt(DEFAULT_MAX_PROMPT_BYTES, "prompt text (UTF-8 bytes; chat: all message contents) a Generate or OpenAI API request may carry; checked before tokenising, more answers INVALID_ARGUMENT / HTTP 413")
+    http_max_body_bytes: int = opt(DEFAULT_HTTP_MAX_BODY_BYTES, "largest OpenAI API request body, bytes; a larger one answers HTTP 413 before it is read whole")
     max_turns: int = opt(4, "model turns per episode")
     episode_wall_s: float = opt(300.0, "wall-clock limit of one episode")
 
@@ -79,5 +85,7 @@ class RolloutConfig:
             raise ValueError(f"anonymous_class must be production, rl or deny, got {self.anonymous_class!r}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_prompt_bytes < 1 or self.http_max_body_bytes < 1:
+            raise ValueError("max_prompt_bytes and http_max_body_bytes must be >= 1")
         if self.rl_workers < 0 or self.rl_high_water <= 0 or self.rl_max_lag < 0 or self.max_turns <= 0 or self.episode_wall_s <= 0:
             raise ValueError("rl_workers and rl_max_lag must be >= 0; rl_high_water, max_turns, episode_wall_s > 0")

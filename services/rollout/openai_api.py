@@ -18,17 +18,28 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from meridian.errors import Unauthenticated
 from services.rollout.callers import CallerClasses
+from services.rollout.config import DEFAULT_HTTP_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_BYTES
 from services.rollout.engine import PolicyEngine, Sampling
+from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
 
 MAX_STOP = 16
 
 
 class RequestError(ValueError):
-    """A request the API rejects with HTTP 400 and an OpenAI-style error body."""
+    """A request the API rejects with HTTP ``status`` (400) and an OpenAI-style error body."""
+
+    status = 400
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ContentTooLarge(RequestError):
+    """A body or prompt past this server's bounds: HTTP 413, decided before the
+    expensive part (reading the rest of the body, tokenising)."""
+
+    status = 413
 
 
 def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
@@ -126,6 +137,20 @@ def chat_prompt_ids(engine: PolicyEngine, messages: Any) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def prompt_text_bytes(body: dict[str, Any], chat: bool) -> int:
+    """Bytes of prompt text a request asks to tokenise (chat: every message's content;
+    token-id prompts: 0, their length is bounded by the body and checked as tokens)."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        return sum(text_bytes(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return text_bytes(prompt) if isinstance(prompt, str) else 0
+
+
 def completion_prompt_ids(engine: PolicyEngine, prompt: Any) -> list[int]:
     assert engine.tokenizer is not None
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -138,19 +163,44 @@ def completion_prompt_ids(engine: PolicyEngine, prompt: Any) -> list[int]:
 
 
 def create_app(
-    engine: PolicyEngine, model_name: str, max_model_len: int, default_max_tokens: int, callers: CallerClasses | None = None, max_n: int = 8
+    engine: PolicyEngine,
+    model_name: str,
+    max_model_len: int,
+    default_max_tokens: int,
+    callers: CallerClasses | None = None,
+    max_n: int = 8,
+    *,
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+    max_body_bytes: int = DEFAULT_HTTP_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The ASGI app; ``model_name`` is what ``/v1/models`` lists and responses echo;
-    ``callers`` gives each API key its traffic class (default: everyone production)."""
+    ``callers`` gives each API key its traffic class (default: everyone production).
+    A body over ``max_body_bytes`` or prompt text over ``max_prompt_bytes`` answers 413
+    before it is read whole or tokenised."""
     app = FastAPI(title="Meridian rollout (OpenAI-compatible)")
     callers = callers or CallerClasses({})
 
     def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
         return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}})
 
+    async def read_body(request: Request) -> bytes:
+        """The body, refused (413) as soon as it is known to be too large: from its
+        declared length before reading anything, or while it streams in."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise ContentTooLarge(f"request body is {int(declared)} bytes, more than this server takes (http_max_body_bytes={max_body_bytes})")
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > max_body_bytes:
+                raise ContentTooLarge(f"request body is over {max_body_bytes} bytes, more than this server takes (http_max_body_bytes={max_body_bytes})")
+            parts.append(part)
+        return b"".join(parts)
+
     async def body_of(request: Request) -> dict[str, Any]:
+        raw = await read_body(request)
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RequestError("request body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -161,7 +211,7 @@ def create_app(
 
     @app.exception_handler(RequestError)
     async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
-        return error(400, str(exc), "invalid_request_error", exc.param)
+        return error(exc.status, str(exc), "invalid_request_error", exc.param)
 
     @app.exception_handler(Unauthenticated)
     async def unauthenticated(_: Request, exc: Unauthenticated) -> JSONResponse:
@@ -183,7 +233,13 @@ def create_app(
     async def respond(request: Request, chat: bool) -> Any:
         priority = callers.classify(request.headers.get("authorization"))
         body = await body_of(request)
-        ids = chat_prompt_ids(engine, body.get("messages")) if chat else completion_prompt_ids(engine, body.get("prompt"))
+        size = prompt_text_bytes(body, chat)
+        if problem := too_long(size, max_prompt_bytes):
+            raise ContentTooLarge(problem, "messages" if chat else "prompt")
+        if chat:
+            ids = await tokenize_off_loop(size, chat_prompt_ids, engine, body.get("messages"))
+        else:
+            ids = await tokenize_off_loop(size, completion_prompt_ids, engine, body.get("prompt"))
         if problem := engine.prompt_problem(ids):
             raise RequestError(problem, "prompt")
         sampling = parse_sampling(body, max_model_len, default_max_tokens)

@@ -27,6 +27,7 @@ from services.rollout.callers import CallerClasses
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_VERSION, Engine, Sampling
 from services.rollout.episodes import EpisodeLimits, fetch_task, run_group
+from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
 from services.rollout.weight_follower import WeightFollower
 from services.rollout.weight_updates import Tolerance, WeightUpdater
 
@@ -91,7 +92,10 @@ class RolloutService(pb_grpc.RolloutServicer):
         if self.config.http_port >= 0:
             from services.rollout.openai_api import HttpFrontDoor, create_app
 
-            app = create_app(self.engine, self.config.model, self.config.max_model_len, self.config.max_tokens, self.callers, self.config.max_n)
+            app = create_app(
+                self.engine, self.config.model, self.config.max_model_len, self.config.max_tokens, self.callers, self.config.max_n,
+                max_prompt_bytes=self.config.max_prompt_bytes, max_body_bytes=self.config.http_max_body_bytes,
+            )
             self._http = HttpFrontDoor(app, self.config.http_host, self.config.http_port)
             port = await self._http.start()
             # The stack launcher reads this line; keep its shape stable.
@@ -173,18 +177,26 @@ class RolloutService(pb_grpc.RolloutServicer):
             min_tokens=params.min_tokens,
         )
 
-    def _prompt_ids(self, prompt: str, token_ids: list[int]) -> list[int]:
+    async def _prompt_ids(self, prompt: str, token_ids: list[int]) -> list[int]:
+        """The prompt as token ids: text is measured before it is tokenised (and large
+        text is tokenised off the event loop, see :mod:`services.rollout.prompt_limits`)."""
         engine = self._engine()
         if bool(prompt) == bool(token_ids):
             raise InvalidArgument("give exactly one of prompt or prompt_token_ids")
-        ids = token_ids or list(engine.tokenizer(prompt)["input_ids"])  # type: ignore[misc]
+        if token_ids:
+            ids = token_ids
+        else:
+            size = text_bytes(prompt)
+            if problem := too_long(size, self.config.max_prompt_bytes):
+                raise InvalidArgument(problem)
+            ids = list((await tokenize_off_loop(size, engine.tokenizer, prompt))["input_ids"])  # type: ignore[arg-type]
         if problem := engine.prompt_problem(ids):
             raise InvalidArgument(problem)
         return ids
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        ids = self._prompt_ids(request.prompt, list(request.prompt_token_ids))
         sampling = self._sampling(request.sampling, default_temperature=0.0)
+        ids = await self._prompt_ids(request.prompt, list(request.prompt_token_ids))
         priority = self.callers.classify(dict(context.invocation_metadata() or ()).get("authorization"))
         async for delta in self._engine().generate(ids, sampling, priority, request.request_id):
             yield pb.GenerateChunk(
@@ -198,7 +210,7 @@ class RolloutService(pb_grpc.RolloutServicer):
             )
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        ids = self._prompt_ids("", list(request.token_ids))
+        ids = await self._prompt_ids("", list(request.token_ids))
         if len(ids) < 2:
             raise InvalidArgument("score needs at least two tokens")
         engine = self._engine()

@@ -16,6 +16,9 @@ class WeightSyncConfig:
     keyframe_every: int = opt(8, "a keyframe is stored beside every Nth version (recovery starts there)")
     send_mib_s: float = opt(0.0, "cap on what this server sends to subscribers, MiB/s in total (0: none)")
     upstream_mib_s: float = opt(0.0, "relay only: cap on what it reads from its upstream, MiB/s (0: none)")
+    max_subscribe_streams: int = opt(256, "Subscribe streams open at once (followers, relays, catch-ups); more answer RESOURCE_EXHAUSTED")
+    max_publish_gib: float = opt(16.0, "tensor bytes one Publish may declare, GiB; a declaration past it answers RESOURCE_EXHAUSTED before anything is allocated")
+    max_publish_total_gib: float = opt(32.0, "tensor bytes all Publish streams in flight may declare together, GiB; past it RESOURCE_EXHAUSTED")
 
     def __post_init__(self) -> None:
         if self.role not in ("origin", "relay"):
@@ -26,3 +29,7 @@ class WeightSyncConfig:
             raise ValueError("keep_versions must be >= 2, chunk_mb > 0 and keyframe_every >= 1")
         if self.send_mib_s < 0 or self.upstream_mib_s < 0:
             raise ValueError("send_mib_s and upstream_mib_s must be >= 0 (0: no cap)")
+        if self.max_subscribe_streams < 1:
+            raise ValueError(f"max_subscribe_streams must be >= 1, got {self.max_subscribe_streams}")
+        if not 0 < self.max_publish_gib <= self.max_publish_total_gib:
+            raise ValueError("max_publish_gib must be > 0 and at most max_publish_total_gib")

@@ -14,7 +14,8 @@ import grpc
 import numpy as np
 
 from meridian import telemetry
-from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from meridian.grpc_runtime import CallLimit
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync.client import WeightSubscriber
@@ -28,14 +29,47 @@ log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
 
 MAX_TENSORS = 100_000
+GiB = 1 << 30
+
+
+class PublishBudget:
+    """Tensor bytes that Publish streams in flight have declared, against two caps: per
+    stream and in total. A tensor's buffer is allocated when its meta arrives, before
+    any of its data, so the caps are checked there: a declaration past either one is
+    refused before anything is allocated."""
+
+    def __init__(self, per_publish: int, total: int) -> None:
+        self.per_publish = per_publish
+        self.total = total
+        self.in_flight = 0
+
+    def reserve(self, held: int, nbytes: int, name: str) -> None:
+        """Adds ``nbytes`` to a stream that already holds ``held``; raises when over a cap."""
+        if held + nbytes > self.per_publish:
+            raise ResourceExhausted(
+                f"tensor {name!r} brings this Publish to {held + nbytes} declared bytes, "
+                f"more than one Publish may hold (max_publish_gib={self.per_publish / GiB:g})"
+            )
+        if self.in_flight + nbytes > self.total:
+            raise ResourceExhausted(
+                f"tensor {name!r} ({nbytes} bytes) would bring the Publish streams in flight to {self.in_flight + nbytes} declared bytes, "
+                f"more than this server holds at once (max_publish_total_gib={self.total / GiB:g}); retry later"
+            )
+        self.in_flight += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.in_flight -= nbytes
 
 
 class _Assembly:
-    """Collects one Publish stream's pieces into whole tensors, checking every offset."""
+    """Collects one Publish stream's pieces into whole tensors, checking every offset;
+    each tensor's bytes are reserved in ``budget`` before its buffer exists."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: PublishBudget | None = None) -> None:
         self.tensors: dict[str, RawTensor] = {}
         self._filled: dict[str, int] = {}
+        self.budget = budget
+        self.declared = 0
 
     def add(self, piece: pb.TensorPiece, current: str) -> str:
         name = piece.meta.name or current
@@ -51,6 +85,10 @@ class _Assembly:
                 numel = element_count(tuple(piece.meta.shape))
             except ValueError as exc:
                 raise InvalidArgument(f"tensor {name!r}: {exc}") from None
+            nbytes = numel * np.dtype(RAW_DTYPES[dtype]).itemsize
+            if self.budget is not None:
+                self.budget.reserve(self.declared, nbytes, name)
+            self.declared += nbytes
             self.tensors[name] = RawTensor(dtype, tuple(piece.meta.shape), np.zeros(numel, dtype=RAW_DTYPES[dtype]))
             self._filled[name] = 0
         if not name:
@@ -65,6 +103,12 @@ class _Assembly:
         raw[piece.offset : end] = np.frombuffer(piece.data, dtype=np.uint8)
         self._filled[name] = end
         return name
+
+    def release(self) -> None:
+        """Returns this stream's reservation (once its tensors are no longer needed)."""
+        if self.budget is not None:
+            self.budget.release(self.declared)
+        self.declared = 0
 
     def check_complete(self) -> None:
         short = [n for n, t in self.tensors.items() if self._filled[n] != t.nbytes]
@@ -101,6 +145,11 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         # When each version became available here (monotonic): stored by Publish, or its
         # manifest arrived from upstream. Benches measure propagation from it.
         self.available_at: dict[int, float] = {}
+        self.publish_budget = PublishBudget(int(config.max_publish_gib * GiB), int(config.max_publish_total_gib * GiB))
+        # Open Subscribe streams each hold a slot until they end (ErrorBoundary counts them).
+        self.call_limits = {
+            f"/{self.service_names[0]}/Subscribe": CallLimit(config.max_subscribe_streams, "max_subscribe_streams"),
+        }
         self.counters = dict.fromkeys(
             ("chunks_sent", "chunk_bytes_sent", "resumed_streams", "chunk_fetches", "upstream_versions", "upstream_bytes"), 0
         )
@@ -179,8 +228,20 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext) -> pb.PublishResponse:
         if self.config.role != "origin":
             raise FailedPrecondition("this weightsync is a relay; publish to the origin")
+        assembly = _Assembly(self.publish_budget)
+        try:
+            header, enc, republish = await self._receive_and_store(request_iterator, assembly)
+        finally:
+            assembly.release()
+        if republish:  # identical to what is held: subscribers have nothing new
+            return pb.PublishResponse(version=header.version, raw_bytes=enc.manifest.raw_bytes, encoded_bytes=enc.size)
+        self._stamp(header.version)
+        await self._announce()
+        log.info("version %d stored: %d raw bytes -> %d encoded", header.version, enc.manifest.raw_bytes, enc.size)
+        return pb.PublishResponse(version=header.version, raw_bytes=enc.manifest.raw_bytes, encoded_bytes=enc.size)
+
+    async def _receive_and_store(self, request_iterator: AsyncIterator[pb.PublishRequest], assembly: _Assembly) -> tuple[pb.PublishHeader, Encoded, bool]:
         header: pb.PublishHeader | None = None
-        assembly = _Assembly()
         current = ""
         async for item in request_iterator:
             if item.HasField("header"):
@@ -204,12 +265,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                     self.store.publish, header.version, assembly.tensors, header.weights_hash, dict(header.trace_context), header.canary
                 )
                 span.set_attribute("meridian.encoded_bytes", enc.size)
-        if republish:  # identical to what is held: subscribers have nothing new
-            return pb.PublishResponse(version=header.version, raw_bytes=enc.manifest.raw_bytes, encoded_bytes=enc.size)
-        self._stamp(header.version)
-        await self._announce()
-        log.info("version %d stored: %d raw bytes -> %d encoded", header.version, enc.manifest.raw_bytes, enc.size)
-        return pb.PublishResponse(version=header.version, raw_bytes=enc.manifest.raw_bytes, encoded_bytes=enc.size)
+        return header, enc, republish
 
     def _find(self, version: int, base: int) -> Encoded | None:
         incoming = self._incoming

@@ -4,8 +4,12 @@ Each published version is stored as a delta against the version before it; a
 keyframe (decodable alone) is written every ``keyframe_every`` versions so a restarted
 origin can rebuild its latest weights, and built on demand for late joiners. Every
 stored version lives on disk as ``<data_dir>/<version>/<kind>/`` with a manifest,
-its chunks and a ``COMPLETE`` marker written last, so a crash never leaves a version
-that looks whole but is not.
+its chunks and a ``COMPLETE`` marker, written into a temporary folder and renamed into
+place, so a crash never leaves a version that looks whole but is not. Every file, the
+temporary folder, and the folders that hold the rename and the version's folder are
+fsynced before :meth:`VersionStore.publish` returns, so a version the origin
+acknowledged survives a host crash (a trainer that acked its trajectories after the
+publish relies on that).
 
 This is the service's pure core: no gRPC, no asyncio.
 """
@@ -32,6 +36,23 @@ MAX_COMPACTED = 4
 COMPLETE = "COMPLETE"
 
 __all__ = ["CODEC_NAME", "COMPLETE", "Encoded", "VersionStore", "encode_version"]
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Writes ``path`` and fsyncs it (its directory entry is its folder's fsync)."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Makes the entries of folder ``path`` (files created, renamed or removed) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _version_meta(manifest: pb.Manifest) -> tuple[dict[str, str], pb.Canary]:
@@ -204,16 +225,24 @@ class VersionStore:
             return enc
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
+        version_dir = tmp.parent
         tmp.mkdir(parents=True)
-        (tmp / "manifest.pb").write_bytes(enc.manifest.SerializeToString())
+        _write_durably(tmp / "manifest.pb", enc.manifest.SerializeToString())
         with open(tmp / "chunks.bin", "wb") as fh:
             for payload in enc.chunks:
                 fh.write(payload)
             fh.flush()
             os.fsync(fh.fileno())
-        (tmp / COMPLETE).write_text("ok\n")
+        _write_durably(tmp / COMPLETE, b"ok\n")
+        # The folder's entries before the rename: a renamed folder whose files were
+        # never recorded in it would come back empty after a crash.
+        _fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        # The rename itself lives in the version's folder, and a new version's folder in
+        # the data folder: both are synced before the version counts as stored.
+        _fsync_dir(version_dir)
+        _fsync_dir(self.data_dir)
         return enc
 
     @staticmethod

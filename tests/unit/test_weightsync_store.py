@@ -521,3 +521,30 @@ def test_config_rejects_bad_caps() -> None:
         WeightSyncConfig(send_mib_s=-1)
     with pytest.raises(ValueError):
         WeightSyncConfig(keyframe_every=0)
+
+
+def test_publish_fsyncs_every_file_and_folder_entry_of_the_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before publish returns, each file of the version, the folder they were written in,
+    the folder holding the rename and the data folder holding the version's folder are
+    fsynced, in an order where nothing is synced before what it names: removing any one
+    fsync (or reordering the rename) fails this test."""
+    import os
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    data_dir = (tmp_path / "ws").resolve()
+    store = VersionStore(data_dir, chunk_bytes=CHUNK_BYTES, keyframe_every=1000)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    v0, v1 = _versions(2)
+    store.publish(0, v0)
+    store.publish(1, v1)
+    expected = []
+    for version, kind in ((0, "keyframe"), (1, "delta")):
+        tmp = data_dir / f"{version:010d}" / f"{kind}.tmp"
+        expected += [str(tmp / "manifest.pb"), str(tmp / "chunks.bin"), str(tmp / "COMPLETE"), str(tmp), str(tmp.parent), str(data_dir)]
+    assert synced == expected
