@@ -33,7 +33,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def bench_step(model: str, steps: int, groups: int, group_size: int, tokens: int, threads: int, autocast: bool, agent_prompt: bool) -> dict[str, Any]:
+def bench_step(model: str, steps: int, groups: int, group_size: int, tokens: int, threads: int, autocast: bool, agent_prompt: bool, attention: str) -> dict[str, Any]:
     import torch
 
     from meridian.model_store import resolve_model
@@ -49,7 +49,7 @@ def bench_step(model: str, steps: int, groups: int, group_size: int, tokens: int
     system = SYSTEM_PROMPT.replace("{answer_path}", "solution.py") if agent_prompt else None
     batch_groups = fixed_groups(model_dir, groups, group_size, completion_tokens=tokens, system_prompt=system)
     # Lag bound and equal-reward rule must keep every sample (the bare loop has neither).
-    config = TrainerConfig(model=model, lr=1e-6, threads=threads, groups_per_step=groups, max_policy_lag=10**6, autocast_bf16=autocast)
+    config = TrainerConfig(model=model, lr=1e-6, threads=threads, groups_per_step=groups, max_policy_lag=10**6, autocast_bf16=autocast, attention=attention)
     learner = Learner(model_dir, config)
     padded = Learner(model_dir, dataclasses.replace(config, pack_prefix=False))
     bare_model = type(learner.module).from_pretrained(model_dir, dtype=torch.float32)
@@ -95,6 +95,7 @@ def bench_step(model: str, steps: int, groups: int, group_size: int, tokens: int
         "padded_step_s": round(padded_s, 4),
         "packing_speedup": round(padded_s / step_s, 3),
         "agent_prompt": agent_prompt,
+        "attention": attention,
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "step_model": model,
         "batch_trajectories": groups * group_size,
@@ -182,6 +183,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="completion tokens per trajectory")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--autocast-bf16", action="store_true", help="both loops under bf16 autocast")
+    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="the learner's attention kernel (the bare loop keeps the model's default)")
     parser.add_argument("--plain-prompt", action="store_true", help="bare instructions as prompts instead of the episodes' chat prompt (system prompt with the tool protocol)")
     parser.add_argument("--stack-model", default="tiny", help="'tiny' (a tiny random model), 'builtin' or a model folder")
     parser.add_argument("--stack-steps", type=int, default=4, help="trainer steps per mode on the stack (0: skip)")
@@ -189,7 +191,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--group-size-stack", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     ns = parser.parse_args(argv)
-    result = bench_step(ns.model, ns.repeats, ns.groups, ns.group_size, ns.tokens, ns.threads, ns.autocast_bf16, not ns.plain_prompt)
+    result = bench_step(ns.model, ns.repeats, ns.groups, ns.group_size, ns.tokens, ns.threads, ns.autocast_bf16, not ns.plain_prompt, ns.attention)
     if ns.stack_steps > 0:
         stack_model = ns.stack_model
         if stack_model == "tiny":

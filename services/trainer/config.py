@@ -9,6 +9,8 @@ from meridian.config import opt
 STALE_MODES = ("drop", "downweight")
 #: How ranks under torchrun hold the model (see services.trainer.distributed).
 DATA_PARALLEL = ("ddp", "fsdp")
+#: Attention kernels the learner may run (Hugging Face attn_implementation names).
+ATTENTION = ("sdpa", "eager")
 #: How per-token loss terms are aggregated (see services.trainer.loss).
 AGGREGATIONS = ("token-mean", "seq-mean", "dr-grpo")
 
@@ -42,6 +44,7 @@ class TrainerConfig:
     pack_prefix: bool = opt(True, "pack each micro-batch into one sequence with the rows' common prefix (a group's prompt) computed once; off: padded rows")
     pack_max_tokens: int = opt(4096, "packed positions per micro-batch at most (attention is quadratic in the packed length); a longer row is packed alone")
     autocast_bf16: bool = opt(False, "run forward and backward under bf16 autocast (master weights stay fp32)")
+    attention: str = opt("sdpa", "attention kernel: sdpa (memory-efficient) or eager (plain matmuls: a faster backward on CPUs with bf16 matrix units, memory quadratic in a pack's length)")
     publish_every: int = opt(1, "publish every k optimizer steps")
     checkpoint_every: int = opt(10, "checkpoint every k publishing steps, in the background (groups are acked once a checkpoint covers them)")
     checkpoint_idle_s: float = opt(5.0, "checkpoint steps no checkpoint covers after this long without a step")
@@ -76,6 +79,8 @@ class TrainerConfig:
             raise ValueError("tis_cap, kl_coef and warmup_steps must be >= 0")
         if self.publish_every <= 0 or self.checkpoint_every <= 0 or self.keep_checkpoints <= 0 or self.dedupe_window <= 0:
             raise ValueError("publish_every, checkpoint_every, keep_checkpoints and dedupe_window must be positive")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.pack_max_tokens <= 0:
             raise ValueError(f"pack_max_tokens must be positive, got {self.pack_max_tokens}")
         if self.micro_batch < 0:

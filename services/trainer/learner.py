@@ -136,7 +136,7 @@ class Learner:
         np.random.seed(config.seed)
         self.config = config
         self.device = torch.device(device)
-        self.module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        self.module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=config.attention).to(self.device)
         self.module.train()
         self.reference = None
         if config.kl_coef > 0:
@@ -345,7 +345,7 @@ class Learner:
         rows' common prefix computed once (see services.trainer.packing), or padded."""
         with self._autocast():
             if layout is not None:
-                return packed_logprobs(model, layout, part.behaviour_logprobs)
+                return packed_logprobs(model, layout, part.behaviour_logprobs, self.config.attention)
             return token_logprobs(model(input_ids=part.input_ids, attention_mask=part.attention_mask).logits, part.input_ids)
 
     def _loss(self, part: Batch) -> tuple[torch.Tensor, dict[str, float]]:

@@ -118,18 +118,27 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: tor
     )
 
 
-def packed_logprobs(model: torch.nn.Module, layout: PackedLayout, fill: torch.Tensor, chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+def _mask_for(layout: PackedLayout, attention: str) -> torch.Tensor:
+    """The block mask as the attention kernel takes it: SDPA a boolean mask; the eager
+    kernel adds its mask to the scores, so it needs 0 / a large negative number (a
+    boolean there would add 1 and 0 and let every row see every other)."""
+    if attention == "eager":
+        return torch.zeros(layout.attention.shape, dtype=torch.float32, device=layout.attention.device).masked_fill_(~layout.attention, torch.finfo(torch.float32).min)
+    return layout.attention
+
+
+def packed_logprobs(model: torch.nn.Module, layout: PackedLayout, fill: torch.Tensor, attention: str = "sdpa", chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
     """Per-token log-probs [B, T-1] of the trained entries from one forward pass of
-    ``model`` over the packed sequence; every other position holds ``fill`` (the
-    behaviour log-probs, so an untrained position's ratio is exactly 1 and never
-    overflows before its mask zeroes it)."""
+    ``model`` (whose attention kernel is ``attention``: sdpa or eager) over the packed
+    sequence; every other position holds ``fill`` (the behaviour log-probs, so an
+    untrained position's ratio is exactly 1 and never overflows before its mask zeroes it)."""
     out = fill.detach().clone()
+    inputs = {"input_ids": layout.input_ids, "attention_mask": _mask_for(layout, attention), "position_ids": layout.position_ids}
     if layout.keep.numel() == 0:
         # Nothing trained, but the forward and backward passes still run (data-parallel
         # ranks wait for every parameter's gradient): a zero that depends on the model.
-        logits = model(input_ids=layout.input_ids, attention_mask=layout.attention, position_ids=layout.position_ids, logits_to_keep=1).logits
-        return out + 0.0 * logits.sum()
-    logits = model(input_ids=layout.input_ids, attention_mask=layout.attention, position_ids=layout.position_ids, logits_to_keep=layout.keep).logits[0]
+        return out + 0.0 * model(**inputs, logits_to_keep=1).logits.sum()
+    logits = model(**inputs, logits_to_keep=layout.keep).logits[0]
     values = []
     for start in range(0, layout.source.numel(), chunk):
         source = layout.source[start : start + chunk]

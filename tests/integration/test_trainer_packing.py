@@ -19,12 +19,13 @@ def _gradients(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_packed_logprobs_and_gradients_equal_the_padded_batch(tiny_model: Path, groups: int) -> None:
+def test_packed_logprobs_and_gradients_equal_the_padded_batch(tiny_model: Path, groups: int, attention: str) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation=attention)
     batch = build_batch(fixed_groups(tiny_model, groups, group_size=3, seed=groups), pad_id=0)
     weights = torch.randn_like(batch.target_mask) * batch.target_mask  # any loss over the trained tokens
 
@@ -35,7 +36,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_batch(tiny_model: Path, 
 
     layout = pack(batch.input_ids, batch.attention_mask, batch.target_mask)
     assert layout.input_ids.shape[1] < int(batch.attention_mask.sum()), "the rows' common prefix should be shared"
-    packed = packed_logprobs(model, layout, batch.behaviour_logprobs)
+    packed = packed_logprobs(model, layout, batch.behaviour_logprobs, attention)
     (packed * weights).sum().backward()
     packed_grad = _gradients(model)
 
