@@ -86,7 +86,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     from meridian.train import TrainConfig, start_stack
 
     run_dir = tempfile.mkdtemp(prefix="meridian-bench-e2e-")
-    job = TrainConfig(model=ns.model, tasks_per_step=ns.tasks_per_step, lr=ns.lr, max_policy_lag=ns.max_policy_lag)
+    job = TrainConfig(model=ns.model, tasks_per_step=ns.tasks_per_step, lr=ns.lr, max_policy_lag=ns.max_policy_lag, trainer_flags=ns.trainer_flags)
     stack, stack_config = start_stack(job, run_dir)
     try:
         sync = asyncio.run(_mode(stack.addresses, "sync", ns))
@@ -109,6 +109,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": ns.max_tokens,
         "lr": ns.lr,
         "steps_per_mode": ns.steps,
+        "trainer_flags": ns.trainer_flags,
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(),
     }
@@ -127,6 +128,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--in-flight", type=int, default=2, help="async: RunEpisodes requests kept running")
     parser.add_argument("--tasks", default=FOUR_EASY_TASKS, help="comma-separated task ids, cycled through")
+    parser.add_argument("--trainer-flags", default="", help="more trainer flags, e.g. '--autocast-bf16 true --attention eager --threads 1'")
     ns = parser.parse_args(argv)
     result = run(ns)
     print(json.dumps(result) if ns.json else json.dumps(result, indent=2))

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -58,6 +59,7 @@ class TrainConfig:
     trainer: str = opt("", "trainer address of a running stack")
     step_timeout_s: float = opt(600.0, "seconds without a new trainer step before the job gives up")
     run_dir: str = opt("", "stack run folder when this command starts the stack (empty: a temporary one)")
+    trainer_flags: str = opt("", "more trainer flags when this command starts the stack, e.g. '--autocast-bf16 true --attention eager' (they override this job's)")
     report_dir: str = opt("", "report folder (empty: <run_dir>/report, or ./meridian-report on a running stack)")
 
     def __post_init__(self) -> None:
@@ -72,7 +74,8 @@ class TrainConfig:
 
     def trainer_args(self) -> list[str]:
         """The trainer flags this job needs when it starts the stack."""
-        return ["--lr", repr(self.lr), "--groups-per-step", str(self.tasks_per_step), "--max-policy-lag", str(self.max_policy_lag), "--threads", "2"]
+        own = ["--lr", repr(self.lr), "--groups-per-step", str(self.tasks_per_step), "--max-policy-lag", str(self.max_policy_lag), "--threads", "2"]
+        return own + shlex.split(self.trainer_flags)  # the last of a repeated flag wins
 
 
 def task_ids(text: str) -> list[str]:

@@ -75,3 +75,8 @@ def test_report_plots_the_steps_and_the_held_out_curve(tmp_path) -> None:  # typ
     path = write_report(tmp_path, summary, "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+
+def test_extra_trainer_flags_come_last_so_they_win() -> None:
+    args = TrainConfig(lr=3e-5, trainer_flags="--threads 1 --attention 'eager'").trainer_args()
+    assert args[:2] == ["--lr", "3e-05"] and args[-4:] == ["--threads", "1", "--attention", "eager"]
