@@ -202,6 +202,7 @@ def test_frontier_figures_name_both_modes(monkeypatch: pytest.MonkeyPatch) -> No
     assert figures["t_1t_4regions_10gbit_s_pipelined"] == figures["pipelined"]["served_everywhere_s"]
     assert figures["t_1t_4regions_10gbit_s_pipelined"] < figures["t_1t_4regions_10gbit_s"]
     assert figures["pipelined_origin_cores_for_target"] is None or figures["pipelined_origin_cores_for_target"] >= 1
+    assert "pipelined_subscriber_cores_for_target" not in sim.frontier_figures(search_cores=False)
 
 
 def test_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
