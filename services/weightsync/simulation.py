@@ -198,7 +198,7 @@ class CodecRates:
 #: wall clock), decode into fresh buffers (0.83 GB/s). sha256 with the stdlib on 8 MiB buffers
 #: (0.52 GB/s under that load); the full-weights element hash (``weights_hash``) 0.8 GB/s as
 #: ``benchmarks/weightsync_simulation.py`` timed it; the event-loop cost of one gRPC message
-#: per side (360-380 us) fitted there on a real run. Persist (write + fsync of the encoded
+#: per side (360-420 us in three runs) fitted there on real runs. Persist (write + fsync of the encoded
 #: bytes) is assumed, not measured: for a delta it is small either way.
 DEFAULT_RATES = CodecRates(
     encode_bytes_s=0.89e9,
@@ -208,7 +208,7 @@ DEFAULT_RATES = CodecRates(
     sha256_bytes_s=0.5e9,
     persist_bytes_s=0.5e9,
     delta_fraction=0.00181,
-    message_overhead_s=370e-6,
+    message_overhead_s=390e-6,
     engine_apply_bytes_s=0.0,
     source="defaults measured on the development machine (see DEFAULT_RATES)",
 )
