@@ -105,7 +105,8 @@ element of an in-place buffer and checks that it neither matters nor moves).
 Its work: a pass over the context list (sequential, O(previous changes)),
 the codes of this delta (O(changes)), one gather of the old values at the
 changed positions (a loop of its own, so the cache misses overlap) and one
-scatter of the new ones.
+pass that reads the magnitudes and writes the new values (a bad value puts
+back what was written, so a refused chunk leaves ``out`` as it was).
 
 What is coded, per chunk:
 
@@ -175,8 +176,10 @@ Version-2 delta body::
     uv     magnitude rows, each: u8 class, u8 k | 0x80 if centred,
              [uv centre]; classes without a row are all +-1 step
     bits   again groups (ascending), new-position gaps (first = the
-           position itself), flip group, new-sign group, magnitudes per
-           class (ascending, change order within a class); zero padding.
+           position itself), flip group, new-sign group, then the
+           magnitudes in change order, each with its class's code (the
+           decoder reads them in the pass that writes the new values);
+           zero padding.
 
 Order of the changes: ascending position. The repeated changes are the
 context entries whose again flag is 1; merged with the new positions they

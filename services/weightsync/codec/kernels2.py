@@ -279,7 +279,6 @@ def _encode_v2(new, old, pos, ctx_pos, ctx_grp, ctx_neg, shift, emask, sign_bit,
         if center > 0 and _rice_total(zz, kc) + 24 < _rice_total(seg, kp):
             mrows[nm, 1] = kc
             mrows[nm, 2] = center
-            mags[coff[c] : coff[c + 1]] = zz
         else:
             mrows[nm, 1] = kp
             mrows[nm, 2] = -1
@@ -300,10 +299,18 @@ def _encode_v2(new, old, pos, ctx_pos, ctx_grp, ctx_neg, shift, emask, sign_bit,
         if r < nrows and rows[r, 0] == g:
             _put_bins(words, acc, state, gbits[goff[g] : goff[g + 1]], gsize[g], rows[r, 1])
             r += 1
+    # Magnitudes in change order, each with its class's code, so that the
+    # decoder reads them in the same pass that visits each changed element.
+    mk = np.full(256, -1, dtype=np.int64)
+    mc = np.full(256, -1, dtype=np.int64)
     for t in range(nm):
-        c = mrows[t, 0]
-        for e in range(coff[c], coff[c + 1]):
-            _put_rice(words, acc, state, mags[e], mrows[t, 1])
+        mk[mrows[t, 0]] = mrows[t, 1]
+        mc[mrows[t, 0]] = mrows[t, 2]
+    for e in range(ne):
+        c = cls[e]
+        if mk[c] >= 0:
+            v = abs(steps[e]) - 1
+            _put_rice(words, acc, state, _zigzag(v - mc[c]) if mc[c] >= 0 else v, mk[c])
     nbits = state[1] * 64 + state[0]
     if state[0] > 0:
         words[state[1]] = acc[0]
@@ -347,8 +354,8 @@ def _read_runs(words, pos, nbits, dst, n, code, r):
 def _decode_v2(old, out, count, ctx_pos, ctx_grp, ctx_neg, rows, mrows, n_new, k_new, words, nbits, shift, emask, sign_bit, full):
     """Decode a version-2 delta stream and apply it to out, which already holds
     old. Reads old and writes out only at changed positions. Returns (status,
-    positions, old bits, new bits); status < 0: see _V2_ERRORS. Nothing is
-    written unless the whole stream decoded and every value is on the grid."""
+    positions, old bits, new bits); status < 0: see _V2_ERRORS, and out is as
+    it was (what was written is put back)."""
     no_pos = np.empty(0, dtype=np.int64)
     no_bits = np.empty(0, dtype=old.dtype)
     m = ctx_pos.shape[0]
@@ -410,67 +417,72 @@ def _decode_v2(old, out, count, ctx_pos, ctx_grp, ctx_neg, rows, mrows, n_new, k
                 bp = _read_runs(words, bp, nbits, dst, gsize[g], code[g], rmin[g])
             if bp < 0:
                 return -1, no_pos, no_bits, no_bits
-    # 4. Merge repeats and new positions; each change's sign and class.
+    # 4. Merge repeats and new positions (ascending) with each change's sign.
     ne = n_rep + n_new
     pos = np.empty(ne, dtype=np.int64)
-    neg = np.empty(ne, dtype=np.bool_)
-    olds = np.empty(ne, dtype=old.dtype)
-    cls = np.empty(ne, dtype=np.int64)
+    neg = np.empty(ne, dtype=np.int64)
     a = 0
     b = 0
-    ccount = np.zeros(256, dtype=np.int64)
     for e in range(ne):
         if b >= n_new or (a < n_rep and rep_pos[a] < new_pos[b]):
             pos[e] = rep_pos[a]
-            neg[e] = ctx_neg[rep_idx[a]] != (flips[a] != 0)
+            neg[e] = 1 if ctx_neg[rep_idx[a]] != (flips[a] != 0) else 0
             a += 1
         else:
             if a < n_rep and rep_pos[a] == new_pos[b]:
                 return -2, no_pos, no_bits, no_bits  # a new position repeats a context one
             pos[e] = new_pos[b]
-            neg[e] = nsign[b] != 0
+            neg[e] = 1 if nsign[b] != 0 else 0
             b += 1
-    # The gather is a loop of its own: without the merge's unpredictable
-    # branches the CPU keeps many cache misses in flight (the changes are
-    # scattered over the tensor, so nearly every read is one).
+    # 5. The old values: a loop of its own, whose loads do not depend on one
+    # another, so the CPU keeps many cache misses in flight (the changes are
+    # scattered over the tensor: nearly every read is one).
+    olds = np.empty(ne, dtype=old.dtype)
     for e in range(ne):
-        o = old[pos[e]]
-        olds[e] = o
-        c = (np.int64(o) >> shift) & emask
-        cls[e] = c
-        ccount[c] += 1
-    # 5. Magnitudes per class (classes not in the table are all +-1 step).
-    coff = np.zeros(257, dtype=np.int64)
-    for c in range(256):
-        coff[c + 1] = coff[c] + ccount[c]
-    mags = np.zeros(ne, dtype=np.int64)
+        olds[e] = old[pos[e]]
+    # 6. Magnitudes (change order, each with its class's code), new values,
+    # writes. Branch-free where the branches would be coin flips (the signs of
+    # the weights and of their steps). A bad value (corrupt payload or wrong
+    # base) puts back what was written before the error is returned.
+    mk = np.full(256, -1, dtype=np.int64)
+    mc = np.full(256, -1, dtype=np.int64)
     for t in range(mrows.shape[0]):
-        c = mrows[t, 0]
-        center = mrows[t, 2]
-        for e in range(coff[c], coff[c + 1]):
-            v, bp = _get_rice(words, bp, mrows[t, 1])
-            if bp > nbits:
-                return -1, no_pos, no_bits, no_bits
+        mk[mrows[t, 0]] = mrows[t, 1]
+        mc[mrows[t, 0]] = mrows[t, 2]
+    news = np.empty(ne, dtype=old.dtype)
+    other = full ^ sign_bit
+    rc = 0
+    done = ne
+    for e in range(ne):
+        o = np.int64(olds[e])
+        c = (o >> shift) & emask
+        step = np.int64(1)
+        k = mk[c]
+        if k >= 0:
+            v, bp = _get_rice(words, bp, k)
+            center = mc[c]
             if center >= 0:  # zigzag distance to the class centre
                 v = center + ((v >> 1) if (v & 1) == 0 else -((v + 1) >> 1))
-                if v < 0:
-                    return -3, no_pos, no_bits, no_bits
-            mags[e] = v
-    if nbits - bp >= 8:
-        return -4, no_pos, no_bits, no_bits
-    # 6. New values (all checked before the first write), then the writes.
-    news = np.empty(ne, dtype=old.dtype)
-    cptr = coff[:-1].copy()
-    for e in range(ne):
-        c = cls[e]
-        step = mags[cptr[c]] + 1
-        cptr[c] += 1
-        key = _ordered_key(np.int64(olds[e]), sign_bit, full) + (-step if neg[e] else step)
+            if bp > nbits or v < 0:
+                rc = -1 if bp > nbits else -3
+                done = e
+                break
+            step = v + 1
+        key = o ^ (sign_bit ^ (other * ((o & sign_bit) != 0)))
+        key += step - 2 * step * neg[e]
         if key < 0 or key > full:
-            return -3, no_pos, no_bits, no_bits
-        news[e] = (key ^ sign_bit) if key & sign_bit else (~key) & full
-    for e in range(ne):
-        out[pos[e]] = news[e]
+            rc = -3
+            done = e
+            break
+        nv = key ^ (sign_bit ^ (other * ((key & sign_bit) == 0)))
+        news[e] = nv
+        out[pos[e]] = nv
+    if rc == 0 and nbits - bp >= 8:
+        rc = -4
+    if rc != 0:
+        for e in range(done):
+            out[pos[e]] = olds[e]
+        return rc, no_pos, no_bits, no_bits
     return 0, pos, olds, news
 
 
