@@ -191,7 +191,7 @@ class CodecRates:
         return dataclasses.replace(self, **changes)
 
 
-#: Figures measured on the 2-core development machine (AMD EPYC, shared with other work,
+#: Figures measured on the 2-core development machine (an Intel Xeon with AVX-512, shared with other work,
 #: load average ~5) with the built-in SmolLM2-135M and real RL steps at lr 1e-6. From
 #: ``meridian bench weightsync --json``: the delta size (median 0.181 % of full bf16), encode
 #: (0.89 GB/s, one core, wall clock), in-place decode per CPU second (1.03 GB/s; 0.85 by the
