@@ -321,11 +321,12 @@ def serve_forever(name: str, make_service: Callable[[], Service], config: Server
 # ---------------------------------------------------------------- clients
 
 
-def open_channel(address: str, max_message_mb: int = 64) -> grpc.aio.Channel:
-    """An instrumented asyncio channel to another Meridian service."""
+def open_channel(address: str, max_message_mb: int = 64, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """An instrumented asyncio channel to another Meridian service; ``options`` are added
+    to the message-size ones (e.g. flow-control windows for a bulk stream)."""
     return grpc.aio.insecure_channel(
         address,
-        options=channel_options(max_message_mb),
+        options=[*channel_options(max_message_mb), *options],
         interceptors=telemetry.client_interceptors(),
     )
 

@@ -158,12 +158,20 @@ class SubscribeRequest(_message.Message):
     def __init__(self, from_version: _Optional[int] = ..., follow: _Optional[bool] = ..., resume: _Optional[bool] = ..., resume_version: _Optional[int] = ..., resume_base: _Optional[int] = ..., resume_chunk: _Optional[int] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("manifest", "chunk")
+    __slots__ = ("manifest", "chunk", "batch")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     chunk: ChunkData
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[_Union[ChunkData, _Mapping]] = ...) -> None: ...
+    batch: ChunkBatch
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[_Union[ChunkData, _Mapping]] = ..., batch: _Optional[_Union[ChunkBatch, _Mapping]] = ...) -> None: ...
+
+class ChunkBatch(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkData]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkData, _Mapping]]] = ...) -> None: ...
 
 class ChunkData(_message.Message):
     __slots__ = ("version", "index", "data")

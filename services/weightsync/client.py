@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 import grpc
 
@@ -31,6 +31,20 @@ RETRYABLE = frozenset(
 )
 
 PIECE_BYTES = 2 << 20
+
+#: Chunks up to this size are checked on the event loop: handing one to a thread costs
+#: more than hashing it (sha256 runs at about 1 GB/s: 64 KiB is ~60 µs).
+VERIFY_INLINE_BYTES = 64 << 10
+
+
+def window_options(window_bytes: int) -> list[tuple[str, int]]:
+    """Channel options that fix a receiver's HTTP/2 flow-control window at ``window_bytes``
+    (0: gRPC's adaptive window, which starts at 64 KiB and grows by probing the
+    bandwidth-delay product over several round trips; a window below the BDP caps a stream
+    at window / RTT). gRPC honours the lookahead only with BDP probing off."""
+    if window_bytes <= 0:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", int(window_bytes))]
 
 
 def publish_requests(
@@ -132,7 +146,8 @@ class WeightSubscriber:
     holder that only needs the latest version (or rolls back with ``update.undo``).
     The default gives every version fresh buffers, so earlier updates stay valid.
     ``decode_nice`` lowers the decode threads' CPU priority (a relay, whose decoding
-    is off its forwarding path).
+    is off its forwarding path). ``window_bytes`` fixes the stream's HTTP/2 flow-control
+    window (see :func:`window_options`); size it to the link's bandwidth-delay product.
     """
 
     def __init__(
@@ -148,10 +163,11 @@ class WeightSubscriber:
         on_chunk: ChunkHook | None = None,
         in_place: bool = False,
         decode_nice: int = 0,
+        window_bytes: int = 0,
     ) -> None:
         self.address = address
         self.decoder = Decoder(weights, version if weights else -1, in_place=in_place)
-        self._channel = open_channel(address)
+        self._channel = open_channel(address, options=window_options(window_bytes))
         self.max_attempts = max_attempts
         self.stats = SubscriberStats()
         self._bucket = TokenBucket.mib_per_s(max_mib_s)
@@ -193,7 +209,7 @@ class WeightSubscriber:
             try:
                 async for item in call:
                     failures = 0
-                    if first and request.resume and item.HasField("chunk"):
+                    if first and request.resume and not item.HasField("manifest"):
                         self.stats.resumed += 1
                     first = False
                     if item.HasField("manifest"):
@@ -203,7 +219,8 @@ class WeightSubscriber:
                         if self._on_manifest is not None:
                             self._on_manifest(item.manifest)
                         continue
-                    update = await self._take_chunk(receiving, item.chunk)
+                    chunks = item.batch.chunks if item.HasField("batch") else (item.chunk,)
+                    update = await self._take_chunks(receiving, chunks)
                     if update is not None:
                         receiving.reset(None)
                         yield update
@@ -226,23 +243,37 @@ class WeightSubscriber:
             log.info("weightsync %s: %s; reconnecting in %.1fs", self.address, reason, delay)
             await asyncio.sleep(delay)
 
-    async def _take_chunk(self, receiving: _Receiving, chunk: pb.ChunkData) -> VersionUpdate | None:
+    async def _take_chunks(self, receiving: _Receiving, chunks: Sequence[pb.ChunkData]) -> VersionUpdate | None:
+        """Verifies one message's chunks in order, hands each to ``on_chunk`` once it passed
+        its checksum (a relay forwards it from there), and decodes them on the pool."""
         manifest = receiving.manifest
-        if manifest is None or chunk.version != manifest.version:
-            raise DataLoss(f"chunk of version {chunk.version} without its manifest")
-        if chunk.index != receiving.next_chunk:
-            raise DataLoss(f"version {manifest.version}: chunk {chunk.index} arrived, {receiving.next_chunk} expected")
-        data = chunk.data
-        await self._bucket.take(len(data))
+        await self._bucket.take(sum(len(c.data) for c in chunks))
+        taken: list[tuple[int, bytes]] = []
         try:
-            await asyncio.to_thread(self.decoder.verify, chunk.index, data)
-        except ChunkChecksumError:
-            data = await self._refetch(manifest, chunk.index)
-        self.stats.chunks += 1
-        self.stats.chunk_bytes += len(data)
-        if self._on_chunk is not None:
-            self._on_chunk(manifest, chunk.index, data)
-        receiving.add(chunk.index, data, asyncio.wrap_future(self._pool.submit(self.decoder.add_chunk, chunk.index, data, True)))
+            for chunk in chunks:
+                if manifest is None or chunk.version != manifest.version:
+                    raise DataLoss(f"chunk of version {chunk.version} without its manifest")
+                if chunk.index != receiving.next_chunk:
+                    raise DataLoss(f"version {manifest.version}: chunk {chunk.index} arrived, {receiving.next_chunk} expected")
+                data = chunk.data
+                try:
+                    if len(data) <= VERIFY_INLINE_BYTES:
+                        self.decoder.verify(chunk.index, data)
+                    else:
+                        await asyncio.to_thread(self.decoder.verify, chunk.index, data)
+                except ChunkChecksumError:
+                    data = await self._refetch(manifest, chunk.index)
+                self.stats.chunks += 1
+                self.stats.chunk_bytes += len(data)
+                if self._on_chunk is not None:
+                    self._on_chunk(manifest, chunk.index, data)
+                receiving.add(chunk.index, data)
+                taken.append((chunk.index, data))
+        finally:
+            # Chunks taken count as received (a resumed stream starts after them), so
+            # they are decoded even when a later one of the message failed.
+            self._decode(receiving, taken)
+        assert manifest is not None
         if receiving.next_chunk < len(manifest.chunks):
             if not receiving.keep:
                 # Bounds the payloads waiting for a decode thread. Kept chunks are held
@@ -253,6 +284,20 @@ class WeightSubscriber:
         encoded = receiving.encoded()
         version = await asyncio.to_thread(self.decoder.finish)
         return VersionUpdate(version, self.decoder.weights, manifest, encoded, self.decoder.last_undo)
+
+    def _decode(self, receiving: _Receiving, taken: list[tuple[int, bytes]]) -> None:
+        """Decodes ``taken`` on the pool in at most one job per thread: a job per small
+        chunk would cost more in hand-offs than the decoding itself."""
+        if not taken:
+            return
+        per_job = -(-len(taken) // self._threads)
+        for lo in range(0, len(taken), per_job):
+            job = taken[lo : lo + per_job]
+            receiving.pending.append(asyncio.wrap_future(self._pool.submit(self._decode_job, job)))
+
+    def _decode_job(self, job: list[tuple[int, bytes]]) -> None:
+        for index, data in job:
+            self.decoder.add_chunk(index, data, True)
 
     async def _refetch(self, manifest: pb.Manifest, index: int, attempts: int = 3) -> bytes:
         """Fetches chunk ``index`` again until it passes its checksum."""
@@ -290,11 +335,11 @@ class _Receiving:
                 await f
         self.pending = []
 
-    def add(self, index: int, data: bytes, decoding: asyncio.Future[None]) -> None:
+    def add(self, index: int, data: bytes) -> None:
+        """Records chunk ``index`` as received and verified (its decode is queued apart)."""
         self.next_chunk = index + 1
         if self.keep:
             self.chunks.append(data)
-        self.pending.append(decoding)
 
     async def bound(self, limit: int) -> None:
         """Waits while more than ``limit`` decodes are in flight (bounds memory)."""

@@ -16,6 +16,8 @@ class WeightSyncConfig:
     keyframe_every: int = opt(8, "a keyframe is stored beside every Nth version (recovery starts there)")
     send_mib_s: float = opt(0.0, "cap on what this server sends to subscribers, MiB/s in total (0: none)")
     upstream_mib_s: float = opt(0.0, "relay only: cap on what it reads from its upstream, MiB/s (0: none)")
+    message_kib: int = opt(64, "Subscribe coalesces consecutive chunks already held into messages of up to this many KiB (per-message costs dominate a delta's small chunks)")
+    window_mib: float = opt(32.0, "relay only: HTTP/2 flow-control window of its upstream stream, MiB, sized to the link's bandwidth-delay product (32: 1 Gbit/s at 200 ms round trip; 0: gRPC's adaptive window, which grows over several round trips)")
     max_subscribe_streams: int = opt(256, "Subscribe streams open at once (followers, relays, catch-ups); more answer RESOURCE_EXHAUSTED")
     max_publish_gib: float = opt(16.0, "tensor bytes one Publish may declare, GiB; a declaration past it answers RESOURCE_EXHAUSTED before anything is allocated")
     max_publish_total_gib: float = opt(32.0, "tensor bytes all Publish streams in flight may declare together, GiB; past it RESOURCE_EXHAUSTED")
@@ -29,6 +31,8 @@ class WeightSyncConfig:
             raise ValueError("keep_versions must be >= 2, chunk_mb > 0 and keyframe_every >= 1")
         if self.send_mib_s < 0 or self.upstream_mib_s < 0:
             raise ValueError("send_mib_s and upstream_mib_s must be >= 0 (0: no cap)")
+        if self.message_kib < 1 or self.window_mib < 0:
+            raise ValueError("message_kib must be >= 1 and window_mib >= 0")
         if self.max_subscribe_streams < 1:
             raise ValueError(f"max_subscribe_streams must be >= 1, got {self.max_subscribe_streams}")
         if not 0 < self.max_publish_gib <= self.max_publish_total_gib:

@@ -142,6 +142,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self._send = TokenBucket.mib_per_s(config.send_mib_s)
         # Relay: the version arriving from upstream, re-served chunk by chunk as it comes.
         self._incoming: Encoded | None = None
+        self._notify_pending = False
         # When each version became available here (monotonic): stored by Publish, or its
         # manifest arrived from upstream. Benches measure propagation from it.
         self.available_at: dict[int, float] = {}
@@ -192,7 +193,14 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self._notify_soon()
 
     def _notify_soon(self) -> None:
-        asyncio.get_running_loop().create_task(self._announce())
+        # One wake-up per burst of chunks: a task per chunk costs more than the chunk.
+        if not self._notify_pending:
+            self._notify_pending = True
+            asyncio.get_running_loop().create_task(self._announce_pending())
+
+    async def _announce_pending(self) -> None:
+        self._notify_pending = False
+        await self._announce()
 
     async def _mirror_upstream(self) -> None:
         """Relay: one subscription upstream, re-serving the same encoded chunks locally."""
@@ -207,6 +215,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 # Chunks are passed on before they are decoded; decoding only feeds
                 # this relay's store, so it yields the CPU to forwarding and to others.
                 decode_nice=10,
+                window_bytes=int(self.config.window_mib * (1 << 20)),
             )
             try:
                 async for update in subscriber.updates(follow=True, keep_encoded=True):
@@ -274,11 +283,15 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         return self.store.find(version, base)
 
     async def _send_chunks(self, enc: Encoded, start: int) -> AsyncIterator[pb.WeightChunk]:
-        """Chunks ``start..`` of ``enc``; for a version still arriving from upstream, each
-        chunk as soon as it is here. Ends early (None) if the arrival was abandoned."""
+        """Chunks ``start..`` of ``enc``, consecutive ones that are already here coalesced
+        into messages of up to ``message_kib``; for a version still arriving from upstream,
+        each as soon as it is here (a relay never waits to fill a message). Ends early
+        (Unavailable) if the arrival was abandoned."""
         total = len(enc.manifest.chunks)
         version, base = enc.manifest.version, enc.manifest.base_version
-        for index in range(start, total):
+        limit = self.config.message_kib << 10
+        index = start
+        while index < total:
             while index >= len(enc.chunks):
                 async with self._changed:
                     await self._changed.wait_for(lambda i=index, e=enc: i < len(e.chunks) or self._find(version, base) is not e)
@@ -289,11 +302,18 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                     if replacement is None:
                         raise Unavailable(f"version {version} was abandoned mid-transfer upstream; subscribe again")
                     enc = replacement
-            payload = enc.chunks[index]
-            await self._send.take(len(payload))
-            self.counters["chunks_sent"] += 1
-            self.counters["chunk_bytes_sent"] += len(payload)
-            yield pb.WeightChunk(chunk=pb.ChunkData(version=version, index=index, data=payload))
+            batch: list[pb.ChunkData] = []
+            size = 0
+            # A relay's chunks list only grows with chunks that passed their checksum.
+            while index < min(total, len(enc.chunks)) and (not batch or size + len(enc.chunks[index]) <= limit):
+                payload = enc.chunks[index]
+                batch.append(pb.ChunkData(version=version, index=index, data=payload))
+                size += len(payload)
+                index += 1
+            await self._send.take(size)
+            self.counters["chunks_sent"] += len(batch)
+            self.counters["chunk_bytes_sent"] += size
+            yield pb.WeightChunk(chunk=batch[0]) if len(batch) == 1 else pb.WeightChunk(batch=pb.ChunkBatch(chunks=batch))
 
     async def _plan(self, held: int) -> list[Encoded]:
         async with self._store_lock:
