@@ -511,7 +511,7 @@ def test_format_2_garbage_body_with_valid_checksum_never_crashes(blob, dtype_cod
     ctx = None
     if with_context:
         ctx = codec.ChunkChanges(np.arange(0, n, 7, dtype=np.int64), old[::7] ^ raw(1), old[::7])
-        from services.weightsync.codec.kernels2 import _fingerprint
+        from services.weightsync.codec.context_kernels import _fingerprint
 
         fp = int(_fingerprint(ctx.positions, ctx.old, ctx.new))
         body = bytes((1,)) + codec.format._uv_encode(ctx.positions.size) + struct.pack("<I", fp) + blob

@@ -35,7 +35,7 @@ from services.weightsync.codec.format import (
     parse_header,
 )
 from services.weightsync.codec.kernels import _DELTA_ERRORS, _decode_delta, _encode_events, _scan_changes
-from services.weightsync.codec.kernels2 import (
+from services.weightsync.codec.context_kernels import (
     _HEAD_ERRORS,
     _V2_ERRORS,
     _context_features,

@@ -20,7 +20,7 @@ from services.weightsync.codec.kernels import _best_k, _get_rice, _ordered_key, 
 
 # See the note in kernels.py: numba freezes these into its cached kernels.
 if (_NGROUPS, _G_FLIP, _G_NEWSIGN, _BIN_RAW, _FLAG_CONTEXT, _QMAX, _RAW_BITS) != (258, 256, 257, 0x80, 1, 24, 40):
-    raise ImportError("codec format constants changed: update kernels2.py too (numba cache)")
+    raise ImportError("codec format constants changed: update context_kernels.py too (numba cache)")
 
 # The helpers below are compiled into this file's cached kernels, and numba's
 # cache only notices edits to this file: an edit to them in kernels.py alone
@@ -29,7 +29,7 @@ if (_NGROUPS, _G_FLIP, _G_NEWSIGN, _BIN_RAW, _FLAG_CONTEXT, _QMAX, _RAW_BITS) !=
 _SHARED = ("_ordered_key", "_rice_cost", "_best_k", "_put", "_put_rice", "_ctz", "_peek", "_get_rice")
 _SHARED_DIGEST = "527bf87024d53eb5"
 if hashlib.sha256("".join(inspect.getsource(getattr(_k1, n).py_func) for n in _SHARED).encode()).hexdigest()[:16] != _SHARED_DIGEST:
-    raise ImportError("kernels.py bit I/O helpers changed: update _SHARED_DIGEST in kernels2.py (numba cache)")
+    raise ImportError("kernels.py bit I/O helpers changed: update _SHARED_DIGEST in context_kernels.py (numba cache)")
 
 
 @njit(cache=True, nogil=True)

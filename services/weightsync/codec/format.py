@@ -2,7 +2,7 @@
 
 This module writes and parses everything around the delta bit stream; the
 numba kernels that write and read the stream itself are in kernels.py
-(format version 1) and kernels2.py (format version 2), the public API in the
+(format version 1) and context_kernels.py (format version 2), the public API in the
 package's __init__. Both versions decode; the encoders write version 1 unless
 asked for 2 (see "Format version 2" for why and when).
 

@@ -8,7 +8,7 @@ passed as uint64 words (four elements per word, element 4j+l in bits
 16l..16l+15 of word j); the scan and find kernels take such a view or None.
 A None argument makes numba compile a separate version without the word code.
 
-kernels2.py (format version 2) compiles the bit I/O helpers of this file into
+context_kernels.py (format version 2) compiles the bit I/O helpers of this file into
 its own kernels and pins their source (``_SHARED_DIGEST`` there): editing
 one of them means updating that digest too.
 """
