@@ -12,7 +12,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+from opentelemetry.trace import Link, SpanKind
 
+from meridian import telemetry
 from meridian.errors import FailedPrecondition, InvalidArgument
 from meridian.grpc_runtime import open_channel
 from meridian.model_store import resolve_model
@@ -32,6 +34,7 @@ from services.rollout.weight_follower import WeightFollower
 from services.rollout.weight_updates import Tolerance, WeightUpdater
 
 log = logging.getLogger(__name__)
+tracer = telemetry.tracer(__name__)
 
 MAX_GROUP = 64
 MAX_TASKS = 64
@@ -138,8 +141,20 @@ class RolloutService(pb_grpc.RolloutServicer):
     async def _background_group(self) -> int:
         groups = await self._run_groups(await self._pick_tasks(1), self.config.group_size, self._sampling(pb.SamplingParams(), self.config.temperature))
         for group in groups:
-            await self.transport.publish_group(group)
+            await self._publish_group(group)
         return sum(len(g) for g in groups)
+
+    async def _publish_group(self, group: list[common_pb2.Trajectory]) -> None:
+        """XADDs one group under a PRODUCER span linked to each trajectory's episode span
+        (the context the trainer's step links to as well)."""
+        links = [Link(ctx) for t in group if (ctx := telemetry.span_context_of(dict(t.trace_context)))]
+        with tracer.start_as_current_span("rollout.publish_group", kind=SpanKind.PRODUCER, links=links) as span:
+            span.set_attribute("messaging.system", "redis")
+            span.set_attribute("messaging.operation.type", "send")
+            span.set_attribute("messaging.destination.name", self.config.stream)
+            span.set_attribute("meridian.group_id", group[0].group_id if group else "")
+            span.set_attribute("meridian.trajectories", len(group))
+            await self.transport.publish_group(group)
 
     async def _pick_tasks(self, count: int) -> list[sbx.Task]:
         listed = (await self.sandboxes.ListTasks(sbx.ListTasksRequest(split="train"))).tasks
@@ -231,7 +246,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         groups = await self._run_groups(tasks, group_size, sampling)
         if request.publish:
             for group in groups:
-                await self.transport.publish_group(group)
+                await self._publish_group(group)
         return pb.RunEpisodesResponse(trajectories=[t for g in groups for t in g])
 
     async def Status(self, request: pb.RolloutStatusRequest, context: grpc.aio.ServicerContext) -> pb.RolloutStatus:

@@ -67,7 +67,9 @@ class WeightFollower:
                     assert update.undo is not None, "an in-place subscriber records undo logs"
                     pending.append(update.undo)
                     changes = await asyncio.to_thread(ChangeSet.from_undos, weights, pending)
-                    report = await self.updater.update(changes, weights, update.manifest.canary, lambda w=weights, p=pending: served_version(w, p))
+                    report = await self.updater.update(
+                        changes, weights, update.manifest.canary, lambda w=weights, p=pending: served_version(w, p), update.manifest.trace_context
+                    )
                     self._record(report, update.manifest.weights_hash)
                     if report.accepted:
                         pending.clear()

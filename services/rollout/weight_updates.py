@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from opentelemetry.trace import Link
 
 from meridian import canary as canary_check
 from meridian import telemetry
@@ -161,14 +162,19 @@ class WeightUpdater:
             len(self.layout.runs), len(self.layout.targets), reply["shadow_bytes"] / 2**20, compared,
         )
 
-    async def update(self, changes: ChangeSet, truth: Weights, canary: wpb.Canary | None, previous: Callable[[], Weights]) -> UpdateReport:
+    async def update(
+        self, changes: ChangeSet, truth: Weights, canary: wpb.Canary | None, previous: Callable[[], Weights], trace_context: Mapping[str, str] | None = None
+    ) -> UpdateReport:
         """Applies ``changes`` (taking the engine from its version to ``changes.version``),
         verifies, and commits or rolls back. ``truth`` are the published weights of the new
-        version; ``previous()`` rebuilds the served version's (only the full path needs it)."""
+        version; ``previous()`` rebuilds the served version's (only the full path needs it).
+        ``trace_context`` (the version manifest's: the trainer step that published it) becomes
+        a link of the ``rollout.weight_update`` span."""
         engine = self.engine
         path = "delta" if self.layout is not None else "full"
         report = UpdateReport(changes.version, False, path, elements=changes.elements)
-        with tracer.start_as_current_span("rollout.weight_update") as span:
+        published_by = telemetry.span_context_of(dict(trace_context)) if trace_context else None
+        with tracer.start_as_current_span("rollout.weight_update", links=[Link(published_by)] if published_by else None) as span:
             span.set_attribute("meridian.version", changes.version)
             span.set_attribute("meridian.base_version", engine.version)
             span.set_attribute("meridian.apply_path", path)

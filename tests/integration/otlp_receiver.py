@@ -9,6 +9,7 @@ from concurrent import futures
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +20,9 @@ class ReceivedSpan:
     span_id: str
     parent_span_id: str
     links: tuple[tuple[str, str], ...]  # (trace_id, span_id)
+    kind: str = ""  # the OTLP span kind without its prefix: SERVER, CLIENT, PRODUCER, CONSUMER, INTERNAL
+    start_unix_ns: int = 0
+    end_unix_ns: int = 0
 
 
 class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -40,6 +44,9 @@ class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
                             span_id=s.span_id.hex(),
                             parent_span_id=s.parent_span_id.hex(),
                             links=tuple((l.trace_id.hex(), l.span_id.hex()) for l in s.links),
+                            kind=trace_pb2.Span.SpanKind.Name(s.kind).removeprefix("SPAN_KIND_").replace("UNSPECIFIED", ""),
+                            start_unix_ns=s.start_time_unix_nano,
+                            end_unix_ns=s.end_time_unix_nano,
                         )
                     )
         with self.lock:
