@@ -89,7 +89,7 @@ def test_every_expected_edge_shows_in_one_trajectorys_life(stack: stack_mod.Stac
     # The relay's upstream stream is one span pair that ends, and is exported, when the stream does.
     relay.stop()
 
-    ok = otlp.wait_for(lambda r: not check_edges(r.spans(), trace_id).missing, timeout_s=60)
+    ok = otlp.wait_for(lambda r: not check_edges(r.spans(), trace_id).missing, timeout_s=120)
     spans = otlp.spans()
     report = check_edges(spans, trace_id)
     tree = render_trajectory(spans, trace_id, episode_id)
