@@ -15,6 +15,21 @@ ATTENTION = ("sdpa", "eager")
 AGGREGATIONS = ("token-mean", "seq-mean", "dr-grpo")
 
 
+def cpu_set(text: str) -> set[int]:
+    """CPU ids from a list such as ``1`` or ``0-3,6`` (empty: none given)."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ValueError(f"cpus must be a list of CPU ids and ranges such as '0-3,6', got {text!r}") from None
+        if first < 0 or last < first:
+            raise ValueError(f"cpus: bad range {part!r} in {text!r}")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
 @dataclasses.dataclass
 class TrainerConfig:
     model: str = opt("builtin", "Hugging Face model folder, or 'builtin' for SmolLM2-135M-Instruct")
@@ -55,12 +70,14 @@ class TrainerConfig:
     dedupe_window: int = opt(1_000_000, "trained group ids remembered (in checkpoints) to drop redeliveries")
     data_parallel: str = opt("ddp", "under torchrun: ddp (every rank a full replica) or fsdp (FSDP2: parameters, gradients and optimiser state sharded over the ranks)")
     threads: int = opt(1, "torch CPU threads")
+    cpus: str = opt("", "CPU ids the trainer process runs on, e.g. '1' or '2-7,12' (empty: wherever the OS puts it); keeps it off the cores an inference engine pins its threads to")
     seed: int = opt(0, "torch seed")
 
     def transport_config(self) -> transport.TransportConfig:
         return transport.TransportConfig(self.redis_url, self.stream, self.consumer_group)
 
     def __post_init__(self) -> None:
+        cpu_set(self.cpus)  # rejects a malformed list at start-up
         if self.groups_per_step <= 0 or self.lr <= 0 or self.threads <= 0:
             raise ValueError("groups_per_step, lr and threads must be positive")
         if self.clip_low < 0 or self.clip_high < 0 or self.max_policy_lag < 0:

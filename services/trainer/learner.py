@@ -17,6 +17,7 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import os
 import random
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from meridian import canary
 from meridian.v1 import common_pb2
 from meridian.v1 import weightsync_pb2
 from services.trainer.batch import Batch, build_batch, policy_lag, token_logprobs
-from services.trainer.config import TrainerConfig
+from services.trainer.config import TrainerConfig, cpu_set
 from services.trainer.learner_protocol import PASS_REWARD, StepResult
 from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal, staleness_weight
 from services.trainer.packing import PackedLayout, pack, packed_logprobs, plan_packs
@@ -107,6 +108,16 @@ def canary_logprobs(module: torch.nn.Module, weights: dict[str, RawTensor], sequ
     return out
 
 
+def pin_process(cpus: set[int]) -> None:
+    """Runs every thread of this process, and every thread it starts later, on ``cpus``."""
+    available = os.sched_getaffinity(0)
+    if not cpus <= available:
+        raise ValueError(f"cpus {sorted(cpus)} are not all available to this process (it may use {sorted(available)})")
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task), cpus)
+
+
 def _decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks FSDP shards one unit each (Hugging Face causal LMs keep them at ``model.layers``)."""
     layers = getattr(getattr(module, "model", None), "layers", None)
@@ -130,6 +141,8 @@ class Learner:
     def __init__(self, model_dir: Path, config: TrainerConfig, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if config.cpus:
+            pin_process(cpu_set(config.cpus))
         torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
         random.seed(config.seed)

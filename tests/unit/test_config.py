@@ -194,3 +194,12 @@ def test_trainer_config_rejects(kwargs: dict[str, object]) -> None:
 def test_envsandbox_config_rejects(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         EnvSandboxConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_trainer_cpu_lists() -> None:
+    from services.trainer.config import TrainerConfig, cpu_set
+
+    assert cpu_set("") == set() and cpu_set("1") == {1} and cpu_set("0-2, 5") == {0, 1, 2, 5}
+    for bad in ("a", "3-1", "-1", "1-x"):
+        with pytest.raises(ValueError, match="cpus"):
+            TrainerConfig(cpus=bad)
