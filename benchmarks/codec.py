@@ -296,7 +296,7 @@ def run_codec_bench(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.codec [--steps K] [--synthetic N]``: format 1 vs 2 on
+    """``meridian bench codec [--steps K] [--synthetic N]``: format 1 vs 2 on
     the recorded real RL versions of the built-in model (as ``meridian bench
     weightsync`` records and caches them) or on synthetic AdamW versions; prints
     one JSON object."""
@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.codec")
+    parser = argparse.ArgumentParser(prog="meridian bench codec")
+    parser.add_argument("--json", action="store_true", help="accepted for symmetry with the other benches: the output is always one JSON object")
     parser.add_argument("--steps", type=int, default=5, help="recorded RL steps (>= 1)")
     parser.add_argument("--synthetic", type=int, default=0, help="use N-parameter synthetic versions instead")
     ns = parser.parse_args(argv)

@@ -9,6 +9,7 @@ import importlib
 
 TARGETS = {
     "weightsync": "benchmarks.weightsync",
+    "codec": "benchmarks.codec",
     "sandbox": "benchmarks.sandbox",
     "rollout": "benchmarks.rollout",
     "trainer": "benchmarks.trainer",
