@@ -14,9 +14,13 @@
 3. Propagation: origin -> emulated WAN link (100 Mbit/s, 50 ms one way) -> relay ->
    subscriber, all real gRPC servers in this process; per version, the time from the
    origin holding it to the subscriber holding it verified, against the link bound
-   (encoded bytes / bandwidth + latency).
+   (encoded bytes / bandwidth + latency); also on a 1 Gbit/s, 100 ms link.
+4. Compacted deltas: a late joiner k versions behind (k = 1, 4, 16, 32) gets one delta
+   from the version it holds to the latest; its size against the full bf16 size, the
+   chain of k deltas and a keyframe. Needs max(k) + 1 versions: a second recording
+   (``--compacted-steps``) keeps only the versions these figures use.
 
-Prints one JSON object (``--json``) or a short human summary.
+``--parts`` picks the slow parts to run (codec, propagation, compacted). Prints one JSON object (``--json``) or a short human summary.
 """
 from __future__ import annotations
 
@@ -40,6 +44,11 @@ from meridian.tensors import RawTensor
 
 LINK_BANDWIDTH = 100e6 / 8  # 100 Mbit/s, bytes/s
 LINK_LATENCY_S = 0.050
+#: The second link propagation is measured on: a fast, far one (1 Gbit/s, 100 ms one way),
+#: where the round trip, not the bandwidth, bounds a delta.
+FAST_FAR_LINK = (1e9 / 8, 0.100)
+#: Versions behind the latest that a late joiner's compacted delta is measured for.
+COMPACTED_KS = (1, 4, 16, 32)
 WARMUP_STEPS = 3
 GROUP_SIZE = 4
 COMPLETION_TOKENS = 32
@@ -89,8 +98,12 @@ def _trajectories(model_dir: Path, prompts: list[str], seed: int) -> list[list[A
     return groups
 
 
-def _record(steps: int, folder: Path, log: Any) -> None:
-    """Runs WARMUP_STEPS + ``steps`` real optimizer steps and saves steps + 1 bf16 versions."""
+def _record(steps: int, folder: Path, log: Any, keep: set[int] | None = None) -> None:
+    """Runs WARMUP_STEPS + ``steps`` real optimizer steps and saves steps + 1 bf16 versions
+    (only those in ``keep`` when given: a long recording would take gigabytes). The size of
+    each consecutive delta goes to ``deltas.json``, so chains need not be kept."""
+    from services.weightsync.versions import encode_version
+
     from meridian.model_store import prepare_builtin
     from services.envsandbox.tasks import TaskSuite
     from services.trainer.config import TrainerConfig
@@ -103,12 +116,22 @@ def _record(steps: int, folder: Path, log: Any) -> None:
     log(f"sampled {len(groups)} groups of {GROUP_SIZE} in {time.perf_counter() - t0:.1f}s")
     learner = Learner(model_dir, TrainerConfig(lr=1e-6, threads=max(1, os.cpu_count() or 1), max_policy_lag=10**6))
     folder.mkdir(parents=True, exist_ok=True)
-    for step in range(WARMUP_STEPS + steps):
+    previous: dict[str, RawTensor] | None = None
+    delta_bytes: list[int] = []
+    for step in range(WARMUP_STEPS + steps + 1):
         if step >= WARMUP_STEPS:
-            _save(folder / f"v{step - WARMUP_STEPS}.npz", learner.policy_weights())
+            v = step - WARMUP_STEPS
+            weights = learner.policy_weights()
+            if keep is None or v in keep:
+                _save(folder / f"v{v}.npz", weights)
+            if previous is not None:
+                delta_bytes.append(encode_version(v, weights, previous, v - 1, CHUNK_ELEMS * 2).size)
+            previous = weights
+            if v == steps:
+                break
         result = learner.step(groups)
         log(f"step {step}: loss {result.loss:+.4f} grad_norm {result.grad_norm:.3f} ({result.seconds:.1f}s)")
-    _save(folder / f"v{steps}.npz", learner.policy_weights())
+    (folder / "deltas.json").write_text(json.dumps(delta_bytes))
     (folder / "COMPLETE").write_text("ok\n")
 
 
@@ -128,18 +151,60 @@ def _load(path: Path) -> dict[str, RawTensor]:
     return out
 
 
-def recorded_versions(steps: int, use_cache: bool, log: Any) -> tuple[list[dict[str, RawTensor]], bool]:
-    """``steps + 1`` consecutive versions; True when they came from the cache."""
+def _recording(name: str, steps: int, use_cache: bool, log: Any, keep: set[int] | None = None) -> tuple[Path, bool]:
     from meridian.model_store import cache_dir
 
-    folder = cache_dir() / "bench" / "weightsync" / f"smollm2-135m-lr1e-6-f{RECORDING_FORMAT}-k{steps}"
+    folder = cache_dir() / "bench" / "weightsync" / name
     cached = use_cache and (folder / "COMPLETE").exists()
     if not cached:
         if folder.exists():
             for f in folder.iterdir():
                 f.unlink()
-        _record(steps, folder, log)
+        _record(steps, folder, log, keep)
+    return folder, cached
+
+
+def recorded_versions(steps: int, use_cache: bool, log: Any) -> tuple[list[dict[str, RawTensor]], bool]:
+    """``steps + 1`` consecutive versions; True when they came from the cache."""
+    folder, cached = _recording(f"smollm2-135m-lr1e-6-f{RECORDING_FORMAT}-k{steps}", steps, use_cache, log)
     return [_load(folder / f"v{i}.npz") for i in range(steps + 1)], cached
+
+
+def compacted_figures(steps: int, use_cache: bool, log: Any) -> dict[str, Any]:
+    """For a late joiner k versions behind the latest (v``steps``): the compacted delta
+    (the latest encoded against the version it holds, what ``plan_compacted`` builds),
+    the chain of k deltas, and a keyframe of the latest, each in % of the full bf16 size."""
+    from services.weightsync.versions import encode_version
+
+    ks = [k for k in COMPACTED_KS if k <= steps]
+    keep = {steps, *(steps - k for k in ks)}
+    folder, cached = _recording(f"smollm2-135m-lr1e-6-f{RECORDING_FORMAT}-compacted-k{steps}", steps, use_cache, log, keep)
+    deltas = json.loads((folder / "deltas.json").read_text())
+    latest = _load(folder / f"v{steps}.npz")
+    full = sum(t.nbytes for t in latest.values())
+    t0 = time.perf_counter()
+    keyframe = encode_version(steps, latest, None, -1, CHUNK_ELEMS * 2).size
+    keyframe_s = time.perf_counter() - t0
+    per_k = {}
+    for k in ks:
+        held = _load(folder / f"v{steps - k}.npz")
+        t0 = time.perf_counter()
+        compacted = encode_version(steps, latest, held, steps - k, CHUNK_ELEMS * 2).size
+        seconds = time.perf_counter() - t0
+        chain = sum(deltas[steps - k :])
+        per_k[str(k)] = {
+            "compacted_bytes": compacted, "compacted_pct_of_full": 100 * compacted / full,
+            "chain_bytes": chain, "chain_pct_of_full": 100 * chain / full,
+            "sent": "compacted" if compacted <= min(chain, keyframe) else ("chain" if chain <= keyframe else "keyframe"),
+            "compacted_encode_s": seconds,
+        }
+        del held
+    return {
+        "latest_version": steps, "cached": cached, "full_bf16_bytes": full,
+        "keyframe_bytes": keyframe, "keyframe_pct_of_full": 100 * keyframe / full, "keyframe_encode_s": keyframe_s,
+        "per_k": per_k, "compacted_pct_of_full": {k: v["compacted_pct_of_full"] for k, v in per_k.items()},
+        "ks_missing": [k for k in COMPACTED_KS if k > steps],
+    }
 
 
 # ---------------------------------------------------------------- codec figures
@@ -271,7 +336,9 @@ async def _serving(service: Any) -> AsyncIterator[str]:
         await service.stop()
 
 
-async def _propagation(versions: list[dict[str, RawTensor]], workdir: Path) -> list[dict[str, Any]]:
+async def _propagation(
+    versions: list[dict[str, RawTensor]], workdir: Path, bandwidth: float = LINK_BANDWIDTH, latency_s: float = LINK_LATENCY_S
+) -> list[dict[str, Any]]:
     from services.weightsync import client
     from services.weightsync.client import WeightSubscriber
     from services.weightsync.config import WeightSyncConfig
@@ -286,14 +353,22 @@ async def _propagation(versions: list[dict[str, RawTensor]], workdir: Path) -> l
         async with LinkEmulator(origin) as link:
             relay_svc = WeightSyncService(WeightSyncConfig(role="relay", upstream=link.address, data_dir=str(workdir / "relay")))
             async with _serving(relay_svc) as relay:
-                sub = WeightSubscriber(relay, None, -1, in_place=True)
+                # When the subscriber holds every chunk of a version verified: what is
+                # left after it (decode tail, weights hash) is not transport.
+                last_chunk: dict[int, float] = {}
+
+                def on_chunk(manifest: Any, index: int, payload: bytes) -> None:
+                    if index == len(manifest.chunks) - 1:
+                        last_chunk[manifest.version] = time.monotonic()
+
+                sub = WeightSubscriber(relay, None, -1, in_place=True, on_chunk=on_chunk)
                 stream = sub.updates(follow=True)
                 try:
                     first = await anext(stream)
                     assert first.version == 0
                     while relay_svc.store.latest < 0:
                         await asyncio.sleep(0.05)
-                    link.set_link(bandwidth=LINK_BANDWIDTH, latency_s=LINK_LATENCY_S)
+                    link.set_link(bandwidth=bandwidth, latency_s=latency_s)
                     await asyncio.sleep(0.5)
                     for v in range(1, len(versions)):
                         await client.publish(origin, v, versions[v])
@@ -303,10 +378,12 @@ async def _propagation(versions: list[dict[str, RawTensor]], workdir: Path) -> l
                             raise RuntimeError(f"subscriber got version {update.version}, expected {v}")
                         exact = _same_bits(update.weights, versions[v]) 
                         propagation = got_at - origin_svc.available_at[v]
-                        bound = update.manifest.encoded_bytes / LINK_BANDWIDTH + LINK_LATENCY_S
+                        chunks_s = last_chunk[v] - origin_svc.available_at[v]
+                        bound = update.manifest.encoded_bytes / bandwidth + latency_s
                         out.append({
                             "version": v, "encoded_bytes": int(update.manifest.encoded_bytes), "propagation_s": propagation,
                             "link_bound_s": bound, "propagation_vs_bound": propagation / bound, "bit_exact": exact,
+                            "chunks_s": chunks_s, "chunks_vs_bound": chunks_s / bound,
                         })
                         # Let the relay finish storing before the next version.
                         while relay_svc.store.latest < v:
@@ -324,15 +401,35 @@ def _same_bits(a: dict[str, RawTensor], b: dict[str, RawTensor]) -> bool:
 # ---------------------------------------------------------------- main
 
 
+def _propagation_summary(per_version: list[dict[str, Any]], bandwidth: float, latency_s: float) -> dict[str, Any]:
+    med = statistics.median
+    return {
+        "link": {"bandwidth_mbit_s": bandwidth * 8 / 1e6, "latency_ms": latency_s * 1e3},
+        "per_version": per_version,
+        "propagation_vs_bound": med(p["propagation_vs_bound"] for p in per_version),
+        "chunks_vs_bound": med(p["chunks_vs_bound"] for p in per_version),
+        "load_average_1m": os.getloadavg()[0],
+    }
+
+
+PARTS = ("codec", "propagation", "compacted")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="meridian bench weightsync")
     parser.add_argument("--steps", type=int, default=5, help="consecutive RL optimizer steps to record (>= 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-cache", action="store_true", help="record the versions again")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="decode threads for the multi-thread figure")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)}")
+    parser.add_argument("--compacted-steps", type=int, default=max(COMPACTED_KS),
+                        help="steps of the second recording the compacted figures use (the latest is this many versions after the first)")
     ns = parser.parse_args(argv)
-    if ns.steps < 1:
-        parser.error("--steps must be >= 1")
+    if ns.steps < 1 or ns.compacted_steps < 1:
+        parser.error("--steps and --compacted-steps must be >= 1")
+    parts = {p.strip() for p in ns.parts.split(",") if p.strip()}
+    if not parts or parts - set(PARTS):
+        parser.error(f"--parts takes a comma-separated subset of {','.join(PARTS)}")
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -340,16 +437,30 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     versions, cached = recorded_versions(ns.steps, not ns.no_cache, log)
     record_s = time.perf_counter() - t0
-    steps, exact = codec_figures(versions, ns.threads)
-    with tempfile.TemporaryDirectory(prefix="meridian-ws-bench-") as tmp:
-        propagation = asyncio.run(_propagation(versions, Path(tmp)))
     med = statistics.median
-    result = {
+    result: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (built-in)",
         "versions": {"steps": ns.steps, "lr": 1e-6, "warmup_steps": WARMUP_STEPS, "cached": cached, "record_s": record_s,
                      "params": sum(t.bits.size for t in versions[0].values())},
-        "steps": steps,
-        "summary": {
+        "parts": sorted(parts),
+        "definitions": {
+            "decode_gbps": "raw bf16 bytes of the model / wall seconds to apply one delta in place on one thread "
+                           f"(decode + undo log + incremental weights-hash check), median of {APPLY_REPEATS}",
+            "decode_gbps_cpu": "the same, over the decoding thread's CPU seconds (robust to a shared machine)",
+            "decode_copy_gbps": "raw bytes / wall seconds to decode one delta into fresh buffers on one thread (no hash)",
+            "decode_copy_gbps_threads": "decode_copy_gbps on decode_threads threads",
+            "propagation_vs_bound": "seconds from the origin holding a version to the subscriber holding it verified and applied, "
+                                    "over encoded bytes / bandwidth + one-way latency; median over versions",
+            "chunks_vs_bound": "the same up to the subscriber holding every chunk verified (transport, without the decode tail)",
+            "compacted_pct_of_full": "per k: one delta from v(latest - k) to the latest, % of the full bf16 size",
+        },
+        "targets": {"ours_pct_of_full": 0.20, "ours_vs_xor_zstd": 0.35, "decode_gbps": 1.0, "propagation_vs_bound": 1.25},
+    }
+    exact = True
+    if "codec" in parts:
+        steps, exact = codec_figures(versions, ns.threads)
+        result["steps"] = steps
+        result["summary"] = {
             "ours_pct_of_full": med(100 * s["ours_bytes"] / s["full_bf16_bytes"] for s in steps),
             "ours_vs_xor_zstd": med(s["ours_bytes"] / s["xor_zstd_bytes"] for s in steps),
             "xor_zstd_pct_of_full": med(100 * s["xor_zstd_bytes"] / s["full_bf16_bytes"] for s in steps),
@@ -360,29 +471,36 @@ def main(argv: list[str]) -> int:
             "decode_copy_gbps": med(s["decode_copy_gbps"] for s in steps),
             "decode_copy_gbps_threads": med(s["decode_copy_gbps_threads"] for s in steps),
             "decode_threads": ns.threads,
-            "load_average_1m": os.getloadavg()[0],
-            "bit_exact": exact and all(p["bit_exact"] for p in propagation),
-        },
-        "propagation": {
-            "link": {"bandwidth_mbit_s": LINK_BANDWIDTH * 8 / 1e6, "latency_ms": LINK_LATENCY_S * 1e3},
-            "per_version": propagation,
-            "propagation_vs_bound": med(p["propagation_vs_bound"] for p in propagation),
-        },
-        "definitions": {
-            "decode_gbps": "raw bf16 bytes of the model / wall seconds to apply one delta in place on one thread "
-                           f"(decode + undo log + incremental weights-hash check), median of {APPLY_REPEATS}",
-            "decode_gbps_cpu": "the same, over the decoding thread's CPU seconds (robust to a shared machine)",
-            "decode_copy_gbps": "raw bytes / wall seconds to decode one delta into fresh buffers on one thread (no hash)",
-            "decode_copy_gbps_threads": "decode_copy_gbps on decode_threads threads",
-        },
-        "targets": {"ours_pct_of_full": 0.20, "ours_vs_xor_zstd": 0.35, "decode_gbps": 1.0, "propagation_vs_bound": 1.25},
-    }
+        }
+    else:
+        result["summary"] = {}
+    if "propagation" in parts:
+        fast_bw, fast_lat = FAST_FAR_LINK
+        with tempfile.TemporaryDirectory(prefix="meridian-ws-bench-") as tmp:
+            default = asyncio.run(_propagation(versions, Path(tmp) / "default"))
+            result["propagation"] = _propagation_summary(default, LINK_BANDWIDTH, LINK_LATENCY_S)
+            fast = asyncio.run(_propagation(versions, Path(tmp) / "fast", fast_bw, fast_lat))
+            result["propagation_1gbit_100ms"] = _propagation_summary(fast, fast_bw, fast_lat)
+        exact = exact and all(p["bit_exact"] for p in default + fast)
+    if "compacted" in parts:
+        result["compacted"] = compacted_figures(ns.compacted_steps, not ns.no_cache, log)
+        result["summary"]["compacted_pct_of_full"] = result["compacted"]["compacted_pct_of_full"]
+    result["summary"]["load_average_1m"] = os.getloadavg()[0]
+    result["summary"]["bit_exact"] = exact
     if ns.json:
         print(json.dumps(result))
-    else:
-        s = result["summary"]
+        return 0
+    s = result["summary"]
+    if "codec" in parts:
         print(f"ours {s['ours_pct_of_full']:.3f}% of full bf16 ({s['ours_vs_xor_zstd']:.2f}x XOR+zstd), "
               f"encode {s['encode_gbps']:.2f} GB/s, decode {s['decode_gbps']:.2f} GB/s "
-              f"({s['decode_gbps_threads']:.2f} on {ns.threads} threads), bit exact {s['bit_exact']}, "
-              f"propagation {result['propagation']['propagation_vs_bound']:.2f}x the link bound")
+              f"({s['decode_copy_gbps_threads']:.2f} on {ns.threads} threads, fresh buffers), bit exact {s['bit_exact']}")
+    if "propagation" in parts:
+        for key in ("propagation", "propagation_1gbit_100ms"):
+            p = result[key]
+            print(f"{key}: {p['propagation_vs_bound']:.2f}x the link bound ({p['chunks_vs_bound']:.2f}x until every chunk is held), "
+                  f"{p['link']['bandwidth_mbit_s']:g} Mbit/s, {p['link']['latency_ms']:g} ms")
+    if "compacted" in parts:
+        print("compacted delta, % of full bf16, by versions behind: "
+              + ", ".join(f"k={k} {v:.3f}%" for k, v in result["compacted"]["compacted_pct_of_full"].items()))
     return 0
