@@ -129,7 +129,8 @@ def test_tree_fans_out_one_copy_per_link(tmp_path: Path, grpc_serving: Any) -> N
             assert a_s.upstream_bytes == once and a_s.chunk_bytes_sent == 2 * once  # B and S3
             assert b_s.upstream_bytes == once and b_s.chunk_bytes_sent == 2 * once  # S1 and S2
             assert a_s.upstream_versions == b_s.upstream_versions == 4
-            # Chunks travel coalesced: far fewer messages than chunks would be sent one by one.
+            # Coalescing chunks into messages neither drops nor repeats one: each of B's two
+            # leaves got every chunk of every version exactly once.
             assert b_s.chunks_sent == 2 * sum(len(e.manifest.chunks) for e in (store.keyframes[0], *(store.deltas[v] for v in (1, 2, 3))))
 
     run(main())
