@@ -50,7 +50,7 @@ class TrainConfig:
     group_size: int = opt(6, "samples per task")
     max_tokens: int = opt(128, "generated tokens per model turn")
     lr: float = opt(1e-5, "trainer learning rate (when this command starts the stack)")
-    max_policy_lag: int = opt(2, "staleness bound in versions (when this command starts the stack)")
+    max_policy_lag: int = opt(4, "staleness bound in versions (when this command starts the stack; the trainer's own default)")
     train_tasks: str = opt(TRAIN_TASKS, "comma-separated training task ids, cycled through (empty: the server picks)")
     tasks_dir: str = opt("", "folder of your own task files (JSON, SWE-bench JSONL) for envsandbox (when this command starts the stack)")
     temperature: float = opt(0.6, "sampling temperature of the training episodes")
