@@ -453,8 +453,11 @@ def main(argv: list[str]) -> int:
                                     "over encoded bytes / bandwidth + one-way latency; median over versions",
             "chunks_vs_bound": "the same up to the subscriber holding every chunk verified (transport, without the decode tail)",
             "compacted_pct_of_full": "per k: one delta from v(latest - k) to the latest, % of the full bf16 size",
+            "apply_gbps": "decode_gbps (format 1, what the service sends); `meridian bench codec` measures format 2's",
+            "simulation": "frontier_figures of `meridian simulate weightsync` with this run's codec figures: "
+                          "t_1t_4regions_10gbit_s for the code as it is, ..._pipelined for the pipelined design",
         },
-        "targets": {"ours_pct_of_full": 0.20, "ours_vs_xor_zstd": 0.35, "decode_gbps": 1.0, "propagation_vs_bound": 1.25},
+        "targets": {"ours_pct_of_full": 0.13, "ours_vs_xor_zstd": 0.35, "apply_gbps": 20.0, "propagation_vs_bound": 1.25, "t_1t_4regions_10gbit_s": 15.0},
     }
     exact = True
     if "codec" in parts:
@@ -472,6 +475,14 @@ def main(argv: list[str]) -> int:
             "decode_copy_gbps_threads": med(s["decode_copy_gbps_threads"] for s in steps),
             "decode_threads": ns.threads,
         }
+        # The issue's name for the in-place figure: what applying a version costs a subscriber.
+        result["summary"]["apply_gbps"] = result["summary"]["decode_gbps"]
+        # The frontier case (1T parameters, four regions, 10 Gbit/s) simulated with this
+        # run's codec figures (services/weightsync/simulation.py; validated at small scale
+        # by benchmarks/weightsync_simulation.py).
+        from services.weightsync.simulation import frontier_figures
+
+        result["simulation"] = frontier_figures(result, search_cores=False)
     else:
         result["summary"] = {}
     if "propagation" in parts:
@@ -495,6 +506,9 @@ def main(argv: list[str]) -> int:
         print(f"ours {s['ours_pct_of_full']:.3f}% of full bf16 ({s['ours_vs_xor_zstd']:.2f}x XOR+zstd), "
               f"encode {s['encode_gbps']:.2f} GB/s, decode {s['decode_gbps']:.2f} GB/s "
               f"({s['decode_copy_gbps_threads']:.2f} on {ns.threads} threads, fresh buffers), bit exact {s['bit_exact']}")
+        sim = result["simulation"]
+        print(f"simulated 1T version in four regions over 10 Gbit/s: {sim['t_1t_4regions_10gbit_s']:.1f} s as built, "
+              f"{sim['t_1t_4regions_10gbit_s_pipelined']:.1f} s pipelined")
     if "propagation" in parts:
         for key in ("propagation", "propagation_1gbit_100ms"):
             p = result[key]
