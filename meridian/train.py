@@ -202,9 +202,16 @@ class Job:
                     reported = trainer.step
                     last_progress = time.monotonic()
                     self._report(trainer, served, start_step)
-                done = trainer.step - start_step >= cfg.steps and served >= trainer.policy_version
-                if done:
+                stepped = trainer.step - start_step >= cfg.steps
+                if stepped and served >= trainer.policy_version:
                     return trainer, served
+                if stepped:
+                    # Enough steps: stop feeding the trainer, or a trainer that steps
+                    # faster than rollout applies versions is never caught up with.
+                    for task in samplers:
+                        task.cancel()
+                    await asyncio.gather(*samplers, return_exceptions=True)
+                    samplers = []
                 if cfg.mode == "sync" and self.consumed >= self.sampled and served >= trainer.policy_version:
                     break  # this batch is trained (or was flat) and served: sample the next
                 if time.monotonic() - last_progress > cfg.step_timeout_s:
