@@ -318,7 +318,7 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
 
 
 @contextlib.asynccontextmanager
-async def _serving(service: Any) -> AsyncIterator[str]:
+async def serve_on_loopback(service: Any) -> AsyncIterator[str]:
     """A service on a free loopback port in this loop, with the production error boundary."""
     import grpc
 
@@ -347,12 +347,12 @@ async def _propagation(
 
     origin_svc = WeightSyncService(WeightSyncConfig(data_dir=str(workdir / "origin")))
     out = []
-    async with _serving(origin_svc) as origin:
+    async with serve_on_loopback(origin_svc) as origin:
         await client.publish(origin, 0, versions[0])
         # Bootstrap v0 over an unlimited link; measure the deltas over the WAN link.
         async with LinkEmulator(origin) as link:
             relay_svc = WeightSyncService(WeightSyncConfig(role="relay", upstream=link.address, data_dir=str(workdir / "relay")))
-            async with _serving(relay_svc) as relay:
+            async with serve_on_loopback(relay_svc) as relay:
                 # When the subscriber holds every chunk of a version verified: what is
                 # left after it (decode tail, weights hash) is not transport.
                 last_chunk: dict[int, float] = {}

@@ -54,28 +54,11 @@ CALIBRATION = next(iter(CONFIGS))
 # ---------------------------------------------------------------- real runs
 
 
-@contextlib.asynccontextmanager
-async def _serving(service: Any) -> AsyncIterator[str]:
-    import grpc
-
-    from meridian.grpc_runtime import ErrorBoundary, channel_options
-
-    server = grpc.aio.server(interceptors=[ErrorBoundary()], options=channel_options())
-    service.register(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        await service.start()
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(grace=None)
-        await service.stop()
-
-
 async def _measure(versions: list[Any], workdir: Path, mbit: float | None, latency_ms: float, relay: bool, subscribers: int) -> dict[str, Any]:
     """Propagation of versions 1.. from the origin to ``subscribers`` in-place subscribers,
     through a relay behind the link emulator or straight from the origin."""
     from benchmarks.support.linkemu import LinkEmulator
+    from benchmarks.weightsync import serve_on_loopback
     from services.weightsync import client
     from services.weightsync.client import WeightSubscriber
     from services.weightsync.config import WeightSyncConfig
@@ -84,14 +67,14 @@ async def _measure(versions: list[Any], workdir: Path, mbit: float | None, laten
     origin_svc = WeightSyncService(WeightSyncConfig(data_dir=str(workdir / "origin")))
     out: dict[str, Any] = {"propagation_s": [], "encoded_bytes": [], "chunks": 0}
     async with contextlib.AsyncExitStack() as stack:
-        origin = await stack.enter_async_context(_serving(origin_svc))
+        origin = await stack.enter_async_context(serve_on_loopback(origin_svc))
         await client.publish(origin, 0, versions[0])
         source, relay_svc = origin, None
         link = None
         if relay:
             link = await stack.enter_async_context(LinkEmulator(origin))
             relay_svc = WeightSyncService(WeightSyncConfig(role="relay", upstream=link.address, data_dir=str(workdir / "relay")))
-            source = await stack.enter_async_context(_serving(relay_svc))
+            source = await stack.enter_async_context(serve_on_loopback(relay_svc))
         subs = [WeightSubscriber(source, None, -1, in_place=True) for _ in range(subscribers)]
         streams = [s.updates(follow=True) for s in subs]
         try:

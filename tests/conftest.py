@@ -99,8 +99,10 @@ async def serving(
     options: Sequence[tuple[str, Any]] = (),
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     config: ServerConfig | None = None,
+    port: int = 0,
 ) -> AsyncIterator[str]:
-    """Runs ``service`` on a free loopback port inside the running loop; yields its address.
+    """Runs ``service`` on a loopback port (``port``, or a free one) inside the running
+    loop; yields its address.
 
     Mirrors :func:`meridian.grpc_runtime.run_server`: the same server (ErrorBoundary with
     the call limits of ``config`` and the service), health (SERVING only after
@@ -111,9 +113,10 @@ async def serving(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service.register(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    if port == 0:
-        raise RuntimeError("cannot bind a loopback port for the test server")
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    if bound == 0 or (port and bound != port):
+        raise RuntimeError(f"cannot bind 127.0.0.1:{port or 'a free port'} for the test server")
+    port = bound
     await server.start()
     try:
         await service.start()

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from meridian.grpc_runtime import ServerConfig, create_server
 from services.weightsync import client
 from services.weightsync.client import VersionUpdate, WeightSubscriber
 from services.weightsync.server import WeightSyncService
@@ -289,23 +288,6 @@ def test_tree_survives_an_origin_killed_and_restarted(tmp_path: Path, grpc_servi
                 proc.wait(10)
 
 
-@contextlib.asynccontextmanager
-async def _serving_at(service: WeightSyncService, port: int) -> AsyncIterator[str]:
-    """Like the ``grpc_serving`` fixture, on a given port: a relay restarted where its
-    subscribers reconnect."""
-    server = create_server(service, ServerConfig(), options=())
-    service.register(server)
-    if server.add_insecure_port(f"127.0.0.1:{port}") != port:
-        raise RuntimeError(f"cannot bind 127.0.0.1:{port}")
-    await server.start()
-    try:
-        await service.start()
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(grace=None)
-        await service.stop()
-
-
 def test_leaves_recover_when_their_relay_dies_mid_version(tmp_path: Path, grpc_serving: Any, pick_port: Callable[[], int]) -> None:
     """B goes away while forwarding a version it has not stored yet (its leaves hold part
     of it); a new B on the same data folder holds only what was stored whole, and its
@@ -324,7 +306,7 @@ def test_leaves_recover_when_their_relay_dies_mid_version(tmp_path: Path, grpc_s
             first_b = _service(tmp_path, b_dir, role="relay", upstream=tree.link_ab.address)
             leaf = WeightSubscriber(f"127.0.0.1:{port}", None, -1, in_place=True, max_attempts=40)
             async with _following([leaf], 2) as (task,):
-                async with _serving_at(first_b, port):
+                async with grpc_serving(first_b, port=port):
                     await _wait_for(lambda: leaf.decoder.version == 0 and first_b.store.latest == 0, "the leaf and B on v0")
                     await client.publish(tree.origin, 1, v1)
                     await _wait_for(lambda: leaf.decoder.manifest is not None and leaf.stats.chunks >= 8, "part of v1 at the leaf")
@@ -332,7 +314,7 @@ def test_leaves_recover_when_their_relay_dies_mid_version(tmp_path: Path, grpc_s
                 # B is gone mid-version; a new one recovers what was stored whole (v0 only).
                 second_b = _service(tmp_path, b_dir, role="relay", upstream=tree.link_ab.address)
                 assert second_b.store.latest == 0
-                async with _serving_at(second_b, port):
+                async with grpc_serving(second_b, port=port):
                     updates = await asyncio.wait_for(task, 90)
                     await _wait_for(lambda: second_b.store.latest == 1, "the new B storing v1")
             assert [u.version for u in updates] == [0, 1] and _same(updates[1].weights, v1)

@@ -28,6 +28,7 @@ from meridian.v1 import weightsync_pb2_grpc as ws_grpc
 from services.weightsync import client
 from services.weightsync.config import WeightSyncConfig
 from services.weightsync.server import GiB, WeightSyncService
+from tests.unit.test_grpc_services import expect_code
 
 T = TypeVar("T")
 Serving = Callable[..., Any]
@@ -45,11 +46,6 @@ def run(coro: Awaitable[T]) -> T:
     return asyncio.run(bounded())
 
 
-async def expect_code(code: grpc.StatusCode, call: Awaitable[Any]) -> str:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call
-    assert info.value.code() == code, info.value.details()
-    return info.value.details() or ""
 
 
 async def health_seconds(address: str) -> float:
