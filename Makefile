@@ -19,9 +19,11 @@ test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# Regenerate the committed Python stubs from protos/ (a test fails when they drift).
+# Regenerate the committed Python stubs and the API reference (docs/api.md) from protos/
+# (tests fail when they drift).
 protos: install
 	$(PY) -m meridian.protogen
+	$(PY) -m meridian.api_reference
 
 clean:
 	rm -rf $(VENV) .meridian build *.egg-info
