@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from meridian import errors, telemetry
+from meridian import metrics
 from meridian.config import opt
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,11 @@ class ServerConfig:
     grace_s: float = opt(10.0, "seconds to drain in-flight calls on shutdown")
     max_message_mb: int = opt(64, "largest request or response message, MiB (larger ones answer RESOURCE_EXHAUSTED)")
     max_concurrent_rpcs: int = opt(1024, "calls in flight at once, open streams included (health and reflection apart); more answer RESOURCE_EXHAUSTED")
+    metrics_port: int = opt(-1, "Prometheus metrics endpoint port (0: a free port, printed; -1: off); see meridian/metrics.py")
+    metrics_host: str = opt("127.0.0.1", "metrics endpoint address; a non-loopback one is refused unless served with TLS")
+    metrics_tls_cert: str = opt("", "PEM certificate of the metrics endpoint (with metrics_tls_key: HTTPS)")
+    metrics_tls_key: str = opt("", "PEM private key of the metrics endpoint")
+    metrics_region: str = opt("", "region label on this service's metrics (empty: the service's own --region where it has one, else 'local')")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -53,6 +59,7 @@ class ServerConfig:
             raise ValueError("grace_s must be >= 0 and max_message_mb > 0")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
+        metrics.check_endpoint(self.metrics_host, self.metrics_port, self.metrics_tls_cert, self.metrics_tls_key)
 
 
 class Service(Protocol):
@@ -273,6 +280,7 @@ async def run_server(name: str, service: Service, config: ServerConfig) -> None:
     await server.start()
     # The stack launcher reads this line to learn the port; keep its shape stable.
     print(f"meridian {name} listening on {config.host}:{port}", flush=True)
+    metrics_endpoint = metrics.start_endpoint(name, service, config, asyncio.get_running_loop())
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -296,6 +304,8 @@ async def run_server(name: str, service: Service, config: ServerConfig) -> None:
     log.info("%s: shutting down (grace %.1fs)", name, config.grace_s)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.grace_s)
+    if metrics_endpoint is not None:
+        metrics_endpoint.close()
     try:
         await asyncio.wait_for(service.stop(), timeout=max(config.grace_s, 5.0))
     except TimeoutError:

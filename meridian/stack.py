@@ -26,6 +26,9 @@ STATE_FILE = "stack.json"
 SERVICE_ORDER = ("envsandbox", "weightsync", "trainer", "rollout")
 _LISTEN = re.compile(r"meridian (\w+) listening on ([\d.]+):(\d+)")
 _HTTP_LISTEN = re.compile(r"meridian rollout http listening on ([\d.]+):(\d+)")
+_METRICS_LISTEN = re.compile(r"meridian \w+ metrics on ([\d.]+):(\d+)")
+#: Metrics endpoints under `meridian up --ports fixed` (auto, and remote regions: free ports).
+FIXED_METRICS_PORTS = {"rollout": 9451, "envsandbox": 9452, "trainer": 9453, "weightsync": 9454}
 
 
 @dataclasses.dataclass
@@ -60,6 +63,8 @@ class Stack:
     addresses: dict[str, str]
     logs: dict[str, str]
     redis_url: str
+    #: Prometheus endpoint of each process, by its name in ``pids``.
+    metrics: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def save(self) -> None:
         (self.run_dir / STATE_FILE).write_text(json.dumps(dataclasses.asdict(self), default=str, indent=2))
@@ -202,7 +207,9 @@ def spawn_service(name: str, args: list[str], run_dir: Path, env: dict[str, str]
     ``run_dir/NAME.log``; returns the process, its address once it listens, and the log."""
     log = run_dir / f"{name}.log"
     log.write_bytes(b"")
-    argv = [sys.executable, "-m", "meridian.cli", "serve", name, "--host", host, "--port", str(port), *args]
+    # Metrics on by default, on a free loopback port, unless ``args`` choose.
+    metrics = [] if "--metrics-port" in args else ["--metrics-port", "0"]
+    argv = [sys.executable, "-m", "meridian.cli", "serve", name, "--host", host, "--port", str(port), *metrics, *args]
     proc = _spawn(argv, log, env)
     try:
         return proc, _wait_for_listen(name, proc, log, 120), log
@@ -264,7 +271,8 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
 
         def launch(name: str, args: list[str]) -> None:
             svc_port = 0 if config.ports == "auto" else port(name)
-            procs[name], address, log = spawn_service(name, [*args, *extra_args.get(name, [])], run_dir, child_env, config.host, svc_port)
+            metrics = ["--metrics-port", str(0 if config.ports == "auto" else FIXED_METRICS_PORTS[name])]
+            procs[name], address, log = spawn_service(name, [*metrics, *args, *extra_args.get(name, [])], run_dir, child_env, config.host, svc_port)
             stack.pids[name], stack.logs[name], stack.addresses[name] = procs[name].pid, str(log), address
             stack.save()
 
@@ -286,7 +294,19 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
     except BaseException:
         stack.stop(config.stop_timeout_s)
         raise
+    # Every service printed its metrics line before its warm-up: all are there by now.
+    stack.metrics = metrics_endpoints(stack.logs)
+    stack.save()
     return stack
+
+
+def metrics_endpoints(logs: dict[str, str]) -> dict[str, str]:
+    """The metrics URL each process printed (``meridian <service> metrics on host:port``), by name."""
+    found = {}
+    for name, log in logs.items():
+        if m := _METRICS_LISTEN.search(Path(log).read_text(errors="replace")):
+            found[name] = f"http://{m.group(1)}:{m.group(2)}/metrics"
+    return found
 
 
 async def gather_status(stack: Stack) -> dict[str, object]:
@@ -340,6 +360,8 @@ def main(command: str, argv: list[str]) -> int:
             print(f"  {name:<11} {stack.addresses[name]:<28} pid {stack.pids[name]:<8} log {stack.logs[name]}")
         if "rollout_http" in stack.addresses:
             print(f"  {'openai api':<11} {stack.addresses['rollout_http']}")
+        for name, url in stack.metrics.items():
+            print(f"  {'metrics':<11} {url:<28} {name}")
         return 0
     stack = Stack.load(run_dir)
     if stack is None:

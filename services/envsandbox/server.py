@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from meridian import metrics
 from meridian.errors import InvalidArgument
 from meridian.v1 import envsandbox_pb2 as pb
 from meridian.v1 import envsandbox_pb2_grpc as pb_grpc
@@ -73,6 +74,7 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
             max_sandboxes=config.max_sandboxes,
         )
         self._reaper: asyncio.Task[None] | None = None
+        self.metrics = metrics.ServiceMetrics("envsandbox", self._metric_values)
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_EnvSandboxServicer_to_server(self, server)
@@ -88,6 +90,10 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await self.sandboxes.close_all()
+
+    async def _metric_values(self) -> list[metrics.Value]:
+        """What the metrics endpoint exports: sandboxes alive and allowed."""
+        return metrics.envsandbox_values(len(self.sandboxes.list()), self.config.max_sandboxes)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -141,6 +147,7 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
             timeout_s=request.timeout_seconds,
         ):
             if isinstance(item, ExecResult):
+                self.metrics.observe(metrics.SANDBOX_EXEC_SECONDS, item.wall_seconds, kind="exec")
                 yield pb.ExecChunk(result=_result_pb(item))
             elif item[0] == "stdout":
                 yield pb.ExecChunk(stdout=item[1])
@@ -161,6 +168,7 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
 
     async def RunTests(self, request: pb.RunTestsRequest, context: grpc.aio.ServicerContext) -> pb.RunTestsResponse:
         outcome, result, output = await self.sandboxes.run_tests(request.sandbox_id)
+        self.metrics.observe(metrics.SANDBOX_EXEC_SECONDS, result.wall_seconds, kind="tests")
         return pb.RunTestsResponse(
             reward=outcome.reward,
             tests=[pb.TestCaseResult(name=n, passed=ok, detail=d) for n, ok, d in outcome.cases],

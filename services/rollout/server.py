@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 from opentelemetry.trace import Link, SpanKind
 
-from meridian import telemetry
+from meridian import metrics, telemetry
 from meridian.errors import FailedPrecondition, InvalidArgument
 from meridian.grpc_runtime import open_channel
 from meridian.model_store import resolve_model
@@ -73,6 +73,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         self._http = None
         self.workers = RLWorkers(config.rl_workers, self._background_group, self._backpressure)
         self.callers = CallerClasses.load(config.caller_classes, config.anonymous_class)
+        self.metrics = metrics.ServiceMetrics("rollout", self._metric_values)
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_RolloutServicer_to_server(self, server)
@@ -290,6 +291,10 @@ class RolloutService(pb_grpc.RolloutServicer):
             "rl_tokens": tokens[PRIORITY_RL],
             "production_tokens": tokens[PRIORITY_PRODUCTION],
         }
+
+    async def _metric_values(self) -> list[metrics.Value]:
+        """What the metrics endpoint exports: the Status figures and the stream backlog."""
+        return metrics.rollout_values(await self.Status(pb.RolloutStatusRequest(), None), await self.transport.backlog())  # type: ignore[arg-type]
 
     def _engine(self) -> Engine:
         if self.engine is None or self.engine.tokenizer is None:

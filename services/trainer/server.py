@@ -22,6 +22,7 @@ import contextlib
 
 import grpc
 
+from meridian import metrics
 from meridian.model_store import resolve_model
 from meridian.trajectory_transport import GroupTransport, open_transport
 from meridian.v1 import trainer_pb2 as pb
@@ -48,6 +49,8 @@ class TrainerService(pb_grpc.TrainerServicer):
         self.loop: TrainingLoop | None = None
         self.committer: Committer | None = None
         self._task: asyncio.Task[None] | None = None
+        self.metrics = metrics.ServiceMetrics("trainer", self._metric_values)
+        self._steps_observed = metrics.StepObserver(self.metrics)
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_TrainerServicer_to_server(self, server)
@@ -78,6 +81,13 @@ class TrainerService(pb_grpc.TrainerServicer):
             with contextlib.suppress(CommitRefused):
                 await self.committer.flush()
         await self.transport.close()
+
+    async def _metric_values(self) -> list[metrics.Value]:
+        """What the metrics endpoint exports: the Status figures (new steps into the step-time
+        histogram) and the stream's length and pending entries."""
+        status = await self.Status(pb.TrainerStatusRequest(), None)  # type: ignore[arg-type]
+        self._steps_observed.update(status.recent_steps)
+        return metrics.trainer_values(status, await self.transport.length(), await self.transport.pending())
 
     async def Status(self, request: pb.TrainerStatusRequest, context: grpc.aio.ServicerContext) -> pb.TrainerStatus:
         learner = self.learner

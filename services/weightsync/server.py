@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from meridian import telemetry
+from meridian import metrics, telemetry
 from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from meridian.grpc_runtime import CallLimit
 from meridian.v1 import weightsync_pb2 as pb
@@ -154,6 +154,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self.counters = dict.fromkeys(
             ("chunks_sent", "chunk_bytes_sent", "resumed_streams", "chunk_fetches", "upstream_versions", "upstream_bytes"), 0
         )
+        self.metrics = metrics.ServiceMetrics("weightsync", self._metric_values)
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_WeightSyncServicer_to_server(self, server)
@@ -224,6 +225,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                         await asyncio.to_thread(self.store.add_encoded, update.encoded, update.weights)
                     self._incoming = None
                     self.counters["upstream_versions"] += 1
+                    self.metrics.observe(metrics.WEIGHTSYNC_PROPAGATION, time.monotonic() - self.available_at.get(update.version, time.monotonic()))
                     await self._announce()
             except (grpc.aio.AioRpcError, DataLoss, FailedPrecondition) as exc:
                 log.warning("upstream %s: %s; retrying", self.config.upstream, exc)
@@ -237,6 +239,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext) -> pb.PublishResponse:
         if self.config.role != "origin":
             raise FailedPrecondition("this weightsync is a relay; publish to the origin")
+        started = time.monotonic()
         assembly = _Assembly(self.publish_budget)
         try:
             header, enc, republish = await self._receive_and_store(request_iterator, assembly)
@@ -245,6 +248,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         if republish:  # identical to what is held: subscribers have nothing new
             return pb.PublishResponse(version=header.version, raw_bytes=enc.manifest.raw_bytes, encoded_bytes=enc.size)
         self._stamp(header.version)
+        self.metrics.observe(metrics.WEIGHTSYNC_PROPAGATION, time.monotonic() - started)
         await self._announce()
         log.info("version %d stored: %d raw bytes -> %d encoded", header.version, enc.manifest.raw_bytes, enc.size)
         return pb.PublishResponse(version=header.version, raw_bytes=enc.manifest.raw_bytes, encoded_bytes=enc.size)
@@ -368,6 +372,10 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
 
     async def GetManifest(self, request: pb.GetManifestRequest, context: grpc.aio.ServicerContext) -> pb.Manifest:
         return self.store.manifest(request.version)
+
+    async def _metric_values(self) -> list[metrics.Value]:
+        """What the metrics endpoint exports: the Status figures."""
+        return metrics.weightsync_values(await self.Status(pb.WeightSyncStatusRequest(), None))  # type: ignore[arg-type]
 
     async def Status(self, request: pb.WeightSyncStatusRequest, context: grpc.aio.ServicerContext) -> pb.WeightSyncStatus:
         return pb.WeightSyncStatus(
