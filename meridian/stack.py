@@ -350,6 +350,8 @@ def main(command: str, argv: list[str]) -> int:
     add_config_args(parser, StackConfig, "stack")
     if command == "status":
         parser.add_argument("--json", action="store_true", help="print one JSON object")
+        parser.add_argument("--watch", action="store_true", help="a live view, redrawn in place until Ctrl-C (meridian/status_view.py)")
+        parser.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between --watch frames [default: 2.0]")
     ns = parser.parse_args(argv)
     config = config_from_args(StackConfig, ns, "stack")
     run_dir = Path(config.run_dir).resolve()
@@ -371,6 +373,10 @@ def main(command: str, argv: list[str]) -> int:
         killed = stack.stop(config.stop_timeout_s)
         print("meridian stack down" + (f" (killed after timeout: {', '.join(killed)})" if killed else ""))
         return 0
+    if ns.watch:
+        from meridian import status_view
+
+        return status_view.watch(lambda: gather_status(stack), stack.metrics, max(ns.interval, 0.1))
     status = asyncio.run(gather_status(stack))
     if ns.json:
         print(json.dumps(status, indent=2))
