@@ -17,7 +17,6 @@ class RolloutConfig:
     model: str = opt("builtin", "Hugging Face model folder, or 'builtin' for SmolLM2-135M-Instruct")
     envsandbox: str = opt("127.0.0.1:50052", "envsandbox address")
     weightsync: str = opt("", "weightsync address to take new policy versions from (empty: none)")
-    verify_key: str = opt("", "Ed25519 public key (PEM) policy versions must be signed with: a version it did not sign is refused before it is applied, and the served version stays (empty: no check)")
     redis_url: str = opt(transport.DEFAULT_URL, "Redis holding the trajectory stream")
     stream: str = opt(transport.DEFAULT_STREAM, "trajectory stream name")
     consumer_group: str = opt(transport.DEFAULT_CONSUMER_GROUP, "the trainer's consumer group, whose backlog the RL workers watch")

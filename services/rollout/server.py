@@ -31,7 +31,6 @@ from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_V
 from services.rollout.episodes import EpisodeLimits, fetch_task, run_group
 from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
 from services.rollout.weight_follower import WeightFollower
-from services.weightsync.signing import load_verifier
 from services.rollout.weight_updates import Tolerance, WeightUpdater
 
 log = logging.getLogger(__name__)
@@ -89,8 +88,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         if self.config.weightsync:
             updater = WeightUpdater(self.engine, self.config.weight_apply, Tolerance(self.config.canary_mean_tolerance, self.config.canary_max_tolerance))
             await updater.prepare(held, sorted(model_dir.glob("*.safetensors")))
-            verifier = load_verifier(self.config.verify_key)
-            self.follower = WeightFollower(self.config.weightsync, updater, held, self.loaded_hash, verifier)
+            self.follower = WeightFollower(self.config.weightsync, updater, held, self.loaded_hash)
         del held
         # Warm-up: one real generation before reporting SERVING.
         async for _ in self.engine.generate([self.engine.tokenizer.bos_token_id or 0], Sampling(max_tokens=2), PRIORITY_PRODUCTION):
