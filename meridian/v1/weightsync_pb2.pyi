@@ -29,7 +29,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("version", "weights_hash", "trace_context", "metrics", "canary")
+    __slots__ = ("version", "weights_hash", "trace_context", "metrics", "canary", "signature")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,12 +49,24 @@ class PublishHeader(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     CANARY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     version: int
     weights_hash: str
     trace_context: _containers.ScalarMap[str, str]
     metrics: _containers.ScalarMap[str, float]
     canary: Canary
-    def __init__(self, version: _Optional[int] = ..., weights_hash: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ...) -> None: ...
+    signature: VersionSignature
+    def __init__(self, version: _Optional[int] = ..., weights_hash: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., signature: _Optional[_Union[VersionSignature, _Mapping]] = ...) -> None: ...
+
+class VersionSignature(_message.Message):
+    __slots__ = ("content_sha256", "key_id", "signature")
+    CONTENT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    content_sha256: str
+    key_id: str
+    signature: bytes
+    def __init__(self, content_sha256: _Optional[str] = ..., key_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Canary(_message.Message):
     __slots__ = ("sequences",)
@@ -111,7 +123,7 @@ class ChunkRef(_message.Message):
     def __init__(self, index: _Optional[int] = ..., tensor: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "base_version", "tensors", "chunks", "weights_hash", "codec", "raw_bytes", "encoded_bytes", "trace_context", "canary")
+    __slots__ = ("version", "base_version", "tensors", "chunks", "weights_hash", "codec", "raw_bytes", "encoded_bytes", "trace_context", "canary", "signature")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +141,7 @@ class Manifest(_message.Message):
     ENCODED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     CANARY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     version: int
     base_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
@@ -139,7 +152,8 @@ class Manifest(_message.Message):
     encoded_bytes: int
     trace_context: _containers.ScalarMap[str, str]
     canary: Canary
-    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., weights_hash: _Optional[str] = ..., codec: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ...) -> None: ...
+    signature: VersionSignature
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., weights_hash: _Optional[str] = ..., codec: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., signature: _Optional[_Union[VersionSignature, _Mapping]] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("from_version", "follow", "resume", "resume_version", "resume_base", "resume_chunk")

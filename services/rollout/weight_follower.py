@@ -17,6 +17,7 @@ from services.rollout.weight_changes import ChangeSet
 from services.rollout.weight_updates import UpdateReport, WeightUpdater
 from services.weightsync import client as weightsync
 from services.weightsync.client import UndoLog
+from services.weightsync.signing import SignatureRefused, Verifier
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,16 @@ def served_version(weights: Weights, pending: list[UndoLog]) -> dict[str, RawTen
 
 class WeightFollower:
     """Applies each version weightsync publishes; a rejected one leaves the previous
-    version served, and the next one is applied on top of every version not yet served."""
+    version served, and the next one is applied on top of every version not yet served.
+    With a ``verifier`` a version the trainer's key did not sign (or whose weights are not
+    the signed ones) is refused before it reaches the updater: the engine keeps serving
+    what it serves, the held weights stay, and the follower asks again later."""
 
-    def __init__(self, address: str, updater: WeightUpdater, weights: Mapping[str, RawTensor], weights_hash: str) -> None:
+    def __init__(
+        self, address: str, updater: WeightUpdater, weights: Mapping[str, RawTensor], weights_hash: str, verifier: Verifier | None = None
+    ) -> None:
         self.address = address
+        self.verifier = verifier
         self.updater = updater
         self._weights = dict(weights)
         self.weights_hash = weights_hash
@@ -60,7 +67,7 @@ class WeightFollower:
         self._weights = {}  # the subscriber's decoder owns (and updates) them from here
         pending: list[UndoLog] = []  # versions decoded but not yet served, oldest first
         while True:
-            subscriber = weightsync.WeightSubscriber(self.address, weights, version, in_place=True, on_manifest=self._seen)
+            subscriber = weightsync.WeightSubscriber(self.address, weights, version, in_place=True, on_manifest=self._seen, verifier=self.verifier)
             try:
                 async for update in subscriber.updates(follow=True):
                     weights, version = update.weights, update.version
@@ -75,6 +82,11 @@ class WeightFollower:
                         pending.clear()
             except asyncio.CancelledError:
                 raise
+            except SignatureRefused as exc:
+                # The decoder reverted the refused version: the held weights are still `version`.
+                log.error("%s; still serving version %d", exc, self.updater.engine.version)
+                self.updates_rejected += 1
+                self.last_update_error = str(exc)
             except (DataLoss, FailedPrecondition) as exc:
                 log.warning("weight update failed (%s); asking for a keyframe", exc)
                 weights, version, pending = {}, -1, []

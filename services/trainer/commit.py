@@ -38,6 +38,7 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.consumer import GroupConsumer
 from services.trainer.learner_protocol import PolicyLearner
 from services.weightsync import client as weightsync
+from services.weightsync.signing import load_signer
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class CommitConfig:
     keep_checkpoints: int
     checkpoint_every: int = 1  # publishing steps per checkpoint
     checkpoint_idle_s: float = 5.0  # checkpoint uncovered steps after this long without a step
+    signing_key: str = ""  # private key file versions are signed with (empty: unsigned)
 
 
 class CommitRefused(RuntimeError):
@@ -67,8 +69,11 @@ class CommitRefused(RuntimeError):
     trainer's history is not the one weightsync serves. Retrying cannot help."""
 
 
-#: Weightsync's answers that mean "not this version, ever".
-_REFUSALS = frozenset({grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT})
+#: Weightsync's answers that mean "not this version, ever" (PERMISSION_DENIED: an origin
+#: that trusts another signing key than this trainer's).
+_REFUSALS = frozenset(
+    {grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}
+)
 _PUBLISH_RETRY_S = (0.5, 1.0, 2.0, 5.0)
 
 
@@ -81,6 +86,8 @@ class Committer:
         self.learner = learner
         self.consumer = consumer
         self.progress = progress
+        # Loaded here: a missing or malformed key stops the trainer at start, not at its first publish.
+        self.signer = load_signer(config.signing_key)
         self._publishing: asyncio.Task[None] | None = None
         self._checkpointing: asyncio.Task[None] | None = None
         self._since_checkpoint = 0  # publishing steps not covered by a checkpoint
@@ -161,7 +168,7 @@ class Committer:
             probe = await asyncio.to_thread(self.learner.canary, weights)
         for attempt, pause in enumerate((*_PUBLISH_RETRY_S, None)):
             try:
-                return await weightsync.publish(self.config.weightsync, version, weights, trace_context, metrics, probe)
+                return await weightsync.publish(self.config.weightsync, version, weights, trace_context, metrics, probe, self.signer)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _REFUSALS:
                     raise CommitRefused(f"weightsync refused version {version}: {exc.details()}") from exc

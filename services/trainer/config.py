@@ -34,6 +34,7 @@ def cpu_set(text: str) -> set[int]:
 class TrainerConfig:
     model: str = opt("builtin", "Hugging Face model folder, or 'builtin' for SmolLM2-135M-Instruct")
     weightsync: str = opt("127.0.0.1:50054", "weightsync origin to publish versions to")
+    signing_key: str = opt("", "Ed25519 private key (PKCS8 PEM) every published version is signed with; relays and rollouts given the public key refuse versions it did not sign (empty: versions go out unsigned)")
     redis_url: str = opt(transport.DEFAULT_URL, "Redis holding the trajectory stream")
     stream: str = opt(transport.DEFAULT_STREAM, "trajectory stream name")
     consumer_group: str = opt(transport.DEFAULT_CONSUMER_GROUP, "consumer group of this training job (rollouts measure their backlog against it)")

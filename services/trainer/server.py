@@ -63,7 +63,7 @@ class TrainerService(pb_grpc.TrainerServicer):
             model_dir = await asyncio.to_thread(resolve_model, self.config.model)
             self.learner = await asyncio.to_thread(Learner, model_dir, self.config)
         cfg = self.config
-        commit_config = CommitConfig(cfg.weightsync, cfg.checkpoint_dir, cfg.keep_checkpoints, cfg.checkpoint_every, cfg.checkpoint_idle_s)
+        commit_config = CommitConfig(cfg.weightsync, cfg.checkpoint_dir, cfg.keep_checkpoints, cfg.checkpoint_every, cfg.checkpoint_idle_s, cfg.signing_key)
         committer = self.committer = Committer(commit_config, self.learner, self.consumer, self.progress)
         resumed = await asyncio.to_thread(committer.resume)
         await self.consumer.start()

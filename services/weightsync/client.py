@@ -19,6 +19,7 @@ from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync.ratelimit import TokenBucket
 from services.weightsync.receiver import ChunkChecksumError, Decoder, UndoLog
+from services.weightsync.signing import Signer, Verifier
 from services.weightsync.versions import Encoded
 from meridian.tensors import RawTensor, Weights, weights_hash
 
@@ -47,23 +48,42 @@ def window_options(window_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", int(window_bytes))]
 
 
+def publish_header(
+    version: int,
+    weights: Weights,
+    trace_context: Mapping[str, str] | None = None,
+    metrics: Mapping[str, float] | None = None,
+    canary: pb.Canary | None = None,
+    signer: Signer | None = None,
+) -> pb.PublishHeader:
+    """The header of one version's Publish stream, signed by ``signer`` when given
+    (full passes over the weights: call it off the event loop for large ones)."""
+    digest = weights_hash(weights)
+    return pb.PublishHeader(
+        version=version,
+        weights_hash=digest,
+        trace_context=dict(trace_context or {}),
+        metrics=dict(metrics or {}),
+        canary=canary,
+        signature=signer.sign(version, digest, weights, canary) if signer is not None else None,
+    )
+
+
 def publish_requests(
     version: int,
     weights: Weights,
     trace_context: Mapping[str, str] | None = None,
     metrics: Mapping[str, float] | None = None,
     canary: pb.Canary | None = None,
+    *,
+    signer: Signer | None = None,
+    header: pb.PublishHeader | None = None,
 ) -> Iterator[pb.PublishRequest]:
-    """The Publish stream for one version: header, then each tensor in pieces."""
-    yield pb.PublishRequest(
-        header=pb.PublishHeader(
-            version=version,
-            weights_hash=weights_hash(weights),
-            trace_context=dict(trace_context or {}),
-            metrics=dict(metrics or {}),
-            canary=canary,
-        )
-    )
+    """The Publish stream for one version: header (``header`` when given, else made
+    here and signed by ``signer``), then each tensor in pieces."""
+    if header is None:
+        header = publish_header(version, weights, trace_context, metrics, canary, signer)
+    yield pb.PublishRequest(header=header)
     for name in sorted(weights):
         t = weights[name]
         raw = memoryview(t.bits).cast("B")
@@ -83,11 +103,14 @@ async def publish(
     trace_context: Mapping[str, str] | None = None,
     metrics: Mapping[str, float] | None = None,
     canary: pb.Canary | None = None,
+    signer: Signer | None = None,
 ) -> pb.PublishResponse:
-    """Publishes one version to a weightsync origin (``canary``: see :mod:`meridian.canary`)."""
+    """Publishes one version to a weightsync origin (``canary``: see :mod:`meridian.canary`),
+    signed by ``signer`` when given (see :mod:`services.weightsync.signing`)."""
+    header = await asyncio.to_thread(publish_header, version, weights, trace_context, metrics, canary, signer)
     async with open_channel(address) as channel:
         stub = pb_grpc.WeightSyncStub(channel)
-        return await stub.Publish(publish_requests(version, weights, trace_context, metrics, canary))
+        return await stub.Publish(publish_requests(version, weights, header=header))
 
 
 async def latest_version(address: str, timeout_s: float = 10.0) -> int:
@@ -148,6 +171,10 @@ class WeightSubscriber:
     ``decode_nice`` lowers the decode threads' CPU priority (a relay, whose decoding
     is off its forwarding path). ``window_bytes`` fixes the stream's HTTP/2 flow-control
     window (see :func:`window_options`); size it to the link's bandwidth-delay product.
+    With a ``verifier`` only versions signed by its key are taken (see :class:`Decoder`):
+    a refused one raises :class:`~services.weightsync.signing.SignatureRefused` out of
+    :meth:`updates` before ``on_manifest`` sees its manifest, with the held weights
+    unchanged.
     """
 
     def __init__(
@@ -164,9 +191,10 @@ class WeightSubscriber:
         in_place: bool = False,
         decode_nice: int = 0,
         window_bytes: int = 0,
+        verifier: Verifier | None = None,
     ) -> None:
         self.address = address
-        self.decoder = Decoder(weights, version if weights else -1, in_place=in_place)
+        self.decoder = Decoder(weights, version if weights else -1, in_place=in_place, verifier=verifier)
         self._channel = open_channel(address, options=window_options(window_bytes))
         self.max_attempts = max_attempts
         self.stats = SubscriberStats()

@@ -14,6 +14,7 @@ from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument
 from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, Weights, element_count, hash_of_sums
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import codec
+from services.weightsync.signing import Verifier
 from services.weightsync.versions import CODEC_NAME, Encoded
 
 _MASK64 = (1 << 64) - 1
@@ -73,12 +74,18 @@ class Decoder:
 
     The full-weights hash is checked without a full pass: the decoder keeps each
     tensor's additive element-hash sums and moves them by the changed elements only.
+
+    With a ``verifier`` each manifest's signature is checked before the version starts,
+    and the decoded weights against the signed content digest (one full pass) before the
+    version becomes current: a version no relay or link could have forged, whatever
+    encoding brought it. Refusals raise :class:`~services.weightsync.signing.SignatureRefused`.
     """
 
-    def __init__(self, weights: Weights | None, version: int, *, in_place: bool = False) -> None:
+    def __init__(self, weights: Weights | None, version: int, *, in_place: bool = False, verifier: Verifier | None = None) -> None:
         self.weights: dict[str, RawTensor] = dict(weights or {})
         self.version = version
         self.in_place = in_place
+        self.verifier = verifier
         self.last_undo: UndoLog | None = None
         self._base_state: tuple[int, dict[str, elementhash.Sums] | None] | None = None
         self._sums: dict[str, elementhash.Sums] | None = None
@@ -89,7 +96,10 @@ class Decoder:
         self._undo: UndoLog | None = None
 
     def begin(self, manifest: pb.Manifest) -> None:
-        """Starts a version; a delta must be based on the version held now."""
+        """Starts a version; a delta must be based on the version held now. A manifest
+        whose signature the verifier refuses is refused here, before anything changes."""
+        if self.verifier is not None:
+            self.verifier.check_manifest(manifest)
         if manifest.base_version >= 0 and manifest.base_version != self.version:
             raise FailedPrecondition(f"version {manifest.version} is a delta on {manifest.base_version}, but {self.version} is held")
         if manifest.codec != CODEC_NAME:
@@ -203,6 +213,13 @@ class Decoder:
         if got != manifest.weights_hash:
             self.abort()
             raise DataLoss(f"version {manifest.version}: decoded weights hash {got[:12]} != manifest {manifest.weights_hash[:12]}")
+        if self.verifier is not None:
+            try:
+                # The additive hash above can be steered by a forger; the signed digest cannot.
+                self.verifier.check_content(manifest.version, manifest.signature, self._pending)
+            except BaseException:
+                self.abort()
+                raise
         self._base_state = (self.version, self._sums) if self._undo is not None else None
         self.weights, self.version, self._sums = self._pending, manifest.version, sums
         self.last_undo = self._undo

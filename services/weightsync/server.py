@@ -21,6 +21,7 @@ from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync.client import WeightSubscriber
 from services.weightsync.config import WeightSyncConfig
 from services.weightsync.ratelimit import TokenBucket
+from services.weightsync.signing import SignatureRefused, Verifier, load_verifier
 from services.weightsync.store import VersionStore
 from services.weightsync.versions import Encoded
 from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count
@@ -146,6 +147,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         # When each version became available here (monotonic): stored by Publish, or its
         # manifest arrived from upstream. Benches measure propagation from it.
         self.available_at: dict[int, float] = {}
+        # Versions must carry the trainer's signature (None: any version is taken).
+        self.verifier: Verifier | None = load_verifier(config.verify_key)
         self.publish_budget = PublishBudget(int(config.max_publish_gib * GiB), int(config.max_publish_total_gib * GiB))
         # Open Subscribe streams each hold a slot until they end (ErrorBoundary counts them).
         self.call_limits = {
@@ -217,6 +220,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 # this relay's store, so it yields the CPU to forwarding and to others.
                 decode_nice=10,
                 window_bytes=int(self.config.window_mib * (1 << 20)),
+                verifier=self.verifier,
             )
             try:
                 async for update in subscriber.updates(follow=True, keep_encoded=True):
@@ -227,10 +231,15 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                     self.counters["upstream_versions"] += 1
                     self.metrics.observe(metrics.WEIGHTSYNC_PROPAGATION, time.monotonic() - self.available_at.get(update.version, time.monotonic()))
                     await self._announce()
+            except SignatureRefused as exc:
+                # Nothing of it was stored or announced; subscribers keep the versions held.
+                log.error("upstream %s: %s; still serving version %d", self.config.upstream, exc, self.store.latest)
             except (grpc.aio.AioRpcError, DataLoss, FailedPrecondition) as exc:
                 log.warning("upstream %s: %s; retrying", self.config.upstream, exc)
             finally:
-                self._incoming = None
+                if self._incoming is not None:
+                    self._incoming = None
+                    self._notify_soon()  # streams re-serving it end now, not at the next version
                 await subscriber.close()
             await asyncio.sleep(1.0)
 
@@ -270,15 +279,27 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         if header is None:
             raise InvalidArgument("Publish stream had no header")
         assembly.check_complete()
+        if self.verifier is not None:
+            await asyncio.to_thread(self._check_signed, header, assembly.tensors)
         async with self._store_lock:
             republish = header.version <= self.store.latest
             with tracer.start_as_current_span("weightsync.encode", context=telemetry.extract(dict(header.trace_context))) as span:
                 span.set_attribute("meridian.version", header.version)
                 enc: Encoded = await asyncio.to_thread(
-                    self.store.publish, header.version, assembly.tensors, header.weights_hash, dict(header.trace_context), header.canary
+                    self.store.publish, header.version, assembly.tensors, header.weights_hash, dict(header.trace_context), header.canary,
+                    header.signature if header.HasField("signature") else None,
                 )
                 span.set_attribute("meridian.encoded_bytes", enc.size)
         return header, enc, republish
+
+    def _check_signed(self, header: pb.PublishHeader, tensors: dict[str, RawTensor]) -> None:
+        """Refuses (PERMISSION_DENIED) a Publish the trusted key did not sign, or whose
+        tensors are not the signed ones, before anything is stored."""
+        assert self.verifier is not None
+        self.verifier.check(header.version, header.weights_hash, [t.meta(n) for n, t in tensors.items()], header.canary, header.signature)
+        if not header.weights_hash:  # the manifest's own hash would differ from the signed one
+            raise SignatureRefused(f"version {header.version}: a signed Publish must carry its weights hash")
+        self.verifier.check_content(header.version, header.signature, tensors)
 
     def _find(self, version: int, base: int) -> Encoded | None:
         incoming = self._incoming

@@ -55,9 +55,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _version_meta(manifest: pb.Manifest) -> tuple[dict[str, str], pb.Canary]:
-    """What describes a version rather than its encoding: every encoding of it carries the same."""
-    return dict(manifest.trace_context), manifest.canary
+def _version_meta(manifest: pb.Manifest) -> tuple[dict[str, str], pb.Canary, pb.VersionSignature]:
+    """What describes a version rather than its encoding: every encoding of it carries the
+    same (the publisher's signature included, so keyframes and compacted deltas verify)."""
+    return dict(manifest.trace_context), manifest.canary, manifest.signature
 
 
 class VersionStore:
@@ -87,8 +88,10 @@ class VersionStore:
         expected_hash: str = "",
         trace_context: Mapping[str, str] | None = None,
         canary: pb.Canary | None = None,
+        signature: pb.VersionSignature | None = None,
     ) -> Encoded:
-        """Stores ``version`` (a delta on the latest, or a keyframe for the first).
+        """Stores ``version`` (a delta on the latest, or a keyframe for the first), with the
+        publisher's ``signature`` in its manifest as given (checked by the caller, if at all).
 
         A version already held may be published again with the same weights (a trainer
         replaying from its checkpoint after a crash): that returns the stored encoding
@@ -98,7 +101,7 @@ class VersionStore:
         if version <= self.latest:
             return self._republished(version, weights)
         base = self.weights if self.latest >= 0 else None
-        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary)
+        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary, signature)
         if expected_hash and expected_hash != enc.manifest.weights_hash:
             raise DataLoss(f"version {version}: received weights hash {enc.manifest.weights_hash[:12]} != publisher's {expected_hash[:12]}")
         return self.add_encoded(enc, weights)

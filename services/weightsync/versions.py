@@ -41,9 +41,11 @@ def encode_version(
     chunk_bytes: int,
     trace_context: Mapping[str, str] | None = None,
     canary: pb.Canary | None = None,
+    signature: pb.VersionSignature | None = None,
 ) -> Encoded:
     """Encodes ``weights`` as a delta against ``base`` (or a keyframe when base is None);
-    ``trace_context`` and ``canary`` describe the version and go into its manifest as given."""
+    ``trace_context``, ``canary`` and the publisher's ``signature`` describe the version
+    and go into its manifest as given (the signature covers no part of the encoding)."""
     if base is not None and set(base) != set(weights):
         missing, extra = sorted(set(base) - set(weights)), sorted(set(weights) - set(base))
         raise InvalidArgument(f"version {version} changes the tensor set (missing {missing[:3]}, new {extra[:3]})")
@@ -54,6 +56,7 @@ def encode_version(
         codec=CODEC_NAME,
         trace_context=dict(trace_context or {}),
         canary=canary,
+        signature=signature,
     )
     chunks: list[bytes] = []
     for name in sorted(weights):

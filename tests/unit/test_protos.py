@@ -109,9 +109,11 @@ def test_manifest_round_trip() -> None:
         raw_bytes=16,
         encoded_bytes=16,
         trace_context={"traceparent": "00-abc-def-01"},
+        signature=weightsync_pb2.VersionSignature(content_sha256="01" * 32, key_id="23" * 32, signature=bytes(range(64))),
     )
     back = weightsync_pb2.Manifest.FromString(manifest.SerializeToString())
     assert back == manifest
+    assert back.signature.signature == bytes(range(64))
     assert [t.name for t in back.tensors] == ["a.weight", "b.bias"]
     assert list(back.tensors[0].shape) == [2, 3]
     assert back.base_version == 4
