@@ -15,8 +15,10 @@ DEFAULT_HTTP_MAX_BODY_BYTES = 4 << 20
 @dataclasses.dataclass
 class RolloutConfig:
     model: str = opt("builtin", "Hugging Face model folder, or 'builtin' for SmolLM2-135M-Instruct")
+    region: str = opt("", "this rollout's region, written into every trajectory it samples (empty: unnamed)")
     envsandbox: str = opt("127.0.0.1:50052", "envsandbox address")
     weightsync: str = opt("", "weightsync address to take new policy versions from (empty: none)")
+    verify_key: str = opt("", "Ed25519 public key (PEM) policy versions must be signed with: a version it did not sign is refused before it is applied, and the served version stays (empty: no check)")
     redis_url: str = opt(transport.DEFAULT_URL, "Redis holding the trajectory stream")
     stream: str = opt(transport.DEFAULT_STREAM, "trajectory stream name")
     consumer_group: str = opt(transport.DEFAULT_CONSUMER_GROUP, "the trainer's consumer group, whose backlog the RL workers watch")

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 from opentelemetry.trace import Link, SpanKind
 
-from meridian import metrics, telemetry
+from meridian import credentials, metrics, telemetry
 from meridian.errors import FailedPrecondition, InvalidArgument
 from meridian.grpc_runtime import open_channel
 from meridian.model_store import resolve_model
@@ -31,6 +31,7 @@ from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_V
 from services.rollout.episodes import EpisodeLimits, fetch_task, run_group
 from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
 from services.rollout.weight_follower import WeightFollower
+from services.weightsync.signing import load_verifier
 from services.rollout.weight_updates import Tolerance, WeightUpdater
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,11 @@ class RolloutService(pb_grpc.RolloutServicer):
         self._follow: asyncio.Task[None] | None = None
         self._http = None
         self.workers = RLWorkers(config.rl_workers, self._background_group, self._backpressure)
-        self.callers = CallerClasses.load(config.caller_classes, config.anonymous_class)
+        # With credentials (meridian serve's default) every caller needs a key; each key
+        # is also a gRPC caller of role production (see meridian.access).
+        identity = credentials.process_identity()
+        self.callers = CallerClasses.load(config.caller_classes, config.anonymous_class) if identity is None else CallerClasses.authenticated(identity.folder, config.caller_classes)
+        self.caller_roles = {key: "production" for key in self.callers.keys()}
         self.metrics = metrics.ServiceMetrics("rollout", self._metric_values)
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -88,19 +93,20 @@ class RolloutService(pb_grpc.RolloutServicer):
         if self.config.weightsync:
             updater = WeightUpdater(self.engine, self.config.weight_apply, Tolerance(self.config.canary_mean_tolerance, self.config.canary_max_tolerance))
             await updater.prepare(held, sorted(model_dir.glob("*.safetensors")))
-            self.follower = WeightFollower(self.config.weightsync, updater, held, self.loaded_hash)
+            verifier = load_verifier(self.config.verify_key)
+            self.follower = WeightFollower(self.config.weightsync, updater, held, self.loaded_hash, verifier)
         del held
         # Warm-up: one real generation before reporting SERVING.
         async for _ in self.engine.generate([self.engine.tokenizer.bos_token_id or 0], Sampling(max_tokens=2), PRIORITY_PRODUCTION):
             pass
         if self.config.http_port >= 0:
-            from services.rollout.openai_api import HttpFrontDoor, create_app
+            from services.rollout.openai_api import HttpFrontDoor, create_app, http_tls
 
             app = create_app(
                 self.engine, self.config.model, self.config.max_model_len, self.config.max_tokens, self.callers, self.config.max_n,
                 max_prompt_bytes=self.config.max_prompt_bytes, max_body_bytes=self.config.http_max_body_bytes,
             )
-            self._http = HttpFrontDoor(app, self.config.http_host, self.config.http_port)
+            self._http = HttpFrontDoor(app, self.config.http_host, self.config.http_port, http_tls(self.config.http_host, credentials.process_identity()))
             port = await self._http.start()
             # The stack launcher reads this line; keep its shape stable.
             print(f"meridian rollout http listening on {self.config.http_host}:{port}", flush=True)
@@ -169,6 +175,8 @@ class RolloutService(pb_grpc.RolloutServicer):
         engine = self._engine()
         groups = await asyncio.gather(*(run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits) for t in tasks))
         kept = [g for g in groups if not any(REJECTED_VERSION in t.policy_versions for t in g)]
+        for t in (t for g in kept for t in g):
+            t.region = self.config.region
         self.episodes_discarded += sum(len(g) for g in groups) - sum(len(g) for g in kept)
         self.episodes_completed += sum(len(g) for g in kept)
         return kept
@@ -254,6 +262,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         follower = self.follower
         last = follower.last_update if follower else None
         return pb.RolloutStatus(
+            region=self.config.region,
             policy_version=self.engine.version if self.engine else 0,
             model=self.config.model,
             weights_hash=follower.weights_hash if follower else self.loaded_hash,
