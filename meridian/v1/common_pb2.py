@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18meridian/v1/common.proto\x12\x0bmeridian.v1\"\xb7\x03\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x06 \x03(\x05\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x11\n\tloss_mask\x18\x08 \x03(\x05\x12\x17\n\x0fpolicy_versions\x18\t \x03(\x03\x12\x0e\n\x06reward\x18\n \x01(\x02\x12\x11\n\ttruncated\x18\x0b \x01(\x08\x12\x15\n\rfinish_reason\x18\x0c \x01(\t\x12%\n\x07timings\x18\r \x01(\x0b\x32\x14.meridian.v1.Timings\x12@\n\rtrace_context\x18\x0e \x03(\x0b\x32).meridian.v1.Trajectory.TraceContextEntry\x12\r\n\x05model\x18\x0f \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"R\n\x0fTrajectoryGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12-\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x17.meridian.v1.Trajectory\"W\n\x07Timings\x12\x12\n\ngenerate_s\x18\x01 \x01(\x01\x12\x11\n\tsandbox_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x14\n\x0c\x63reated_unix\x18\x04 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18meridian/v1/common.proto\x12\x0bmeridian.v1\"\xc7\x03\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x06 \x03(\x05\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x11\n\tloss_mask\x18\x08 \x03(\x05\x12\x17\n\x0fpolicy_versions\x18\t \x03(\x03\x12\x0e\n\x06reward\x18\n \x01(\x02\x12\x11\n\ttruncated\x18\x0b \x01(\x08\x12\x15\n\rfinish_reason\x18\x0c \x01(\t\x12%\n\x07timings\x18\r \x01(\x0b\x32\x14.meridian.v1.Timings\x12@\n\rtrace_context\x18\x0e \x03(\x0b\x32).meridian.v1.Trajectory.TraceContextEntry\x12\r\n\x05model\x18\x0f \x01(\t\x12\x0e\n\x06region\x18\x10 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"R\n\x0fTrajectoryGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12-\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x17.meridian.v1.Trajectory\"W\n\x07Timings\x12\x12\n\ngenerate_s\x18\x01 \x01(\x01\x12\x11\n\tsandbox_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x14\n\x0c\x63reated_unix\x18\x04 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAJECTORY_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_TRAJECTORY_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_TRAJECTORY']._serialized_start=42
-  _globals['_TRAJECTORY']._serialized_end=481
-  _globals['_TRAJECTORY_TRACECONTEXTENTRY']._serialized_start=430
-  _globals['_TRAJECTORY_TRACECONTEXTENTRY']._serialized_end=481
-  _globals['_TRAJECTORYGROUP']._serialized_start=483
-  _globals['_TRAJECTORYGROUP']._serialized_end=565
-  _globals['_TIMINGS']._serialized_start=567
-  _globals['_TIMINGS']._serialized_end=654
+  _globals['_TRAJECTORY']._serialized_end=497
+  _globals['_TRAJECTORY_TRACECONTEXTENTRY']._serialized_start=446
+  _globals['_TRAJECTORY_TRACECONTEXTENTRY']._serialized_end=497
+  _globals['_TRAJECTORYGROUP']._serialized_start=499
+  _globals['_TRAJECTORYGROUP']._serialized_end=581
+  _globals['_TIMINGS']._serialized_start=583
+  _globals['_TIMINGS']._serialized_end=670
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "task_id", "group_id", "group_size", "prompt_token_ids", "completion_token_ids", "logprobs", "loss_mask", "policy_versions", "reward", "truncated", "finish_reason", "timings", "trace_context", "model")
+    __slots__ = ("trajectory_id", "task_id", "group_id", "group_size", "prompt_token_ids", "completion_token_ids", "logprobs", "loss_mask", "policy_versions", "reward", "truncated", "finish_reason", "timings", "trace_context", "model", "region")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class Trajectory(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     task_id: str
     group_id: str
@@ -45,7 +46,8 @@ class Trajectory(_message.Message):
     timings: Timings
     trace_context: _containers.ScalarMap[str, str]
     model: str
-    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ...) -> None: ...
+    region: str
+    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ..., region: _Optional[str] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
     __slots__ = ("group_id", "trajectories")

@@ -11,7 +11,14 @@ class TrainerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("step", "policy_version", "loss", "reward_mean", "trajectories", "groups", "step_seconds", "grad_norm", "dropped_stale", "downweighted_stale", "dropped_groups", "pass_rate", "policy_lag_mean", "policy_lag_max", "published", "weightsync_raw_bytes", "weightsync_encoded_bytes", "lr", "stepped", "tis_weight_mean", "kl", "peak_rss_mb", "commit_seconds", "publish_seconds")
+    __slots__ = ("step", "policy_version", "loss", "reward_mean", "trajectories", "groups", "step_seconds", "grad_norm", "dropped_stale", "downweighted_stale", "dropped_groups", "pass_rate", "policy_lag_mean", "policy_lag_max", "published", "weightsync_raw_bytes", "weightsync_encoded_bytes", "lr", "stepped", "tis_weight_mean", "kl", "peak_rss_mb", "commit_seconds", "publish_seconds", "trajectories_by_region")
+    class TrajectoriesByRegionEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +43,7 @@ class StepMetrics(_message.Message):
     PEAK_RSS_MB_FIELD_NUMBER: _ClassVar[int]
     COMMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_BY_REGION_FIELD_NUMBER: _ClassVar[int]
     step: int
     policy_version: int
     loss: float
@@ -60,7 +68,8 @@ class StepMetrics(_message.Message):
     peak_rss_mb: float
     commit_seconds: float
     publish_seconds: float
-    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., trajectories: _Optional[int] = ..., groups: _Optional[int] = ..., step_seconds: _Optional[float] = ..., grad_norm: _Optional[float] = ..., dropped_stale: _Optional[int] = ..., downweighted_stale: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., pass_rate: _Optional[float] = ..., policy_lag_mean: _Optional[float] = ..., policy_lag_max: _Optional[int] = ..., published: _Optional[bool] = ..., weightsync_raw_bytes: _Optional[int] = ..., weightsync_encoded_bytes: _Optional[int] = ..., lr: _Optional[float] = ..., stepped: _Optional[bool] = ..., tis_weight_mean: _Optional[float] = ..., kl: _Optional[float] = ..., peak_rss_mb: _Optional[float] = ..., commit_seconds: _Optional[float] = ..., publish_seconds: _Optional[float] = ...) -> None: ...
+    trajectories_by_region: _containers.ScalarMap[str, int]
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., trajectories: _Optional[int] = ..., groups: _Optional[int] = ..., step_seconds: _Optional[float] = ..., grad_norm: _Optional[float] = ..., dropped_stale: _Optional[int] = ..., downweighted_stale: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., pass_rate: _Optional[float] = ..., policy_lag_mean: _Optional[float] = ..., policy_lag_max: _Optional[int] = ..., published: _Optional[bool] = ..., weightsync_raw_bytes: _Optional[int] = ..., weightsync_encoded_bytes: _Optional[int] = ..., lr: _Optional[float] = ..., stepped: _Optional[bool] = ..., tis_weight_mean: _Optional[float] = ..., kl: _Optional[float] = ..., peak_rss_mb: _Optional[float] = ..., commit_seconds: _Optional[float] = ..., publish_seconds: _Optional[float] = ..., trajectories_by_region: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
     __slots__ = ("step", "policy_version", "trajectories_consumed", "trajectories_pending", "recent_steps", "model", "dropped_stale_total", "downweighted_stale_total", "dead_lettered", "duplicates_skipped", "claimed", "checkpoint_step", "resumed_from_step", "dropped_groups_total")

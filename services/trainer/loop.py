@@ -106,6 +106,7 @@ class TrainingLoop:
             counters["downweighted_stale"] += result.downweighted_stale
             counters["dropped_groups"] += result.dropped_groups
             metrics = step_metrics(result, self.learner.version)
+            metrics.trajectories_by_region.update(collections.Counter(t.region or "unnamed" for g in trajs for t in g))
             self._uncommitted.append(metrics)
             if result.stepped and self.learner.step_count % self.publish_every == 0:
                 await self.committer.commit(metrics, span)

@@ -60,6 +60,7 @@ def _full_trajectory() -> common_pb2.Trajectory:
         timings=common_pb2.Timings(generate_s=1.5, sandbox_s=0.25, total_s=2.0, created_unix=1.7e9),
         trace_context={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "k=v"},
         model="tiny",
+        region="b",
     )
 
 
