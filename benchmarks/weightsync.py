@@ -342,7 +342,7 @@ async def _propagation(
     from services.weightsync import client
     from services.weightsync.client import WeightSubscriber
     from services.weightsync.config import WeightSyncConfig
-    from benchmarks.support.linkemu import LinkEmulator
+    from meridian.link_emulator import LinkEmulator
     from services.weightsync.server import WeightSyncService
 
     origin_svc = WeightSyncService(WeightSyncConfig(data_dir=str(workdir / "origin")))

@@ -57,7 +57,7 @@ CALIBRATION = next(iter(CONFIGS))
 async def _measure(versions: list[Any], workdir: Path, mbit: float | None, latency_ms: float, relay: bool, subscribers: int) -> dict[str, Any]:
     """Propagation of versions 1.. from the origin to ``subscribers`` in-place subscribers,
     through a relay behind the link emulator or straight from the origin."""
-    from benchmarks.support.linkemu import LinkEmulator
+    from meridian.link_emulator import LinkEmulator
     from benchmarks.weightsync import serve_on_loopback
     from services.weightsync import client
     from services.weightsync.client import WeightSubscriber

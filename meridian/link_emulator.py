@@ -1,8 +1,12 @@
 """A WAN link on loopback: a user-space TCP proxy with bandwidth, latency and cuts.
 
 ``tc netem`` is not available everywhere, so tests and benches put this proxy between
-two weightsync servers (or a server and a subscriber). It runs inside the caller's
-asyncio loop and is controlled in-process.
+two weightsync servers (or a server and a subscriber), and a multi-region ``meridian up``
+puts one between each remote region's relay and the origin. In tests it runs inside the
+caller's asyncio loop and is controlled in-process; as a process (``meridian link``,
+:func:`main`) it is controlled by signals: SIGUSR1 cuts the link (open connections reset,
+new ones refused) until SIGUSR2 restores it, and its counters are written to a JSON
+file once a second.
 
 Model of one direction of the link: bytes are *serialised* onto the link at
 ``bandwidth`` bytes/s (one link per direction, shared by every connection through the
@@ -24,8 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
+import signal
 import time
+from pathlib import Path
+
+from meridian.config import add_config_args, config_from_args, opt
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +145,11 @@ class LinkEmulator:
     Use as ``async with LinkEmulator(...) as link: link.address``.
     """
 
-    def __init__(self, target: str, bandwidth: float = 0.0, latency_s: float = 0.0, host: str = "127.0.0.1") -> None:
+    def __init__(self, target: str, bandwidth: float = 0.0, latency_s: float = 0.0, host: str = "127.0.0.1", listen_port: int = 0) -> None:
         self.target_host, _, port = target.rpartition(":")
         self.target_port = int(port)
         self.host = host
+        self.listen_port = listen_port
         self.up = _Direction(bandwidth, latency_s)    # client -> server
         self.down = _Direction(bandwidth, latency_s)  # server -> client
         self._server: asyncio.base_events.Server | None = None
@@ -187,6 +197,23 @@ class LinkEmulator:
             task.cancel()
         return n
 
+    def restore(self) -> None:
+        """Accepts connections again after a :meth:`cut` with a refusal period."""
+        self._refuse_until = 0.0
+
+    @property
+    def refusing(self) -> bool:
+        return time.monotonic() < self._refuse_until
+
+    def counters(self) -> dict[str, object]:
+        """What the link has carried so far, for status views."""
+        return {
+            "target": f"{self.target_host}:{self.target_port}", "address": self.address,
+            "bandwidth_bytes_s": self.down.bandwidth, "latency_s": self.down.latency_s,
+            "bytes_down": self.bytes_down, "bytes_up": self.bytes_up,
+            "connections": self.connections, "open_connections": len(self._conns), "cuts": self.cuts, "cut_now": self.refusing,
+        }
+
     def corrupt_once(self, pattern: bytes, after: int = 0) -> _Corruption:
         """Flips (XOR 0xFF) the byte ``after`` bytes past the end of the next occurrence of
         ``pattern`` in the server-to-client stream; the returned rule's ``fired`` tells
@@ -200,7 +227,7 @@ class LinkEmulator:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> LinkEmulator:
-        self._server = await asyncio.start_server(self._handle, self.host, 0)
+        self._server = await asyncio.start_server(self._handle, self.host, self.listen_port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -257,3 +284,78 @@ class LinkEmulator:
                 with contextlib.suppress(Exception):
                     w.transport.abort()
             self._conns.discard(entry)
+
+
+# ---------------------------------------------------------------- as a process
+
+
+@dataclasses.dataclass
+class LinkConfig:
+    """``meridian link``: the emulated link between two regions as its own process."""
+
+    target: str = opt("", "address the link leads to (host:port), e.g. the origin weightsync")
+    host: str = opt("127.0.0.1", "address the link listens on")
+    port: int = opt(0, "port the link listens on (0: a free one)")
+    mbit_s: float = opt(100.0, "bandwidth per direction, Mbit/s (0: unlimited)")
+    latency_ms: float = opt(50.0, "one-way latency, ms")
+    stats_file: str = opt("", "JSON file the link's counters are written to once a second (empty: none)")
+
+    def __post_init__(self) -> None:
+        if not self.target or ":" not in self.target:
+            raise ValueError(f"link target must be host:port, got {self.target!r}")
+        if self.mbit_s < 0 or self.latency_ms < 0:
+            raise ValueError("mbit_s and latency_ms must be >= 0")
+
+
+async def run_link(config: LinkConfig) -> None:
+    """Serves the link until SIGTERM/SIGINT; SIGUSR1 cuts it, SIGUSR2 restores it."""
+    link = LinkEmulator(config.target, config.mbit_s * 1e6 / 8, config.latency_ms / 1000, config.host, config.port)
+    await link.start()
+    print(f"meridian link listening on {link.address}", flush=True)
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    # A cut lasts until it is restored: a refusal period longer than any run.
+    loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning("link cut: %d connection(s) reset", link.cut(refuse_s=1e9)))
+    loop.add_signal_handler(signal.SIGUSR2, link.restore)
+    try:
+        while not stopping.is_set():
+            if config.stats_file:
+                _write_stats(Path(config.stats_file), link.counters())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), 1.0)
+    finally:
+        await link.close()
+        if config.stats_file:
+            _write_stats(Path(config.stats_file), link.counters())
+
+
+def _write_stats(path: Path, counters: dict[str, object]) -> None:
+    # Written whole and renamed, so a reader never sees half a file.
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(counters))
+    tmp.replace(path)
+
+
+def read_stats(path: Path) -> dict[str, object] | None:
+    """The counters a link process wrote last (None: none yet, or unreadable)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``meridian link``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="meridian link", description=LinkConfig.__doc__)
+    add_config_args(parser, LinkConfig, "link")
+    try:
+        config = config_from_args(LinkConfig, parser.parse_args(argv), "link")
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s link %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run_link(config))
+    return 0

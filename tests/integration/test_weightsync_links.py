@@ -1,4 +1,4 @@
-"""Weightsync over real gRPC servers and the emulated WAN link (benchmarks/support/linkemu.py):
+"""Weightsync over real gRPC servers and the emulated WAN link (meridian/link_emulator.py):
 resume after a cut, a corrupted chunk fetched again, late joiners, relay fan-out, an
 origin restarted with SIGKILL, and the bandwidth cap."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync import client
 from services.weightsync.client import VersionUpdate, WeightSubscriber
 from services.weightsync.config import WeightSyncConfig
-from benchmarks.support.linkemu import LinkEmulator
+from meridian.link_emulator import LinkEmulator
 from services.weightsync.server import WeightSyncService
 from services.weightsync.versions import encode_version
 from meridian.tensors import RawTensor, weights_hash

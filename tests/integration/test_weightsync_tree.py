@@ -23,7 +23,7 @@ from services.weightsync import client
 from services.weightsync.client import VersionUpdate, WeightSubscriber
 from services.weightsync.server import WeightSyncService
 from services.weightsync.versions import encode_version
-from benchmarks.support.linkemu import LinkEmulator
+from meridian.link_emulator import LinkEmulator
 from tests.integration.test_weightsync_links import (
     Weights,
     _chain,
