@@ -13,7 +13,8 @@ prefix, the unit in the name, counters ending in ``_total``.
 The endpoint is off unless ``--metrics-port`` is set (0: a free port, printed as
 ``meridian <service> metrics on <host>:<port>``); it listens on 127.0.0.1 by default and
 refuses a non-loopback address unless it is served with TLS (``--metrics-tls-cert`` and
-``--metrics-tls-key``)."""
+``--metrics-tls-key``). An endpoint that cannot start (port taken, certificate missing)
+is logged and left out: the service runs on without it."""
 from __future__ import annotations
 
 import asyncio
@@ -319,7 +320,14 @@ def start_endpoint(name: str, service: object, config: Any, loop: asyncio.Abstra
     registry = getattr(service, "metrics", None) or ServiceMetrics(name)
     region = config.metrics_region or getattr(getattr(service, "config", None), "region", "") or "local"
     registry.bind(loop, region)
-    endpoint = serve(registry, config.metrics_host, config.metrics_port, config.metrics_tls_cert, config.metrics_tls_key)
+    try:
+        endpoint = serve(registry, config.metrics_host, config.metrics_port, config.metrics_tls_cert, config.metrics_tls_key)
+    except OSError as exc:
+        # Metrics never take a service down: a taken port or a missing certificate leaves
+        # it serving without them (and its scrape target down, which is what alerts see).
+        log.error("%s: metrics endpoint on %s:%d not started: %s", name, config.metrics_host, config.metrics_port, exc)
+        print(f"meridian {name} metrics unavailable: {exc}", flush=True)
+        return None
     # The stack launcher reads this line to learn the port; keep its shape stable.
     print(f"meridian {name} metrics on {endpoint.host}:{endpoint.port}", flush=True)
     return endpoint

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 MERIDIAN_SERVICES = sorted(SERVICES)
-ALL_SERVICES = {"redis", "jaeger", *MERIDIAN_SERVICES}
+ALL_SERVICES = {"redis", "jaeger", "prometheus", "grafana", *MERIDIAN_SERVICES}  # the last two: profile observability
 DOCKER_COMPOSE = shutil.which("docker-compose")
 
 needs_compose = pytest.mark.skipif(

@@ -184,6 +184,22 @@ def test_endpoint_serves_http_on_a_free_port_and_closes() -> None:
     asyncio.run(main())
 
 
+def test_an_endpoint_that_cannot_start_leaves_the_service_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        missing = ServerConfig(metrics_port=0, metrics_host="0.0.0.0", metrics_tls_cert=str(tmp_path / "absent.pem"), metrics_tls_key=str(tmp_path / "absent-key.pem"))
+        assert metrics.start_endpoint("rollout", object(), missing, loop) is None
+        taken = metrics.start_endpoint("rollout", object(), ServerConfig(metrics_port=0), loop)
+        assert taken is not None
+        try:
+            assert metrics.start_endpoint("rollout", object(), ServerConfig(metrics_port=taken.port), loop) is None
+        finally:
+            taken.close()
+
+    asyncio.run(main())
+    assert capsys.readouterr().out.count("meridian rollout metrics unavailable:") == 2
+
+
 def _self_signed(folder: Path) -> tuple[str, str]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
