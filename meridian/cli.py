@@ -51,6 +51,12 @@ def _stack_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     return stack.main(args.command, args.rest)
 
 
+def _certs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from meridian import credentials
+
+    return credentials.main(args.rest)
+
+
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from meridian import demo
 
@@ -104,6 +110,7 @@ COMMANDS = {
     "serve": (_serve, "run one service: meridian serve {envsandbox,weightsync,trainer,rollout} [flags]"),
     "up": (_stack_command, "start the local stack (redis-server and the four services)"),
     "down": (_stack_command, "stop the local stack"),
+    "certs": (_certs, "make credentials (CA, certificates, role tokens, API keys, Redis passwords, signing key): meridian certs --out DIR [--host H]"),
     "status": (_stack_command, "health, policy versions and stream length of the local stack"),
     "train": (_train, "run an RL job on a running stack (--rollout, --trainer) or on a local one it starts"),
     "demo": (_demo, "start the stack, evaluate, run a short RL job, evaluate again, report, stop the stack"),

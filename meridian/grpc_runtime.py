@@ -12,17 +12,20 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
+import os
 import signal
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from meridian import errors, telemetry
+from meridian import access, credentials, errors, telemetry
 from meridian import metrics
 from meridian.config import opt
 
@@ -51,6 +54,8 @@ class ServerConfig:
     metrics_tls_cert: str = opt("", "PEM certificate of the metrics endpoint (with metrics_tls_key: HTTPS)")
     metrics_tls_key: str = opt("", "PEM private key of the metrics endpoint")
     metrics_region: str = opt("", "region label on this service's metrics (empty: the service's own --region where it has one, else 'local')")
+    credentials: str = opt("", "credentials folder made by `meridian certs` (mTLS certificates, tokens); empty: the one MERIDIAN_CREDENTIALS names")
+    insecure: bool = opt(False, "plaintext without tokens, for local experiments only: refused on any address but loopback")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -60,6 +65,20 @@ class ServerConfig:
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         metrics.check_endpoint(self.metrics_host, self.metrics_port, self.metrics_tls_cert, self.metrics_tls_key)
+        if self.insecure and not credentials.is_loopback(self.host):
+            raise ValueError(f"insecure (plaintext) serving is refused on {self.host}: only loopback addresses may go without TLS")
+
+    def credentials_folder(self) -> Path | None:
+        """The credentials this server uses (None: insecure); raises when neither is set."""
+        if self.insecure:
+            return None
+        folder = Path(self.credentials) if self.credentials else credentials.folder_from_env()
+        if folder is None:
+            raise ValueError(
+                "no credentials: pass --credentials DIR or set MERIDIAN_CREDENTIALS (make them with `meridian certs --out DIR`), "
+                "or --insecure true on a loopback address"
+            )
+        return folder
 
 
 class Service(Protocol):
@@ -245,19 +264,71 @@ class ErrorBoundary(grpc.aio.ServerInterceptor):
         return handler
 
 
+# ---------------------------------------------------------------- authentication
+
+
+def _refuser(code: grpc.StatusCode, message: str, stream_response: bool) -> Callable[..., Any]:
+    """A handler that answers ``code`` before reading a request or running anything."""
+    if stream_response:
+
+        async def refuse_stream(_request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await context.abort(code, message)
+            yield  # pragma: no cover - makes this an async generator
+
+        return refuse_stream
+
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, message)
+
+    return refuse
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Maps each call's bearer token to a role and refuses a call its role may not make
+    (:func:`meridian.access.decide`): a missing or unknown token answers UNAUTHENTICATED,
+    a known one without the method PERMISSION_DENIED, before the handler or the error
+    boundary runs. Health and reflection pass without a token."""
+
+    def __init__(self, token_roles: Mapping[str, str]) -> None:
+        self.token_roles = dict(token_roles)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        values = [v for k, v in (handler_call_details.invocation_metadata or ()) if k == "authorization"]
+        refusal = access.decide(method, [v.decode() if isinstance(v, bytes) else v for v in values], self.token_roles)
+        handler = await continuation(handler_call_details)
+        if refusal is None or handler is None:
+            return handler
+        log.info("refused %s: %s", method, refusal.message)
+        refuse = _refuser(grpc.StatusCode[refusal.code], refusal.message, bool(handler.response_streaming))
+        kind = ("stream_" if handler.request_streaming else "unary_") + ("stream" if handler.response_streaming else "unary")
+        return handler._replace(**{kind: refuse})
+
+
 # ---------------------------------------------------------------- server
 
 
 def create_server(
-    service: Service, config: ServerConfig, interceptors: Sequence[grpc.aio.ServerInterceptor] = (), options: Sequence[tuple[str, Any]] | None = None
+    service: Service,
+    config: ServerConfig,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    options: Sequence[tuple[str, Any]] | None = None,
+    token_roles: Mapping[str, str] | None = None,
 ) -> grpc.aio.Server:
     """A grpc.aio server with the error boundary innermost and the call limits of
     ``config`` and ``service.call_limits``; ``options`` default to the message size of
     ``config``. gRPC's own limit sits :data:`RESERVED_RPCS` above ours, as a backstop
-    that leaves room for health checks."""
+    that leaves room for health checks. With ``token_roles`` (token -> role) every call
+    passes the :class:`AuthInterceptor` just outside the error boundary; a service may
+    add callers of its own as ``caller_roles`` (token -> role, read once, here)."""
     limits = CallLimits(config.max_concurrent_rpcs, getattr(service, "call_limits", None))
+    auth = [] if token_roles is None else [AuthInterceptor({**getattr(service, "caller_roles", {}), **token_roles})]
     return grpc.aio.server(
-        interceptors=[*interceptors, ErrorBoundary(limits)],
+        interceptors=[*interceptors, *auth, ErrorBoundary(limits)],
         options=list(channel_options(config.max_message_mb) if options is None else options),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs + RESERVED_RPCS,
     )
@@ -265,7 +336,8 @@ def create_server(
 
 async def run_server(name: str, service: Service, config: ServerConfig) -> None:
     """Runs ``service`` until SIGTERM/SIGINT, with the lifecycle in the module docstring."""
-    server = create_server(service, config, telemetry.server_interceptors())
+    folder = config.credentials_folder()
+    server = create_server(service, config, telemetry.server_interceptors(), token_roles=None if folder is None else credentials.token_roles(folder))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service.register(server)
@@ -274,7 +346,7 @@ async def run_server(name: str, service: Service, config: ServerConfig) -> None:
     for svc in ("", *service.service_names):
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = bind(server, config.host, config.port, name, folder)
     if port == 0:
         raise RuntimeError(f"{name}: cannot listen on {config.host}:{config.port}")
     await server.start()
@@ -315,12 +387,30 @@ async def run_server(name: str, service: Service, config: ServerConfig) -> None:
         raise SystemExit(1)
 
 
+def bind(server: grpc.aio.Server, host: str, port: int, name: str, folder: Path | None) -> int:
+    """Listens on ``host:port``: mTLS with ``name``'s certificate from ``folder`` (client
+    certificates signed by its CA required), or plaintext when ``folder`` is None, which
+    only a loopback host may do. Returns the bound port."""
+    if folder is None:
+        if not credentials.is_loopback(host):
+            raise ValueError(f"{name}: plaintext is refused on {host}; serve with credentials")
+        return server.add_insecure_port(f"{host}:{port}")
+    ca, cert, key = credentials.server_pem(folder, name)
+    creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+    return server.add_secure_port(f"{host}:{port}", creds)
+
+
 def serve_forever(name: str, make_service: Callable[[], Service], config: ServerConfig) -> None:
-    """Entry point for ``meridian serve``: uvloop, logging, tracing, then :func:`run_server`."""
+    """Entry point for ``meridian serve``: uvloop, logging, tracing, the process's own
+    client credentials (its role: ``MERIDIAN_ROLE`` or the service's, see
+    :data:`meridian.credentials.SERVICE_ROLES`), then :func:`run_server`."""
     import uvloop
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     telemetry.setup_tracing(f"meridian-{name}")
+    folder = config.credentials_folder()
+    role = os.environ.get(credentials.ENV_ROLE) or credentials.SERVICE_ROLES.get(name, "operator")
+    credentials.use(None if folder is None else credentials.Identity(folder, role))
 
     async def main() -> None:
         await run_server(name, make_service(), config)
@@ -331,19 +421,76 @@ def serve_forever(name: str, make_service: Callable[[], Service], config: Server
 # ---------------------------------------------------------------- clients
 
 
-def open_channel(address: str, max_message_mb: int = 64, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+@dataclasses.dataclass(frozen=True)
+class ClientAuth:
+    """What a client presents: TLS trusting the deployment's CA with the client
+    certificate (mTLS), and its role's bearer token on every call."""
+
+    folder: Path
+    role: str
+    token: str
+    tls: grpc.ChannelCredentials
+
+    @classmethod
+    def load(cls, folder: Path, role: str, token: str | None = None) -> ClientAuth:
+        """``role``'s credentials from ``folder``; ``token`` overrides the role's own (a
+        caller key of rollout's caller-classes file, say)."""
+        ca, cert, key = credentials.client_pem(Path(folder))
+        tls = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        return cls(Path(folder), role, token if token is not None else credentials.role_token(Path(folder), role), tls)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """TLS plus the token as ``authorization: Bearer <token>`` on every call."""
+        return grpc.composite_channel_credentials(self.tls, grpc.access_token_call_credentials(self.token))
+
+
+class _Default:
+    """Marks an ``auth`` left to :func:`meridian.credentials.identity_for`."""
+
+
+DEFAULT = _Default()
+
+
+@functools.lru_cache(maxsize=64)
+def _loaded(identity: credentials.Identity) -> ClientAuth:
+    return ClientAuth.load(identity.folder, identity.role)
+
+
+def client_auth(address: str) -> ClientAuth | None:
+    """What a call to ``address`` presents by default (see
+    :func:`meridian.credentials.identity_for`); None: plaintext."""
+    identity = credentials.identity_for(address)
+    return None if identity is None else _loaded(identity)
+
+
+def _host_of(address: str) -> str:
+    target = address.split("///", 1)[-1]
+    return target.rpartition(":")[0] if ":" in target else target
+
+
+def _channel(address: str, auth: ClientAuth | None | _Default, with_token: bool, options: list[tuple[str, Any]], interceptors: Sequence[Any] | None) -> grpc.aio.Channel:
+    resolved = client_auth(address) if isinstance(auth, _Default) else auth
+    if resolved is None:
+        if not credentials.is_loopback(_host_of(address)):
+            raise ValueError(f"plaintext to {address} is refused: only loopback addresses may go without TLS; set credentials (MERIDIAN_CREDENTIALS)")
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    creds = resolved.channel_credentials() if with_token else resolved.tls
+    return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
+
+
+def open_channel(
+    address: str, max_message_mb: int = 64, options: Sequence[tuple[str, Any]] = (), auth: ClientAuth | None | _Default = DEFAULT
+) -> grpc.aio.Channel:
     """An instrumented asyncio channel to another Meridian service; ``options`` are added
-    to the message-size ones (e.g. flow-control windows for a bulk stream)."""
-    return grpc.aio.insecure_channel(
-        address,
-        options=[*channel_options(max_message_mb), *options],
-        interceptors=telemetry.client_interceptors(),
-    )
+    to the message-size ones (e.g. flow-control windows for a bulk stream). ``auth``
+    defaults to the process's :func:`client_auth`; None opens plaintext (loopback only)."""
+    return _channel(address, auth, True, [*channel_options(max_message_mb), *options], telemetry.client_interceptors())
 
 
-async def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> str:
-    """The standard health status of ``service`` at ``address`` (or UNREACHABLE)."""
-    async with grpc.aio.insecure_channel(address) as channel:
+async def check_health(address: str, service: str = "", timeout_s: float = 2.0, auth: ClientAuth | None | _Default = DEFAULT) -> str:
+    """The standard health status of ``service`` at ``address`` (or UNREACHABLE). Over
+    TLS when the process has credentials; health needs no token."""
+    async with _channel(address, auth, False, [], None) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

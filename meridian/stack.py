@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from meridian import credentials
 from meridian.config import add_config_args, config_from_args, opt
 
 STATE_FILE = "stack.json"
@@ -66,8 +67,19 @@ class Stack:
     #: Prometheus endpoint of each process, by its name in ``pids``.
     metrics: dict[str, str] = dataclasses.field(default_factory=dict)
 
+    #: the stack's credentials folder ('' for a stack recorded without one)
+    credentials: str = ""
+
     def save(self) -> None:
+        """Records the stack, and makes this process call its services (and Redis) as
+        their operator: what ``meridian status`` and the benches rely on."""
         (self.run_dir / STATE_FILE).write_text(json.dumps(dataclasses.asdict(self), default=str, indent=2))
+        self.use_credentials()
+
+    def use_credentials(self) -> None:
+        """Calls from this process to the stack's addresses present its operator credentials."""
+        if self.credentials:
+            credentials.register(self.addresses.values(), credentials.Identity(Path(self.credentials), "operator"))
 
     @classmethod
     def load(cls, run_dir: Path) -> "Stack | None":
@@ -76,7 +88,9 @@ class Stack:
             return None
         data = json.loads(path.read_text())
         data["run_dir"] = Path(data["run_dir"])
-        return cls(**data)
+        stack = cls(**data)
+        stack.use_credentials()
+        return stack
 
     def stop(self, timeout_s: float = 30.0) -> list[str]:
         """Stops every process, services first, Redis last; returns what needed SIGKILL."""
@@ -86,6 +100,7 @@ class Stack:
             if pid and not _terminate(pid, timeout_s):
                 killed.append(name)
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+        credentials.unregister(self.addresses.values())
         return killed
 
 
@@ -218,19 +233,46 @@ def spawn_service(name: str, args: list[str], run_dir: Path, env: dict[str, str]
         raise
 
 
-def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+#: Redis ACL of each role's user (``meridian up``; docker-compose mounts the same rules).
+#: The rollout appends groups and reads the backlog's size; the trainer creates and reads
+#: its consumer group, acks, claims, and appends only to dead-letter streams; the
+#: operator may do all. No user may run a command without logging in.
+REDIS_ACL = {
+    "operator": "~* &* +@all",
+    "trainer": "~* -@all +ping +xgroup|create +xreadgroup +xack +xautoclaim +xclaim +xpending +xlen +xinfo|groups (~*:dead +xadd)",
+    "rollout": "~* -@all +ping +xadd +xlen +xinfo|groups",
+}
+
+
+def redis_acl_config(passwords: dict[str, str]) -> str:
+    """The ``user`` lines of a Redis config: the default user off, one user per role."""
+    lines = ["user default off"]
+    for user, rules in REDIS_ACL.items():
+        lines.append(f"user {user} on >{passwords[user]} resetchannels {rules}")
+    return "\n".join(lines) + "\n"
+
+
+def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str], credentials_dir: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Starts redis-server; with ``credentials_dir`` its users and passwords come from
+    there (written to a 0600 config file, never onto the command line). The URL returned
+    names no user: each client logs in as its own role."""
     server = shutil.which("redis-server")
     if server is None:
         raise FileNotFoundError("redis-server not found (make install installs it)")
     data = run_dir / "redis"
     data.mkdir(parents=True, exist_ok=True)
     log = run_dir / "redis.log"
+    conf = run_dir / "redis.conf"
+    conf.unlink(missing_ok=True)
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("" if credentials_dir is None else redis_acl_config(credentials.redis_passwords(credentials_dir)))
     # appendfsync always: Redis fsyncs the append-only file before it answers a write, so
     # an XADD a rollout was told succeeded, or an XACK the trainer made after its
     # checkpoint, survives a host crash; exactly-once delivery rests on both.
     # (everysec, Redis' default, can lose the last second of acknowledged writes.)
     argv = [
-        server, "--bind", host, "--port", str(port), "--dir", str(data), "--appendonly", "yes", "--appendfsync", "always",
+        server, str(conf), "--bind", host, "--port", str(port), "--dir", str(data), "--appendonly", "yes", "--appendfsync", "always",
         "--save", "", "--daemonize", "no", "--protected-mode", "yes",
     ]
     proc = _spawn(argv, log, env)
@@ -242,7 +284,7 @@ def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str]) -> tu
         try:
             with socket.create_connection((host, port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                     return proc, url
         except OSError:
             pass
@@ -257,13 +299,20 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
     existing = Stack.load(run_dir)
     if existing and any(_alive(p) for p in existing.pids.values()):
         raise RuntimeError(f"a stack is already running from {run_dir}; run `meridian down` first")
-    child_env = {**os.environ, **(env or {})}
+    # Authenticated with no step of the user's: the run folder's credentials (made on the
+    # first start) reach every service through MERIDIAN_CREDENTIALS; each takes its own
+    # role (a role set for this process is not theirs).
+    creds = credentials.ensure_credentials(run_dir / "credentials", [] if credentials.is_loopback(config.host) else [config.host])
+    child_env = {**os.environ, **(env or {}), credentials.ENV_CREDENTIALS: str(creds)}
+    child_env.pop(credentials.ENV_ROLE, None)
     extra_args = extra_args or {}
     port = (lambda name: free_port(config.host)) if config.ports == "auto" else FIXED_PORTS.__getitem__
-    stack = Stack(run_dir, {}, {}, {}, "")
+    stack = Stack(run_dir, {}, {}, {}, "", credentials=str(creds))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        procs["redis"], stack.redis_url = _start_redis(run_dir, config.host, port("redis"), child_env)
+        # Redis speaks no TLS here: it listens on loopback whatever --host says.
+        redis_host = config.host if credentials.is_loopback(config.host) else "127.0.0.1"
+        procs["redis"], stack.redis_url = _start_redis(run_dir, redis_host, port("redis"), child_env, creds)
         stack.pids["redis"] = procs["redis"].pid
         stack.addresses["redis"] = stack.redis_url
         stack.logs["redis"] = str(run_dir / "redis.log")

@@ -208,8 +208,11 @@ class RedisGroupTransport(GroupTransport):
     def __init__(self, config: TransportConfig) -> None:
         import redis.asyncio as aioredis
 
+        from meridian.credentials import redis_login
+
         super().__init__(config)
-        self.redis = aioredis.from_url(config.url)
+        # Logs in as the caller's role's Redis user (meridian up's Redis has no other).
+        self.redis = aioredis.from_url(config.url, **redis_login(config.url))
         self._errors = aioredis.ResponseError
 
     async def _append(self, stream: str, fields: dict[str, bytes | str]) -> str:

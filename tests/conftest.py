@@ -19,7 +19,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from meridian.grpc_runtime import Service, ServerConfig, create_server
+from meridian import credentials
+from meridian.grpc_runtime import Service, ServerConfig, bind, create_server
 
 REDIS_SERVER = "/usr/bin/redis-server"
 
@@ -100,6 +101,7 @@ async def serving(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     config: ServerConfig | None = None,
     port: int = 0,
+    secure: tuple[str, Path] | None = None,
 ) -> AsyncIterator[str]:
     """Runs ``service`` on a loopback port (``port``, or a free one) inside the running
     loop; yields its address.
@@ -107,13 +109,16 @@ async def serving(
     Mirrors :func:`meridian.grpc_runtime.run_server`: the same server (ErrorBoundary with
     the call limits of ``config`` and the service), health (SERVING only after
     ``service.start()`` returned), and on exit stop the server, then the service.
-    ``options`` default to gRPC's own (4 MiB messages), not ``config``'s.
+    ``options`` default to gRPC's own (4 MiB messages), not ``config``'s. Plaintext
+    without tokens unless ``secure`` is (service name, credentials folder): then mTLS
+    with that service's certificate and the token/role interceptor, as ``meridian serve``.
     """
-    server = create_server(service, config or ServerConfig(), interceptors, options=options)
+    token_roles = credentials.token_roles(secure[1]) if secure else None
+    server = create_server(service, config or ServerConfig(), interceptors, options=options, token_roles=token_roles)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service.register(server)
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    bound = bind(server, "127.0.0.1", port, *secure) if secure else server.add_insecure_port(f"127.0.0.1:{port}")
     if bound == 0 or (port and bound != port):
         raise RuntimeError(f"cannot bind 127.0.0.1:{port or 'a free port'} for the test server")
     port = bound
@@ -126,6 +131,12 @@ async def serving(
     finally:
         await server.stop(grace=None)
         await service.stop()
+
+
+@pytest.fixture(scope="session")
+def credentials_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A credentials folder as ``meridian certs`` makes it, shared by the session."""
+    return credentials.make_credentials(tmp_path_factory.mktemp("credentials") / "credentials")
 
 
 @pytest.fixture

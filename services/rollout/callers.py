@@ -9,12 +9,16 @@ The key file is a JSON object, key -> class::
 
 Callers without a key get ``anonymous`` (production, rl, or deny). With no key file
 every caller is anonymous, whatever it sends (the ``openai`` client always sends some
-key); with one, an unknown key is refused."""
+key); with one, an unknown key is refused. A rollout serving with credentials (the
+default) has no anonymous callers: its keys are the credentials' ``api-keys.json`` plus
+the key file's, and each key is also a token its gRPC interceptor admits (role
+``production``)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from meridian.credentials import API_KEYS
 from meridian.errors import Unauthenticated
 from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL
 
@@ -45,6 +49,20 @@ class CallerClasses:
         if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
             raise ValueError(f"caller classes file {path} must be a JSON object of key -> class strings")
         return cls(keys, anonymous)
+
+    @classmethod
+    def authenticated(cls, credentials_dir: Path, path: str) -> CallerClasses:
+        """An authenticated deployment's: the credentials' API keys (the production and
+        operator tokens) and those of the key file at ``path`` (if any); no anonymous
+        caller."""
+        keys = cls.load(str(Path(credentials_dir) / API_KEYS), "deny")._keys
+        if path:
+            keys.update(cls.load(path, "deny")._keys)
+        return cls(keys, "deny")
+
+    def keys(self) -> list[str]:
+        """The known API keys (each one is a caller the server's interceptor admits)."""
+        return list(self._keys)
 
     def classify(self, authorization: str | None) -> int:
         """The engine priority of a caller from its ``Authorization`` value; raises

@@ -11,11 +11,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from meridian import credentials
 from meridian.errors import Unauthenticated
 from services.rollout.callers import CallerClasses
 from services.rollout.config import DEFAULT_HTTP_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_BYTES
@@ -293,6 +295,17 @@ def create_app(
     return app
 
 
+def http_tls(host: str, identity: credentials.Identity | None) -> tuple[Path, Path] | None:
+    """Certificate and key the HTTP API serves with: none on loopback (the API key is
+    still required), rollout's server certificate elsewhere; plaintext on a non-loopback
+    address without credentials is refused."""
+    if credentials.is_loopback(host):
+        return None
+    if identity is None:
+        raise ValueError(f"the OpenAI API will not serve plaintext on {host}: only loopback addresses may go without TLS; serve with credentials")
+    return credentials.cert_path(identity.folder, "rollout")
+
+
 class HttpFrontDoor:
     """uvicorn serving the app on the already running event loop.
 
@@ -301,10 +314,11 @@ class HttpFrontDoor:
     the ordered shutdown.
     """
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, tls: tuple[Path, Path] | None = None) -> None:
         import uvicorn
 
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+        files = {"ssl_certfile": str(tls[0]), "ssl_keyfile": str(tls[1])} if tls else {}
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **files))
         self._ticks: Any = None
         self.port = 0
 

@@ -1,0 +1,88 @@
+"""Who may call what: the role table of every gRPC method, and the decision the server
+interceptor (:class:`meridian.grpc_runtime.AuthInterceptor`) applies to each call.
+
+A caller is known by its bearer token (``authorization: Bearer <token>``), which maps to
+one role (:data:`meridian.credentials.ROLES`). The operator may call everything; the
+other roles only the methods listed for them here. Health and reflection answer anyone,
+so probes and tools like grpcurl work without a token. A method missing from the table
+is the operator's alone (new methods are closed until someone opens them here).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hmac
+from collections.abc import Mapping
+
+OPERATOR = "operator"
+#: Methods anyone may call, with or without a token.
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_EVERY_ROLE = frozenset({"trainer", "rollout", "relay", "production"})
+
+#: full method name -> roles besides the operator that may call it.
+METHOD_ROLES: dict[str, frozenset[str]] = {
+    # weightsync: the trainer publishes; rollouts and relays follow
+    "/meridian.v1.WeightSync/Publish": frozenset({"trainer"}),
+    "/meridian.v1.WeightSync/Subscribe": frozenset({"rollout", "relay"}),
+    "/meridian.v1.WeightSync/GetManifest": frozenset({"trainer", "rollout", "relay"}),
+    "/meridian.v1.WeightSync/FetchChunk": frozenset({"rollout", "relay"}),
+    "/meridian.v1.WeightSync/Status": _EVERY_ROLE,
+    # rollout: production clients generate; RL episodes are started by the operator's jobs
+    "/meridian.v1.Rollout/Generate": frozenset({"production"}),
+    "/meridian.v1.Rollout/Score": frozenset({"production"}),
+    "/meridian.v1.Rollout/RunEpisodes": frozenset(),
+    "/meridian.v1.Rollout/Status": _EVERY_ROLE,
+    # trainer
+    "/meridian.v1.Trainer/Status": _EVERY_ROLE,
+    # envsandbox: only rollout's episode workers drive sandboxes
+    **{f"/meridian.v1.EnvSandbox/{m}": frozenset({"rollout"}) for m in ("ListTasks", "GetTask", "Create", "Exec", "WriteFiles", "ReadFiles", "Fork", "RunTests", "Close", "List")},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a call is refused: ``code`` is UNAUTHENTICATED or PERMISSION_DENIED."""
+
+    code: str
+    message: str
+
+
+def bearer_token(values: list[str]) -> str | Refusal:
+    """The token of a call's ``authorization`` metadata values."""
+    if not values:
+        return Refusal("UNAUTHENTICATED", "this call needs a token: send the metadata 'authorization: Bearer <token>'")
+    if len(values) > 1:
+        return Refusal("UNAUTHENTICATED", "more than one authorization value")
+    scheme, _, token = values[0].partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return Refusal("UNAUTHENTICATED", "the authorization value must be 'Bearer <token>'")
+    return token.strip()
+
+
+def role_of(token: str, token_roles: Mapping[str, str]) -> str | None:
+    """The role of ``token``, compared in constant time against every known token."""
+    found = None
+    for known, role in token_roles.items():
+        if hmac.compare_digest(known.encode(), token.encode()):
+            found = role
+    return found
+
+
+def allowed(role: str, method: str, table: Mapping[str, frozenset[str]] = METHOD_ROLES) -> bool:
+    """Whether ``role`` may call ``method``."""
+    return role == OPERATOR or role in table.get(method, frozenset())
+
+
+def decide(method: str, authorization: list[str], token_roles: Mapping[str, str]) -> Refusal | None:
+    """None when the call may proceed, else why not. The token itself never appears in
+    a message."""
+    if method.startswith(OPEN_PREFIXES):
+        return None
+    token = bearer_token(authorization)
+    if isinstance(token, Refusal):
+        return token
+    role = role_of(token, token_roles)
+    if role is None:
+        return Refusal("UNAUTHENTICATED", "unknown token")
+    if not allowed(role, method):
+        return Refusal("PERMISSION_DENIED", f"role {role!r} may not call {method}")
+    return None
