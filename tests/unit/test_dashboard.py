@@ -134,3 +134,11 @@ def test_grafana_is_provisioned_with_the_datasource_and_the_dashboard(compose: d
         for port in compose["services"][name].get("ports", []):
             host_ip = port.get("host_ip") if isinstance(port, dict) else str(port).split(":")[0]
             assert host_ip == "127.0.0.1", f"{name} publishes {port} beyond loopback"
+
+
+def test_readme_documents_every_metric() -> None:
+    readme = (dashboard.REPO / "README.md").read_text()
+    section = readme[readme.index("\n## Metrics\n"):]
+    section = section[: section.index("\n## ", 1)]
+    missing = sorted(name for name in metrics.METRICS if f"`{name}`" not in section)
+    assert not missing, f"README's Metrics section does not list: {missing}"
