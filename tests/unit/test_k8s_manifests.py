@@ -39,6 +39,7 @@ import yaml
 from meridian.cli import SERVICES
 from meridian.config import env_name
 from meridian.grpc_runtime import ServerConfig
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -86,6 +87,11 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(K8S, root, ignore=shutil.ignore_patterns("*.pem", "*.json"))
     for name in credential_files():
         (root / "credentials" / name).write_text(f"stand-in for {name}\n")
+    for region in REGIONS["cpu"]:  # each region with the opt-in mTLS health probes
+        (root / f"{region}-mtls").mkdir()
+        (root / f"{region}-mtls" / "kustomization.yaml").write_text(
+            yaml.safe_dump({"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                            "resources": [f"../{region}"], "components": ["../components/mtls-health-probes"]}))
     return root
 
 
@@ -416,6 +422,35 @@ def address_problems(objs: list[Obj]) -> list[str]:
     return problems
 
 
+def mtls_probe_problems(objs: list[Obj]) -> list[str]:
+    """With components/mtls-health-probes: every Meridian container's probes run the
+    health check over mTLS on the port it serves, with files its own Secret holds."""
+    problems = []
+    for work in workloads(objs):
+        spec = pod_spec(work)
+        for c in spec["containers"]:
+            service = meridian_service(c)
+            if service is None:
+                continue
+            where = f"{work['kind']}/{work['metadata']['name']}"
+            served = int(env_of(c, objs, ns(work))[env_name(service, "port")])
+            mount = next(m for m in c["volumeMounts"] if m["name"] == "credentials")
+            secret_name = next(v["secret"]["secretName"] for v in spec["volumes"] if v["name"] == "credentials")
+            secret_keys = set((find(objs, "Secret", secret_name, ns(work)) or {}).get("data", {}))
+            for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
+                command = c.get(probe_name, {}).get("exec", {}).get("command", [])
+                if "grpc" in c.get(probe_name, {}) or command[:2] != ["python", "-c"]:
+                    problems.append(f"{where}: {probe_name} is not the mTLS health check")
+                    continue
+                folder, name, port = command[3:6]
+                if folder != mount["mountPath"] or int(port) != served or served not in exposed_ports(c).values():
+                    problems.append(f"{where}: {probe_name} checks {folder} port {port}, not {mount['mountPath']} port {served}")
+                missing = {"ca.pem", f"{name}.pem", f"{name}-key.pem"} - secret_keys
+                if missing:
+                    problems.append(f"{where}: {probe_name} needs {sorted(missing)}, which its Secret lacks")
+    return problems
+
+
 def _config_class(service: str) -> type:
     module, cls, _, _ = SERVICES[service]
     return getattr(importlib.import_module(module), cls)
@@ -559,6 +594,57 @@ def test_gpu_variants_ask_for_a_gpu_and_the_cuda_build(rendered: dict[str, list[
             assert gpus is None and "cuda" not in container["image"], overlay
 
 
+@pytest.fixture(scope="module")
+def rendered_mtls(tree: Path) -> dict[str, list[Obj]]:
+    return {region: render(tree, f"{region}-mtls") for region in REGIONS["cpu"]}
+
+
+@pytest.mark.parametrize("region", REGIONS["cpu"])
+def test_mtls_probe_component_validates_and_probes_served_ports(rendered_mtls: dict[str, list[Obj]], region: str) -> None:
+    objs = rendered_mtls[region]
+    assert schema_problems(objs) == []
+    assert mtls_probe_problems(objs) == []
+    assert reference_problems(objs) == []
+
+
+def test_mtls_probe_passes_only_a_serving_mtls_health_service(rendered_mtls: dict[str, list[Obj]], tmp_path: Path) -> None:
+    """The probe command exactly as rendered, against a server that requires TLS and a
+    client certificate the way the services do: it passes while the service is SERVING,
+    fails once it is NOT_SERVING or gone; a plaintext check (what kubelet's native gRPC
+    probe does) cannot pass that port at all."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    credentials = pytest.importorskip("meridian.credentials")
+    folder = credentials.make_credentials(tmp_path / "credentials")
+    relay = find(rendered_mtls["region-b"], "StatefulSet", "weightsync-relay")
+    command = pod_spec(relay)["containers"][0]["livenessProbe"]["exec"]["command"]
+    port = free_port()
+    ca, cert, key = credentials.server_pem(folder, "weightsync")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_secure_port(f"127.0.0.1:{port}", grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True))
+    server.start()
+
+    def probe() -> int:
+        argv = [sys.executable, *command[1:3], str(folder), command[4], str(port)]
+        return subprocess.run(argv, capture_output=True, timeout=30).returncode
+
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert probe() == 0
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError):
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert probe() != 0
+    finally:
+        server.stop(None)
+    assert probe() != 0
+
+
 # ---------------------------------------------------------------- sabotage: each check catches what it guards
 
 
@@ -641,3 +727,13 @@ def test_env_check_catches_a_misspelt_setting(rendered: dict[str, list[Obj]]) ->
     objs = copy.deepcopy(rendered["region-a"])
     pod_spec(_first(objs, "Deployment", "rollout"))["containers"][0]["env"].append({"name": "MERIDIAN_ROLLOUT_REDIS", "value": "x"})
     assert any("MERIDIAN_ROLLOUT_REDIS is no setting" in p for p in env_name_problems(objs))
+
+
+def test_mtls_probe_check_catches_a_probe_left_plaintext_or_on_another_port(rendered_mtls: dict[str, list[Obj]]) -> None:
+    objs = copy.deepcopy(rendered_mtls["region-a"])
+    container = pod_spec(_first(objs, "Job", "trainer"))["containers"][0]
+    container["readinessProbe"] = {"grpc": {"port": 50053}}
+    container["livenessProbe"]["exec"]["command"][5] = "50054"
+    problems = mtls_probe_problems(objs)
+    assert any("readinessProbe is not the mTLS health check" in p for p in problems)
+    assert any("livenessProbe checks /etc/meridian/credentials port 50054" in p for p in problems)
