@@ -26,4 +26,4 @@ protos: install
 	$(PY) -m meridian.api_reference
 
 clean:
-	rm -rf $(VENV) .meridian build *.egg-info
+	rm -rf $(VENV) .meridian build *.egg-info tests/node_client/node_modules

@@ -18,6 +18,8 @@ command -v dockerd >/dev/null 2>&1 || need_apt+=(docker.io)
 command -v busybox >/dev/null 2>&1 || need_apt+=(busybox-static)
 # The process backend builds its launcher (seccomp, uid and limits) from C source.
 { command -v cc >/dev/null 2>&1 && [ -f /usr/include/linux/seccomp.h ]; } || need_apt+=(gcc libc6-dev)
+# The Node client test (tests/node_client) runs a non-Python client of the gRPC API.
+{ command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; } || need_apt+=(nodejs npm)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "install: apt packages: ${need_apt[*]}"
   if [ "$(id -u)" -ne 0 ]; then
@@ -31,6 +33,19 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
   # Likewise no system dockerd: the envsandbox tests and benchmark run private daemons.
   if command -v systemctl >/dev/null 2>&1; then systemctl disable --now docker.service docker.socket >/dev/null 2>&1 || true; fi
+fi
+
+# The Node client test's npm packages, exactly as package-lock.json pins them; installed
+# again only when the lock file changes (npm ci starts from an empty node_modules).
+NODE_CLIENT=tests/node_client
+if command -v npm >/dev/null 2>&1 && [ -f "$NODE_CLIENT/package-lock.json" ]; then
+  node_want=$(sha256sum "$NODE_CLIENT/package-lock.json" | cut -c1-16)
+  node_stamp="$NODE_CLIENT/node_modules/.meridian-installed"
+  if [ ! -f "$node_stamp" ] || [ "$(cat "$node_stamp")" != "$node_want" ]; then
+    (cd "$NODE_CLIENT" && npm ci --no-audit --no-fund --loglevel=error)
+    echo "$node_want" > "$node_stamp"
+    echo "install: $NODE_CLIENT/node_modules ready"
+  fi
 fi
 
 # deploy/k8s renders with kubectl's built-in kustomize; where neither kubectl nor
