@@ -191,7 +191,11 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self._notify_soon()
 
     def _upstream_chunk(self, manifest: pb.Manifest, index: int, payload: bytes) -> None:
-        if self._incoming is not None and self._incoming.manifest.version == manifest.version and index == len(self._incoming.chunks):
+        # A verifying relay withholds a version's last chunk until the whole version passed
+        # the signature's content check and is stored (its subscribers then continue from
+        # the stored copy): no subscriber can complete a version this relay refuses.
+        held_back = self.verifier is not None and index == len(manifest.chunks) - 1
+        if self._incoming is not None and self._incoming.manifest.version == manifest.version and index == len(self._incoming.chunks) and not held_back:
             self._incoming.chunks.append(payload)
         self.counters["upstream_bytes"] += len(payload)
         self._notify_soon()
