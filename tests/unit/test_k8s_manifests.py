@@ -422,6 +422,22 @@ def address_problems(objs: list[Obj]) -> list[str]:
     return problems
 
 
+def command_problems(objs: list[Obj]) -> list[str]:
+    """The kubelet expands ``$(NAME)`` in command and args from the container's env and
+    turns ``$$`` into ``$``: every ``$(NAME)`` names a variable the container has, and no
+    ``$$`` (a shell's own pid) is there to be mangled."""
+    problems = []
+    for work in workloads(objs):
+        for c in pod_spec(work).get("initContainers", []) + pod_spec(work)["containers"]:
+            names = {item["name"] for item in c.get("env", [])}
+            for text in c.get("command", []) + c.get("args", []):
+                if "$$" in text:
+                    problems.append(f"{work['metadata']['name']}/{c['name']}: '$$' in {text[:40]!r}... becomes '$'")
+                problems += [f"{work['metadata']['name']}/{c['name']}: $({ref}) is no variable of the container"
+                             for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", text) if ref not in names]
+    return problems
+
+
 def mtls_probe_problems(objs: list[Obj]) -> list[str]:
     """With components/mtls-health-probes: every Meridian container's probes run the
     health check over mTLS on the port it serves, with files its own Secret holds."""
@@ -492,6 +508,11 @@ def test_every_secret_and_configmap_reference_exists(rendered: dict[str, list[Ob
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_envsandbox_has_exactly_the_privileges_it_needs(rendered: dict[str, list[Obj]], overlay: str) -> None:
     assert envsandbox_problems(rendered[overlay]) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_commands_survive_the_kubelets_expansion(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    assert command_problems(rendered[overlay]) == []
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -737,3 +758,14 @@ def test_mtls_probe_check_catches_a_probe_left_plaintext_or_on_another_port(rend
     problems = mtls_probe_problems(objs)
     assert any("readinessProbe is not the mTLS health check" in p for p in problems)
     assert any("livenessProbe checks /etc/meridian/credentials port 50054" in p for p in problems)
+
+
+def test_command_check_catches_a_dollar_pair_and_an_unknown_variable(rendered: dict[str, list[Obj]]) -> None:
+    objs = copy.deepcopy(rendered["region-a"])
+    args = pod_spec(_first(objs, "Deployment", "envsandbox"))["containers"][0]["args"]
+    args[0] = args[0].replace("echo 0 >", "echo $$ >")
+    trainer = pod_spec(_first(objs, "Job", "trainer"))["containers"][0]
+    trainer["env"] = [e for e in trainer["env"] if e["name"] != "TRAINER_PROCESSES"]
+    problems = command_problems(objs)
+    assert any("'$$'" in p for p in problems)
+    assert any("$(TRAINER_PROCESSES) is no variable" in p for p in problems)
