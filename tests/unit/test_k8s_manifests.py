@@ -676,14 +676,14 @@ def _first(objs: list[Obj], kind: str, name: str) -> Obj:
 
 
 def test_schema_check_catches_a_wrong_field_type(rendered: dict[str, list[Obj]]) -> None:
-    objs = copy.deepcopy(rendered["region-a"])
-    pod_spec(_first(objs, "Deployment", "rollout"))["containers"][0]["ports"][0]["containerPort"] = "50051"
-    assert any("is not of type 'integer'" in p for p in schema_problems(objs))
-    objs = copy.deepcopy(rendered["region-a"])
-    pod_spec(_first(objs, "Job", "trainer"))["containers"][0]["livenesProbe"] = {"grpc": {"port": 50053}}  # misspelt
-    assert any("livenesProbe" in p for p in schema_problems(objs))
+    rollout = copy.deepcopy(_first(rendered["region-a"], "Deployment", "rollout"))
+    pod_spec(rollout)["containers"][0]["ports"][0]["containerPort"] = "50051"
+    assert any("is not of type 'integer'" in p for p in schema_problems([rollout]))
+    trainer = copy.deepcopy(_first(rendered["region-a"], "Job", "trainer"))
+    pod_spec(trainer)["containers"][0]["livenesProbe"] = {"grpc": {"port": 50053}}  # misspelt
+    assert any("livenesProbe" in p for p in schema_problems([trainer]))
     # appArmorProfile is not in 1.29's schema: the pin matters.
-    assert any("appArmorProfile" in p for p in schema_problems(rendered["region-a"], "1.29.0"))
+    assert any("appArmorProfile" in p for p in schema_problems([_first(rendered["region-a"], "Deployment", "envsandbox")], "1.29.0"))
 
 
 def test_probe_check_catches_a_probe_on_a_missing_port(rendered: dict[str, list[Obj]]) -> None:
