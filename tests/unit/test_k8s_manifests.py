@@ -422,6 +422,28 @@ def address_problems(objs: list[Obj]) -> list[str]:
     return problems
 
 
+def credential_path_problems(objs: list[Obj]) -> list[str]:
+    """Every file a container is pointed at in its credentials folder (certificates, keys,
+    the signing keys) is a key of the Secret mounted there."""
+    problems = []
+    for work in workloads(objs):
+        spec = pod_spec(work)
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec["containers"]:
+            mounts = {m["mountPath"]: volumes[m["name"]] for m in c.get("volumeMounts", []) if "secret" in volumes.get(m["name"], {})}
+            for name, value in env_of(c, objs, ns(work)).items():
+                if not value.startswith("/etc/meridian/"):
+                    continue
+                folder, file_name = (value, "") if name == "MERIDIAN_CREDENTIALS" else value.rsplit("/", 1)
+                if folder not in mounts:
+                    problems.append(f"{work['metadata']['name']}: {name}={value} is in no mounted Secret")
+                    continue
+                secret = find(objs, "Secret", mounts[folder]["secret"]["secretName"], ns(work))
+                if file_name and file_name not in (secret or {}).get("data", {}):
+                    problems.append(f"{work['metadata']['name']}: {name}={value}, which its Secret does not hold")
+    return problems
+
+
 def command_problems(objs: list[Obj]) -> list[str]:
     """The kubelet expands ``$(NAME)`` in command and args from the container's env and
     turns ``$$`` into ``$``: every ``$(NAME)`` names a variable the container has, and no
@@ -508,6 +530,24 @@ def test_every_secret_and_configmap_reference_exists(rendered: dict[str, list[Ob
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_envsandbox_has_exactly_the_privileges_it_needs(rendered: dict[str, list[Obj]], overlay: str) -> None:
     assert envsandbox_problems(rendered[overlay]) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_credential_files_named_are_in_the_mounted_secrets(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    assert credential_path_problems(rendered[overlay]) == []
+
+
+def test_versions_are_signed_and_checked_everywhere(rendered: dict[str, list[Obj]]) -> None:
+    """The trainer signs; the origin, the relay and every rollout verify (issue 15 item 2)."""
+    for overlay in OVERLAYS:
+        for work in workloads(rendered[overlay]):
+            container = pod_spec(work)["containers"][0]
+            service = meridian_service(container)
+            env = env_of(container, rendered[overlay], ns(work))
+            setting = {"trainer": "signing_key", "weightsync": "verify_key", "rollout": "verify_key"}.get(service or "")
+            if setting:
+                expected = "signing-key.pem" if setting == "signing_key" else "signing-pub.pem"
+                assert env.get(env_name(service, setting), "").endswith("/" + expected), (overlay, work["metadata"]["name"])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -769,3 +809,13 @@ def test_command_check_catches_a_dollar_pair_and_an_unknown_variable(rendered: d
     problems = command_problems(objs)
     assert any("'$$'" in p for p in problems)
     assert any("$(TRAINER_PROCESSES) is no variable" in p for p in problems)
+
+
+def test_credential_path_check_catches_a_file_the_secret_lacks(rendered: dict[str, list[Obj]]) -> None:
+    objs = copy.deepcopy(rendered["region-b"])
+    env = pod_spec(_first(objs, "Deployment", "rollout"))["containers"][0]["env"]
+    next(e for e in env if e["name"] == "MERIDIAN_ROLLOUT_VERIFY_KEY")["value"] = "/etc/meridian/credentials/signing-key.pem"
+    next(e for e in env if e["name"] == "MERIDIAN_ROLLOUT_METRICS_TLS_CERT")["value"] = "/etc/meridian/tls/rollout.pem"
+    problems = credential_path_problems(objs)
+    assert any("signing-key.pem, which its Secret does not hold" in p for p in problems)
+    assert any("/etc/meridian/tls/rollout.pem is in no mounted Secret" in p for p in problems)
