@@ -134,7 +134,7 @@ def _through_grpc(root: Path, cycles: int, concurrent_total: int) -> dict:
     from meridian import stack
 
     root.mkdir(parents=True)
-    proc, address, log = stack.spawn_service("envsandbox", ["--root", str(root / "sandboxes"), "--max-sandboxes", "64"], root, dict(os.environ))
+    proc, address, log = stack.spawn_service("envsandbox", ["--insecure", "true", "--root", str(root / "sandboxes"), "--max-sandboxes", "64"], root, dict(os.environ))
     try:
         stack.wait_serving({"envsandbox": address}, {"envsandbox": proc}, {"envsandbox": str(log)}, 120)
         return asyncio.run(_grpc_cycles(address, cycles, concurrent_total))

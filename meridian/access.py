@@ -16,7 +16,6 @@ from collections.abc import Mapping
 OPERATOR = "operator"
 #: Methods anyone may call, with or without a token.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-_EVERY_ROLE = frozenset({"trainer", "rollout", "relay", "production"})
 
 #: full method name -> roles besides the operator that may call it.
 METHOD_ROLES: dict[str, frozenset[str]] = {
@@ -25,14 +24,14 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/meridian.v1.WeightSync/Subscribe": frozenset({"rollout", "relay"}),
     "/meridian.v1.WeightSync/GetManifest": frozenset({"trainer", "rollout", "relay"}),
     "/meridian.v1.WeightSync/FetchChunk": frozenset({"rollout", "relay"}),
-    "/meridian.v1.WeightSync/Status": _EVERY_ROLE,
+    "/meridian.v1.WeightSync/Status": frozenset({"trainer", "rollout", "relay"}),
     # rollout: production clients generate; RL episodes are started by the operator's jobs
     "/meridian.v1.Rollout/Generate": frozenset({"production"}),
     "/meridian.v1.Rollout/Score": frozenset({"production"}),
     "/meridian.v1.Rollout/RunEpisodes": frozenset(),
-    "/meridian.v1.Rollout/Status": _EVERY_ROLE,
-    # trainer
-    "/meridian.v1.Trainer/Status": _EVERY_ROLE,
+    "/meridian.v1.Rollout/Status": frozenset({"production"}),
+    # trainer: its progress is the operator's (meridian train, status, benches)
+    "/meridian.v1.Trainer/Status": frozenset(),
     # envsandbox: only rollout's episode workers drive sandboxes
     **{f"/meridian.v1.EnvSandbox/{m}": frozenset({"rollout"}) for m in ("ListTasks", "GetTask", "Create", "Exec", "WriteFiles", "ReadFiles", "Fork", "RunTests", "Close", "List")},
 }

@@ -13,6 +13,7 @@ A credentials folder holds (private keys mode 0600)::
     api-keys.json                     rollout's caller classes (--caller-classes format):
                                       the production and operator tokens -> production
     redis-users.json                  Redis ACL user -> password (trainer, rollout, operator)
+    redis.acl                         those users as a Redis ACL file (redis-server --aclfile)
     signing-key.pem, signing-pub.pem  the version-signing Ed25519 key pair
 
 Only the CA's certificate, a certificate and key, and one token are what a caller from
@@ -51,6 +52,7 @@ ENV_ROLE = "MERIDIAN_ROLE"
 TOKENS = "tokens.json"
 API_KEYS = "api-keys.json"
 REDIS_PASSWORDS = "redis-users.json"
+REDIS_ACL_FILE = "redis.acl"
 CA, CA_KEY = "ca.pem", "ca-key.pem"
 CLIENT, CLIENT_KEY = "client.pem", "client-key.pem"
 SIGNING_KEY, SIGNING_PUB = "signing-key.pem", "signing-pub.pem"
@@ -79,6 +81,29 @@ def cert_path(folder: Path, name: str) -> tuple[Path, Path]:
 
 
 # ---------------------------------------------------------------- making
+
+
+#: Redis ACL of each role's user (``meridian up`` writes them into its Redis config; compose
+#: and Kubernetes mount ``redis.acl``).
+#: The rollout appends groups and reads the backlog's size; the trainer creates and reads
+#: its consumer group, acks, claims, and appends only to dead-letter streams; the
+#: operator may do all. No user may run a command without logging in.
+REDIS_ACL = {
+    "operator": "~* &* +@all",
+    "trainer": "~* -@all +ping +xgroup|create +xreadgroup +xack +xautoclaim +xclaim +xpending +xlen +xinfo|groups (~*:dead +xadd)",
+    "rollout": "~* -@all +ping +xadd +xlen +xinfo|groups",
+}
+
+
+def redis_acl(passwords: Mapping[str, str]) -> str:
+    """Redis ACL lines (a config file's or an ``--aclfile``'s): the default user off,
+    one user per role."""
+    lines = ["user default off"]
+    for user, rules in REDIS_ACL.items():
+        lines.append(f"user {user} on >{passwords[user]} resetchannels {rules}")
+    return "\n".join(lines) + "\n"
+
+
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -162,7 +187,9 @@ def make_credentials(out: Path, hosts: Iterable[str] = (), overwrite: bool = Fal
     _write_private(out / TOKENS, json.dumps(tokens, indent=2).encode())
     # Rollout's caller classes: both may generate, and both count as production traffic.
     _write_private(out / API_KEYS, json.dumps({tokens["production"]: "production", tokens["operator"]: "production"}, indent=2).encode())
-    _write_private(out / REDIS_PASSWORDS, json.dumps({user: secrets.token_urlsafe(32) for user in REDIS_USERS}, indent=2).encode())
+    passwords = {user: secrets.token_urlsafe(32) for user in REDIS_USERS}
+    _write_private(out / REDIS_PASSWORDS, json.dumps(passwords, indent=2).encode())
+    _write_private(out / REDIS_ACL_FILE, redis_acl(passwords).encode())
 
     from services.weightsync.signing import generate_signing_key
 

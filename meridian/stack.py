@@ -233,25 +233,6 @@ def spawn_service(name: str, args: list[str], run_dir: Path, env: dict[str, str]
         raise
 
 
-#: Redis ACL of each role's user (``meridian up``; docker-compose mounts the same rules).
-#: The rollout appends groups and reads the backlog's size; the trainer creates and reads
-#: its consumer group, acks, claims, and appends only to dead-letter streams; the
-#: operator may do all. No user may run a command without logging in.
-REDIS_ACL = {
-    "operator": "~* &* +@all",
-    "trainer": "~* -@all +ping +xgroup|create +xreadgroup +xack +xautoclaim +xclaim +xpending +xlen +xinfo|groups (~*:dead +xadd)",
-    "rollout": "~* -@all +ping +xadd +xlen +xinfo|groups",
-}
-
-
-def redis_acl_config(passwords: dict[str, str]) -> str:
-    """The ``user`` lines of a Redis config: the default user off, one user per role."""
-    lines = ["user default off"]
-    for user, rules in REDIS_ACL.items():
-        lines.append(f"user {user} on >{passwords[user]} resetchannels {rules}")
-    return "\n".join(lines) + "\n"
-
-
 def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str], credentials_dir: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Starts redis-server; with ``credentials_dir`` its users and passwords come from
     there (written to a 0600 config file, never onto the command line). The URL returned
@@ -266,7 +247,7 @@ def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str], crede
     conf.unlink(missing_ok=True)
     fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write("" if credentials_dir is None else redis_acl_config(credentials.redis_passwords(credentials_dir)))
+        f.write("" if credentials_dir is None else credentials.redis_acl(credentials.redis_passwords(credentials_dir)))
     # appendfsync always: Redis fsyncs the append-only file before it answers a write, so
     # an XADD a rollout was told succeeded, or an XACK the trainer made after its
     # checkpoint, survives a host crash; exactly-once delivery rests on both.
@@ -410,7 +391,8 @@ def main(command: str, argv: list[str]) -> int:
         for name in ("redis", *SERVICE_ORDER):
             print(f"  {name:<11} {stack.addresses[name]:<28} pid {stack.pids[name]:<8} log {stack.logs[name]}")
         if "rollout_http" in stack.addresses:
-            print(f"  {'openai api':<11} {stack.addresses['rollout_http']}")
+            print(f"  {'openai api':<11} {stack.addresses['rollout_http']}  (key: the production token in {stack.credentials}/tokens.json)")
+        print(f"  {'credentials':<11} {stack.credentials}  (other clients: MERIDIAN_CREDENTIALS={stack.credentials})")
         for name, url in stack.metrics.items():
             print(f"  {'metrics':<11} {url:<28} {name}")
         return 0

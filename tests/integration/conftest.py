@@ -9,7 +9,8 @@ import pytest
 
 from tests.integration.otlp_receiver import OtlpReceiver
 
-#: API keys of the shared stack's rollout and their traffic classes (callers without a key: production).
+#: API keys of the shared stack's rollout and their traffic classes, beside the credentials' own
+#: (meridian up makes them in the run folder; the fixture's process calls as the operator).
 CALLER_KEYS = {"test-production-key": "production", "test-rl-key": "rl"}
 
 

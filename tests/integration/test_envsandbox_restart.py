@@ -30,7 +30,7 @@ SERVE = "import sys; from meridian.cli import main; sys.exit(main(sys.argv[1:]))
 
 
 def _start_service(root: Path, port: int, backend: str, docker_host: str = "") -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-c", SERVE, "serve", "envsandbox", "--port", str(port), "--root", str(root), "--backend", backend]
+    argv = [sys.executable, "-c", SERVE, "serve", "envsandbox", "--insecure", "true", "--port", str(port), "--root", str(root), "--backend", backend]
     if docker_host:
         argv += ["--docker-host", docker_host]
     return subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 import openai
 import pytest
 import torch
 
+from meridian import credentials
 from meridian import stack as stack_mod
-from meridian.grpc_runtime import open_channel
+from meridian.grpc_runtime import ClientAuth, open_channel
 from meridian.trajectory_transport import RedisGroupTransport, TransportConfig, decode_entry
 from meridian.v1 import rollout_pb2 as pb
 from meridian.v1 import rollout_pb2_grpc as pb_grpc
@@ -67,26 +69,26 @@ def test_openai_completions_and_errors(stack: stack_mod.Stack) -> None:
     assert client.completions.create(model=model, prompt="still serving", max_tokens=2).choices
 
 
-async def _generate_as(address: str, key: str | None) -> int:
-    """Tokens of one Generate call made with API key ``key``."""
-    metadata = (("authorization", f"Bearer {key}"),) if key else None
+async def _generate_as(address: str, key: str, credentials: str) -> int:
+    """Tokens of one Generate call made with API key ``key`` (sent as the call's token)."""
     request = pb.GenerateRequest(prompt="def add(a, b):", sampling=pb.SamplingParams(max_tokens=5, min_tokens=5))
-    async with open_channel(address) as channel:
-        return sum([len(c.token_ids) async for c in pb_grpc.RolloutStub(channel).Generate(request, metadata=metadata)])
+    async with open_channel(address, auth=ClientAuth.load(Path(credentials), "production", token=key)) as channel:
+        return sum([len(c.token_ids) async for c in pb_grpc.RolloutStub(channel).Generate(request)])
 
 
 def test_the_traffic_class_is_the_callers_key_not_the_request(stack: stack_mod.Stack) -> None:
     address = stack.addresses["rollout"]
     status = lambda: asyncio.run(_call(address, "Status", pb.RolloutStatusRequest()))  # noqa: E731
-    for key, counter in (("test-rl-key", "rl_tokens"), ("test-production-key", "production_tokens"), (None, "production_tokens")):
+    production = credentials.role_token(Path(stack.credentials), "production")
+    for key, counter in (("test-rl-key", "rl_tokens"), ("test-production-key", "production_tokens"), (production, "production_tokens")):
         before = status()
-        assert asyncio.run(_generate_as(address, key)) == 5
+        assert asyncio.run(_generate_as(address, key, stack.credentials)) == 5
         after = status()
         assert getattr(after, counter) - getattr(before, counter) == 5, (key, counter)
     admission = asyncio.run(stack_mod.gather_status(stack))["services"]["rollout"]["rl_admission"]  # type: ignore[index]
     assert admission["rl_token_share"] > 0 and admission["running"] == 0 and 0 <= admission["slo_attainment"] <= 1
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        asyncio.run(_generate_as(address, "forged-key"))
+        asyncio.run(_generate_as(address, "forged-key", stack.credentials))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "forged" not in (info.value.details() or "")
     forged = openai.OpenAI(base_url=stack.addresses["rollout_http"], api_key="forged-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

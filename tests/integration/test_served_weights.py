@@ -135,14 +135,14 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     base_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")])}
     procs: dict[str, object] = {}
     try:
-        procs["weightsync"], ws_address, _ = stack_mod.spawn_service("weightsync", ["--data-dir", str(run_dir / "ws")], run_dir, base_env)
+        procs["weightsync"], ws_address, _ = stack_mod.spawn_service("weightsync", ["--insecure", "true", "--data-dir", str(run_dir / "ws")], run_dir, base_env)
         reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(tiny_model)
         weights = {n: from_torch(t) for p in sorted(tiny_model.glob("*.safetensors")) for n, t in load_file(p).items()}
         box = Served("", ws_address, sabotage, reference, canary.canary_token_ids(lambda t: tokenizer(t)["input_ids"]), path)
         box.publish(0, weights)
         rollout_env = {**base_env, **cpu_env, "MERIDIAN_TEST_SABOTAGE": str(sabotage), "MERIDIAN_TEST_STEP_DELAY_S": str(STEP_DELAY_S)}
-        args = ["--model", str(tiny_model), "--weightsync", ws_address, "--redis-url", "redis://127.0.0.1:9/0", "--envsandbox", "127.0.0.1:9",
+        args = ["--insecure", "true", "--model", str(tiny_model), "--weightsync", ws_address, "--redis-url", "redis://127.0.0.1:9/0", "--envsandbox", "127.0.0.1:9",
                 "--max-model-len", "2048", "--update-policy", "pause", "--weight-apply", path, *CANARY_FLAGS]
         procs["rollout"], box.rollout, log = stack_mod.spawn_service("rollout", args, run_dir, rollout_env)
         stack_mod.wait_serving({"rollout": box.rollout}, procs, {"rollout": str(log)}, 600)  # type: ignore[arg-type]

@@ -29,11 +29,13 @@ pytestmark = [pytest.mark.stack, pytest.mark.engine]
 class Relay:
     """A weightsync relay process following the stack's origin, exporting to the test's receiver."""
 
-    def __init__(self, run_dir: Path, upstream: str, otlp: OtlpReceiver) -> None:
-        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    def __init__(self, run_dir: Path, upstream: str, otlp: OtlpReceiver, credentials: str) -> None:
+        # The stack's credentials: the relay subscribes as role relay, the test calls it as the operator.
+        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200", "MERIDIAN_CREDENTIALS": credentials}
         args = ["--role", "relay", "--upstream", upstream, "--data-dir", str(run_dir / "relay-data")]
         proc, self.address, self.log = stack_mod.spawn_service("weightsync", args, run_dir, env)
-        self._holder = stack_mod.Stack(run_dir, {"weightsync": proc.pid}, {"weightsync": self.address}, {"weightsync": str(self.log)}, "")
+        self._holder = stack_mod.Stack(run_dir, {"weightsync": proc.pid}, {"weightsync": self.address}, {"weightsync": str(self.log)}, "", credentials=credentials)
+        self._holder.use_credentials()
         try:
             stack_mod.wait_serving({"weightsync": self.address}, {"weightsync": proc}, self._holder.logs, 60)
         except BaseException:
@@ -49,7 +51,7 @@ class Relay:
 
 @pytest.fixture
 def relay(stack: stack_mod.Stack, otlp: OtlpReceiver, tmp_path: Path) -> Iterator[Relay]:
-    r = Relay(tmp_path, stack.addresses["weightsync"], otlp)
+    r = Relay(tmp_path, stack.addresses["weightsync"], otlp, stack.credentials)
     try:
         yield r
     finally:

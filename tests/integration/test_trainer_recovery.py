@@ -129,7 +129,7 @@ class Job:
         self.ckpt_dir = tmp / "checkpoints"
         self.procs: list[subprocess.Popen[bytes]] = []
         log = tmp / "weightsync.log"
-        ws = _spawn([sys.executable, "-m", "meridian.cli", "serve", "weightsync", "--port", "0", "--data-dir", str(tmp / "ws"), "--keep-versions", "50"], log)
+        ws = _spawn([sys.executable, "-m", "meridian.cli", "serve", "weightsync", "--insecure", "true", "--port", "0", "--data-dir", str(tmp / "ws"), "--keep-versions", "50"], log)
         self.procs.append(ws)
         self.weightsync = _address(ws, log, "weightsync")
         self.trainer_address = ""
@@ -139,7 +139,7 @@ class Job:
         self._n += 1
         log = self.tmp / f"trainer-{self._n}.log"
         argv = [
-            sys.executable, "-m", "meridian.cli", "serve", "trainer", "--port", "0", "--model", str(self.model),
+            sys.executable, "-m", "meridian.cli", "serve", "trainer", "--insecure", "true", "--port", "0", "--model", str(self.model),
             "--redis-url", self.redis_url, "--weightsync", self.weightsync, "--checkpoint-dir", str(self.ckpt_dir),
             "--consumer", consumer, *_flags({**SETTINGS, **overrides}),
         ]

@@ -286,7 +286,7 @@ def _start_origin(data_dir: Path, port: int, log: Path) -> subprocess.Popen[byte
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(log, "ab") as fh:
         return subprocess.Popen(
-            [sys.executable, "-m", "meridian.cli", "serve", "weightsync", "--data-dir", str(data_dir), "--port", str(port),
+            [sys.executable, "-m", "meridian.cli", "serve", "weightsync", "--insecure", "true", "--data-dir", str(data_dir), "--port", str(port),
              "--chunk-mb", "0.015625"],
             cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
         )

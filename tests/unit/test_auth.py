@@ -47,16 +47,17 @@ def run(coro: Awaitable[T]) -> T:
 def test_certs_makes_the_whole_folder_with_private_files_private(tmp_path: Path) -> None:
     folder = credentials.make_credentials(tmp_path / "creds", hosts=["10.1.2.3", "meridian.internal"])
     names = {p.name for p in folder.iterdir()}
-    assert {"ca.pem", "ca-key.pem", "client.pem", "client-key.pem", "tokens.json", "api-keys.json", "redis-users.json", "signing-key.pem", "signing-pub.pem"} <= names
+    assert {"ca.pem", "ca-key.pem", "client.pem", "client-key.pem", "tokens.json", "api-keys.json", "redis-users.json", "redis.acl", "signing-key.pem", "signing-pub.pem"} <= names
     for service in credentials.SERVICES:
         assert {f"{service}.pem", f"{service}-key.pem"} <= names
-    for secret in ("ca-key.pem", "client-key.pem", "rollout-key.pem", "tokens.json", "api-keys.json", "redis-users.json", "signing-key.pem"):
+    for secret in ("ca-key.pem", "client-key.pem", "rollout-key.pem", "tokens.json", "api-keys.json", "redis-users.json", "redis.acl", "signing-key.pem"):
         assert stat.S_IMODE(os.stat(folder / secret).st_mode) == 0o600, secret
     tokens = credentials.load_tokens(folder)
     assert set(tokens) == set(credentials.ROLES) and len(set(tokens.values())) == len(tokens)
     keys = json.loads((folder / "api-keys.json").read_text())
     assert keys == {tokens["production"]: "production", tokens["operator"]: "production"}
     assert set(credentials.redis_passwords(folder)) == set(credentials.REDIS_USERS)
+    assert (folder / "redis.acl").read_text() == credentials.redis_acl(credentials.redis_passwords(folder))
     assert isinstance(load_pem_private_key((folder / "signing-key.pem").read_bytes(), None), Ed25519PrivateKey)
 
     ca = x509.load_pem_x509_certificate((folder / "ca.pem").read_bytes())
@@ -184,7 +185,7 @@ def test_every_method_needs_a_token_of_a_role_that_may_call_it(service: str, grp
 def test_only_clients_with_a_certificate_of_the_ca_connect(grpc_serving: Serving, credentials_dir: Path, tmp_path: Path) -> None:
     """Without a client certificate, with one of another CA, or in plaintext: no
     connection, not even for health; the deployment's own: health and calls answer."""
-    bare = BareService("trainer")
+    bare = BareService("weightsync")
     other = credentials.make_credentials(tmp_path / "other")
     ca = (credentials_dir / "ca.pem").read_bytes()
     _, other_cert, other_key = credentials.client_pem(other)
@@ -197,7 +198,7 @@ def test_only_clients_with_a_certificate_of_the_ca_connect(grpc_serving: Serving
         return grpc.StatusCode.OK
 
     async def main() -> None:
-        async with grpc_serving(bare, secure=("trainer", credentials_dir)) as address:
+        async with grpc_serving(bare, secure=("weightsync", credentials_dir)) as address:
             for creds in (grpc.ssl_channel_credentials(root_certificates=ca), grpc.ssl_channel_credentials(root_certificates=ca, private_key=other_key, certificate_chain=other_cert)):
                 async with grpc.aio.secure_channel(address, creds) as channel:
                     assert await health(channel) == grpc.StatusCode.UNAVAILABLE
@@ -207,7 +208,7 @@ def test_only_clients_with_a_certificate_of_the_ca_connect(grpc_serving: Serving
             # The deployment's client certificate, no token: health only.
             assert await check_health(address, auth=ClientAuth.load(credentials_dir, "relay")) == "SERVING"
             async with open_channel(address, auth=ClientAuth.load(credentials_dir, "relay")) as channel:
-                assert await _call(channel, "/meridian.v1.Trainer/Status", False, None) == REACHED
+                assert await _call(channel, "/meridian.v1.WeightSync/Status", False, None) == REACHED
 
     run(main())
 

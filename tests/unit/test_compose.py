@@ -166,7 +166,7 @@ def test_tracing_goes_to_jaeger(config: dict) -> None:
 def test_meridian_variables_name_real_flags(config: dict, name: str) -> None:
     """A typo in MERIDIAN_<SERVICE>_<FIELD> would be silently ignored by the service."""
     known = {env_name(name, f.name) for cls in (ServerConfig, _config_class(name)) for f in dataclasses.fields(cls)}
-    known.add("MERIDIAN_CACHE_DIR")
+    known.update({"MERIDIAN_CACHE_DIR", "MERIDIAN_CREDENTIALS"})
     unknown = sorted(k for k in _env(config["services"][name]) if k.startswith("MERIDIAN_") and k not in known)
     assert not unknown, f"{name}: variables that set no flag: {unknown}"
 
