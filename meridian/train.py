@@ -355,6 +355,10 @@ def main(argv: list[str]) -> int:
         config = config_from_args(TrainConfig, ns, "train")
     except ValueError as exc:
         parser.error(str(exc))
+    if config.rollout:
+        # A running stack started from this run folder (or the default one): call it as
+        # its operator with nothing to set (elsewhere: MERIDIAN_CREDENTIALS).
+        stack_mod.Stack.load(Path(config.run_dir or stack_mod.StackConfig.run_dir).resolve())
     summary, report_dir = run_job(config, lambda addresses: Job(addresses, config, progress=True).run(), "meridian-train-")
     plot = write_report(report_dir, summary, f"meridian train ({summary['model']}, {config.mode}): {summary['samples_per_s']} trained samples/s")
     print(f"report: {plot} and {report_dir / 'summary.json'}", file=sys.stderr, flush=True)
