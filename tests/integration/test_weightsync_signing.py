@@ -292,3 +292,24 @@ def test_rollout_follower_with_a_verify_key_applies_signed_versions(tmp_path: Pa
             assert follower.updates_rejected == 0
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------- meridian up
+
+
+def test_meridian_up_signs_versions_and_every_receiver_verifies(stack: Any) -> None:
+    """Under `meridian up` signing is on with no step of the user's: the trainer signs with
+    the credentials folder's key, the origin and the rollout verify with its public key,
+    and the versions weightsync serves verify."""
+    folder = Path(stack.credentials)
+    verifier = Verifier.load(folder / "signing-pub.pem")
+
+    def argv(name: str) -> list[str]:
+        return Path(f"/proc/{stack.pids[name]}/cmdline").read_bytes().decode().split("\0")
+
+    for name, flag, file in (("trainer", "--signing-key", "signing-key.pem"), ("weightsync", "--verify-key", "signing-pub.pem"), ("rollout", "--verify-key", "signing-pub.pem")):
+        args = argv(name)
+        assert flag in args and args[args.index(flag) + 1] == str(folder / file), (name, args)
+    manifest = asyncio.run(client.manifest(stack.addresses["weightsync"], -1))
+    verifier.check_manifest(manifest)
+    assert manifest.signature.key_id == verifier.key_id

@@ -243,3 +243,26 @@ def test_every_encoding_a_store_makes_carries_the_signature_and_verifies(tmp_pat
     for enc in again.plan(-1):
         _apply(decoder, enc)
     assert decoder.version == 3
+
+
+# ---------------------------------------------------------------- meridian up
+
+
+def test_meridian_up_passes_the_signing_flags_each_service_parses(tmp_path: Path) -> None:
+    import argparse
+
+    from meridian.config import add_config_args, config_from_args
+    from meridian.stack import with_signing
+    from services.rollout.config import RolloutConfig
+    from services.trainer.config import TrainerConfig
+    from services.weightsync.config import WeightSyncConfig
+
+    args = with_signing(tmp_path, {"rollout": ["--verify-key", "mine.pem"], "envsandbox": ["--root", "x"]})
+    assert args["envsandbox"] == ["--root", "x"]
+    parsed = {}
+    for service, cls in (("trainer", TrainerConfig), ("weightsync", WeightSyncConfig), ("rollout", RolloutConfig)):
+        parser = argparse.ArgumentParser()
+        add_config_args(parser, cls, service)
+        parsed[service] = config_from_args(cls, parser.parse_args(args[service]), service)
+    assert Signer.load(parsed["trainer"].signing_key).key_id == Verifier.load(parsed["weightsync"].verify_key).key_id
+    assert parsed["rollout"].verify_key == "mine.pem"  # a flag the caller gives wins
