@@ -40,6 +40,7 @@ class StackConfig:
     ports: str = opt("fixed", "'fixed' (redis 6390, rollout 50051 and HTTP 8051, envsandbox 50052, trainer 50053, weightsync 50054) or 'auto' (free ports)")
     ready_timeout_s: float = opt(900.0, "seconds to wait for every service to report SERVING")
     stop_timeout_s: float = opt(30.0, "seconds to wait after SIGTERM before SIGKILL")
+    sign_versions: bool = opt(True, "the trainer signs every policy version with the credentials' signing key; the weightsync origin, relays and rollouts refuse versions it did not sign")
 
     def __post_init__(self) -> None:
         if self.ports not in ("fixed", "auto"):
@@ -273,6 +274,21 @@ def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str], crede
     raise TimeoutError(f"redis-server did not answer on {host}:{port}; see {log}")
 
 
+def with_signing(folder: Path, extra_args: dict[str, list[str]]) -> dict[str, list[str]]:
+    """``extra_args`` with version signing on: the trainer signs with ``folder``'s signing
+    key, the weightsync origin and relays and every rollout verify with its public key
+    (a remote region's services take the same extra arguments). Makes the pair when the
+    folder has none (one made before versions were signed). Given arguments come after
+    these, so a flag given there wins."""
+    from services.weightsync.signing import generate_signing_key
+
+    private, public = folder / credentials.SIGNING_KEY, folder / credentials.SIGNING_PUB
+    if not (private.exists() and public.exists()):
+        generate_signing_key(private, public)
+    signing = {"trainer": ["--signing-key", str(private)], "weightsync": ["--verify-key", str(public)], "rollout": ["--verify-key", str(public)]}
+    return {name: [*signing.get(name, []), *extra_args.get(name, [])] for name in {*signing, *extra_args}}
+
+
 def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, env: dict[str, str] | None = None) -> Stack:
     """Starts the stack and returns once every service is SERVING (stops it all on failure)."""
     run_dir = Path(config.run_dir).resolve()
@@ -286,7 +302,7 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
     creds = credentials.ensure_credentials(run_dir / "credentials", [] if credentials.is_loopback(config.host) else [config.host])
     child_env = {**os.environ, **(env or {}), credentials.ENV_CREDENTIALS: str(creds)}
     child_env.pop(credentials.ENV_ROLE, None)
-    extra_args = extra_args or {}
+    extra_args = with_signing(creds, extra_args or {}) if config.sign_versions else (extra_args or {})
     port = (lambda name: free_port(config.host)) if config.ports == "auto" else FIXED_PORTS.__getitem__
     stack = Stack(run_dir, {}, {}, {}, "", credentials=str(creds))
     procs: dict[str, subprocess.Popen[bytes]] = {}
