@@ -70,6 +70,19 @@ def test_certs_makes_the_whole_folder_with_private_files_private(tmp_path: Path)
         credentials.make_credentials(folder)
 
 
+def test_meridian_certs_makes_a_folder_and_keeps_an_existing_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from meridian.cli import main
+
+    out = tmp_path / "creds"
+    assert main(["certs", "--out", str(out), "--host", "rollout"]) == 0
+    tokens = (out / "tokens.json").read_bytes()
+    with pytest.raises(SystemExit):
+        main(["certs", "--out", str(out)])
+    assert "--force" in capsys.readouterr().err and (out / "tokens.json").read_bytes() == tokens
+    assert main(["certs", "--out", str(out), "--force"]) == 0
+    assert (out / "tokens.json").read_bytes() != tokens
+
+
 def test_an_incomplete_folder_is_refused_with_the_command_that_makes_one(tmp_path: Path) -> None:
     with pytest.raises(credentials.CredentialsError, match="meridian certs"):
         credentials.client_pem(tmp_path)
