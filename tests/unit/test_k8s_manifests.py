@@ -14,7 +14,15 @@ keeps its own invariants:
 - every address a service is given (envsandbox, weightsync, Redis, a relay's upstream)
   is a Service of the render whose pods serve that port: region b's relay follows region
   a's origin, region b's rollout follows the relay and writes to region a's Redis;
-- region b holds neither the trainer's signing key nor the Redis passwords.
+- region b holds neither the trainer's signing key nor the Redis ACL; every credentials
+  file a container is pointed at is in the Secret mounted there; the trainer signs
+  versions and the origin, the relay and rollouts verify them;
+- every ``$(NAME)`` in a command names a variable of the container, and no ``$$`` is
+  there for the kubelet to turn into ``$``;
+- components/mtls-health-probes (the probes for services serving mutual TLS, which
+  kubelet's plaintext gRPC probe cannot pass) renders and validates, and its probe
+  command, run as rendered against a real mTLS health server, passes only while that
+  server is SERVING.
 
 Each check is a function returning the problems it found; the sabotage tests at the end
 break a rendered object on purpose and see each check (and the schema validation) say so.
