@@ -14,7 +14,7 @@ from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument
 from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, Weights, element_count, hash_of_sums
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import codec
-from services.weightsync.signing import Verifier
+from services.weightsync.signing import SignatureRefused, Verifier
 from services.weightsync.versions import CODEC_NAME, Encoded
 
 _MASK64 = (1 << 64) - 1
@@ -100,6 +100,10 @@ class Decoder:
         whose signature the verifier refuses is refused here, before anything changes."""
         if self.verifier is not None:
             self.verifier.check_manifest(manifest)
+            # A server only ever sends versions after the one held: an older, genuinely
+            # signed version is a replay meant to roll the weights back.
+            if 0 <= self.version and manifest.version <= self.version:
+                raise SignatureRefused(f"version {manifest.version} refused: not newer than the held version {self.version} (a replayed version)")
         if manifest.base_version >= 0 and manifest.base_version != self.version:
             raise FailedPrecondition(f"version {manifest.version} is a delta on {manifest.base_version}, but {self.version} is held")
         if manifest.codec != CODEC_NAME:

@@ -202,6 +202,19 @@ def test_decoder_with_a_verifier_takes_signed_deltas_in_place(signer: Signer, ve
     assert all(np.array_equal(decoder.weights[n].bits, v1[n].bits) for n in v1)
 
 
+def test_an_older_signed_version_is_refused_as_a_replay(signer: Signer, verifier: Verifier) -> None:
+    v0 = _weights()
+    v1 = _step(v0, 1)
+    v2 = _step(v1, 2)
+    decoder = Decoder(_copy(v0), 0, in_place=True, verifier=verifier)
+    _apply(decoder, _signed(signer, 1, v1, v0, 0))
+    _apply(decoder, _signed(signer, 2, v2, v1, 1))
+    for old in (_signed(signer, 1, v1), _signed(signer, 2, v2)):  # keyframes: no base to mismatch
+        with pytest.raises(SignatureRefused, match="not newer than the held version 2"):
+            decoder.begin(old.manifest)
+    assert decoder.version == 2 and all(np.array_equal(decoder.weights[n].bits, v2[n].bits) for n in v2)
+
+
 def _forged_with_the_signed_weights_hash(signer: Signer, v0: Weights) -> tuple[Encoded, Weights]:
     """A version whose weights are not the signed ones although their additive weights
     hash is: the trusted key signs (hash of the forged weights, digest of the real ones).
