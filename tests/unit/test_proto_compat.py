@@ -246,3 +246,13 @@ def test_check_reports_a_break_in_the_real_protos(tmp_path: Path) -> None:
     breaks = proto_compat.breaking_changes(proto_compat.load_release(proto_compat.latest_release()), new)
     assert [b.element for b in breaks] == ["field meridian.v1.RunEpisodesRequest.publish (5)"]
     assert breaks[0].location.startswith("meridian/v1/rollout.proto:")
+
+
+def test_release_v0_1_0_is_the_protos_of_6e8f3a4() -> None:
+    # The recorded release is what `release v0.1.0 --ref 6e8f3a4` makes (where the history is here).
+    import subprocess
+
+    if subprocess.run(["git", "cat-file", "-e", "6e8f3a4^{commit}"], cwd=protogen.REPO_ROOT, capture_output=True).returncode != 0:
+        pytest.skip("commit 6e8f3a4 is not in this checkout's history")
+    committed = proto_compat.load_release(proto_compat.RELEASES_DIR / "v0.1.0.binpb")
+    assert proto_compat.descriptor_set_at("6e8f3a4") == committed
