@@ -3,8 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+SMOKE_ARGS ?=
 
-.PHONY: install demo test protos clean
+.PHONY: install demo test protos clean compose-smoke
 
 install:
 	bash deploy/install.sh
@@ -18,6 +19,12 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Builds the images, brings both compose regions up, runs one RL step through them and
+# takes everything down (deploy/compose-smoke; tens of minutes the first time, so not in
+# `make test`). Needs root or a reachable Docker daemon, docker-compose and debootstrap.
+compose-smoke: install
+	$(PY) deploy/compose-smoke $(SMOKE_ARGS)
 
 # Regenerate the committed Python stubs and the API reference (docs/api.md) from protos/
 # (tests fail when they drift).

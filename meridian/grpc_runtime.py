@@ -368,8 +368,11 @@ async def run_server(name: str, service: Service, config: ServerConfig) -> None:
         print(f"meridian {name} serving", flush=True)
         await stopping.wait()
     elif warmup in done:
-        log.error("%s: warm-up failed: %r", name, warmup.exception())
-        print(f"meridian {name} warm-up failed: {warmup.exception()!r}", flush=True)
+        # The type and the message (an OSError's errno, strerror and path; a Redis reply):
+        # repr() of some exceptions shows only their arguments.
+        reason = describe_error(warmup.exception())
+        log.error("%s: warm-up failed: %s", name, reason)
+        print(f"meridian {name} warm-up failed: {reason}", flush=True)
     else:
         warmup.cancel()
 
@@ -385,6 +388,16 @@ async def run_server(name: str, service: Service, config: ServerConfig) -> None:
     telemetry.shutdown()
     if warmup.done() and not warmup.cancelled() and warmup.exception() is not None:
         raise SystemExit(1)
+
+
+def describe_error(exc: BaseException | None) -> str:
+    """``Type: message`` of ``exc``, with the causes it was raised from, for a log line."""
+    parts = []
+    while exc is not None and len(parts) < 4:
+        message = str(exc) or repr(exc)
+        parts.append(f"{type(exc).__name__}: {message}")
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return " (from) ".join(parts) if parts else "unknown error"
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, name: str, folder: Path | None) -> int:

@@ -1,5 +1,8 @@
-"""A private Docker daemon for tests and benchmarks: its own data, exec root and socket
-under one folder, no iptables, no bridge, the vfs storage driver; stopped by its exact PID.
+"""A private Docker daemon for tests, benchmarks and the compose smoke run: its own data,
+exec root and socket under one folder, no iptables, no default bridge; stopped by its exact
+PID. The vfs storage driver by default (works anywhere, but copies every layer whole);
+overlay2 for large images (deploy/compose-smoke), with the data kept between runs so
+builds reuse their layers.
 """
 from __future__ import annotations
 
@@ -19,11 +22,17 @@ class DockerdUnavailable(RuntimeError):
 
 
 class PrivateDockerd:
-    def __init__(self, folder: Path | None = None) -> None:
+    def __init__(self, folder: Path | None = None, storage_driver: str = "vfs", keep_data: bool = False, userland_proxy: bool = False) -> None:
+        """``keep_data``: stop leaves ``folder/data`` (images, build cache) for the next
+        start and removes the rest; ``userland_proxy``: published ports work (without
+        iptables only the proxy forwards them)."""
         # Unix socket paths are limited to 108 bytes: keep the folder short.
         self.folder = Path(folder or tempfile.mkdtemp(prefix="mdk-", dir="/tmp"))
         self.socket = self.folder / "d.sock"
         self.base_url = f"unix://{self.socket}"
+        self.storage_driver = storage_driver
+        self.keep_data = keep_data
+        self.userland_proxy = userland_proxy
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 60.0) -> "PrivateDockerd":
@@ -35,10 +44,10 @@ class PrivateDockerd:
         log = open(self.folder / "dockerd.log", "wb")
         self.proc = subprocess.Popen(
             [
-                binary, "--iptables=false", "--ip6tables=false", "--bridge=none", "--storage-driver=vfs",
+                binary, "--iptables=false", "--ip6tables=false", "--bridge=none", f"--storage-driver={self.storage_driver}",
                 "--data-root", str(self.folder / "data"), "--exec-root", str(self.folder / "exec"),
                 "--pidfile", str(self.folder / "dockerd.pid"), "-H", self.base_url,
-                "--userland-proxy=false", "--log-level=warn",
+                f"--userland-proxy={str(self.userland_proxy).lower()}", "--log-level=warn",
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -79,7 +88,12 @@ class PrivateDockerd:
                 self.proc.wait()
         self.proc = None
         # vfs layers may hold read-only bits; the daemon's own mounts are gone with it.
-        subprocess.run(["rm", "-rf", str(self.folder)], check=False)
+        if self.keep_data:
+            for path in self.folder.iterdir():
+                if path.name != "data":
+                    subprocess.run(["rm", "-rf", str(path)], check=False)
+        else:
+            subprocess.run(["rm", "-rf", str(self.folder)], check=False)
 
 
 @contextlib.contextmanager

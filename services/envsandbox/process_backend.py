@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -92,7 +93,7 @@ class ProcessBackend(Backend):
         fd = os.open(self._seccomp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(seccomp_policy.bpf_program(numbers, arch))
-        self._cgroups = Cgroups()
+        self._cgroups = _make_cgroups()
         stale = self._cgroups.cleanup_stale()
         if stale:
             log.info("removed the cgroups of %d stale service instances", len(stale))
@@ -322,6 +323,24 @@ class ProcessBackend(Backend):
             wall_seconds=time.monotonic() - start,
             oom_killed=oom,
         )
+
+
+def _make_cgroups() -> Cgroups:
+    """This instance's cgroups, or a FailedPrecondition that says why there can be none:
+    without them a sandbox has no memory, process or CPU limit, so the service must not
+    start (in a container, the cgroup mounts are read-only unless remounted, see
+    deploy/envsandbox-entrypoint.sh)."""
+    try:
+        return Cgroups()
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        hint = (
+            "; the cgroup file system is mounted read-only: in a container, remount it read-write with CAP_SYS_ADMIN "
+            "(the envsandbox image's entry point does)"
+            if exc.errno == errno.EROFS
+            else ""
+        )
+        raise FailedPrecondition(f"the process backend cannot create its cgroups{where}: {exc.strerror or exc}{hint}") from exc
 
 
 def _kill(proc: SpawnedProcess) -> None:

@@ -1,0 +1,84 @@
+"""What a service says when it cannot start in a container: a warm-up failure is logged
+with its message (an OSError's path, a Redis reply), not only repr()'s arguments, and the
+envsandbox process backend refuses to start, saying why, when it cannot make cgroups
+(Docker mounts the cgroup file systems read-only)."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+from pathlib import Path
+
+import pytest
+
+from meridian import grpc_runtime
+from meridian.errors import FailedPrecondition
+from services.envsandbox import process_backend
+
+
+def test_describe_error_keeps_the_path_and_the_cause() -> None:
+    read_only = OSError(errno.EROFS, "Read-only file system", "/sys/fs/cgroup/memory/meridian-envsandbox")
+    try:
+        try:
+            raise read_only
+        except OSError as exc:
+            raise RuntimeError("cgroups") from exc
+    except RuntimeError as outer:
+        text = grpc_runtime.describe_error(outer)
+    assert text.startswith("RuntimeError: cgroups")
+    assert "OSError: [Errno 30] Read-only file system: '/sys/fs/cgroup/memory/meridian-envsandbox'" in text
+
+
+def test_describe_error_of_an_exception_without_message() -> None:
+    assert grpc_runtime.describe_error(TimeoutError()) == "TimeoutError: TimeoutError()"
+    assert grpc_runtime.describe_error(None) == "unknown error"
+
+
+class _FailingService:
+    """A service whose warm-up raises ``exc``."""
+
+    service_names: tuple[str, ...] = ()
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def register(self, server: object) -> None:
+        pass
+
+    async def start(self) -> None:
+        raise self.exc
+
+    async def stop(self) -> None:
+        pass
+
+
+def test_warm_up_failure_is_logged_with_its_message(caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    exc = OSError(errno.EROFS, "Read-only file system", "/sys/fs/cgroup/memory/x")
+    config = grpc_runtime.ServerConfig(host="127.0.0.1", port=0, insecure=True)
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit):
+        asyncio.run(grpc_runtime.run_server("envsandbox", _FailingService(exc), config))
+    logged = " ".join(r.getMessage() for r in caplog.records if "warm-up failed" in r.getMessage())
+    printed = capsys.readouterr().out
+    for text in (logged, printed):
+        assert "Read-only file system: '/sys/fs/cgroup/memory/x'" in text, text
+
+
+def test_backend_refuses_to_start_without_cgroups(monkeypatch: pytest.MonkeyPatch) -> None:
+    def read_only() -> None:
+        raise OSError(errno.EROFS, "Read-only file system", "/sys/fs/cgroup/memory/meridian-envsandbox")
+
+    monkeypatch.setattr(process_backend, "Cgroups", read_only)
+    with pytest.raises(FailedPrecondition) as info:
+        process_backend._make_cgroups()
+    message = str(info.value)
+    assert "cannot create its cgroups (/sys/fs/cgroup/memory/meridian-envsandbox)" in message
+    assert "read-only" in message and "remount" in message
+
+
+def test_entrypoint_refuses_before_the_service_when_it_cannot_isolate() -> None:
+    """The envsandbox image's entry point exits 78 with its reasons unless told not to;
+    without problems it execs the service. (Run for real by deploy/compose-smoke.)"""
+    script = (Path(__file__).resolve().parents[2] / "deploy" / "envsandbox-entrypoint.sh").read_text()
+    refuse = script.index("exit 78")
+    assert script.index("THIS CONTAINER CANNOT ISOLATE SANDBOXES") < refuse < script.index('exec "$@"')
+    assert "MERIDIAN_ENVSANDBOX_SKIP_PREFLIGHT" in script
