@@ -88,6 +88,12 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return simulation.main(rest)
 
 
+def _link(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from meridian import link_emulator
+
+    return link_emulator.main(args.rest)
+
+
 def _model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pathlib import Path
 
@@ -115,6 +121,7 @@ COMMANDS = {
     "train": (_train, "run an RL job on a running stack (--rollout, --trainer) or on a local one it starts"),
     "demo": (_demo, "start the stack, evaluate, run a short RL job, evaluate again, report, stop the stack"),
     "bench": (_bench, "run a benchmark and print JSON"),
+    "link": (_link, "an emulated WAN link (bandwidth, latency, cuts) between two regions, as a process"),
     "model": (_model, "prepare model folders (built-in, tiny)"),
     "simulate": (_simulate, "model what cannot run here and print JSON: meridian simulate weightsync [flags]"),
 }

@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from meridian import credentials
+from meridian import credentials, regions
 from meridian.config import add_config_args, config_from_args, opt
+from meridian.regions import parse_regions
 
 STATE_FILE = "stack.json"
 SERVICE_ORDER = ("envsandbox", "weightsync", "trainer", "rollout")
@@ -40,11 +41,17 @@ class StackConfig:
     ports: str = opt("fixed", "'fixed' (redis 6390, rollout 50051 and HTTP 8051, envsandbox 50052, trainer 50053, weightsync 50054) or 'auto' (free ports)")
     ready_timeout_s: float = opt(900.0, "seconds to wait for every service to report SERVING")
     stop_timeout_s: float = opt(30.0, "seconds to wait after SIGTERM before SIGKILL")
+    regions: str = opt("a", "comma-separated region names; the first runs Redis, the trainer and the weightsync origin, each other one an envsandbox, a weightsync relay behind an emulated link to the origin, and a rollout (its services take free ports)")
+    link_mbit_s: float = opt(100.0, "bandwidth of each emulated inter-region link, Mbit/s per direction (0: unlimited)")
+    link_latency_ms: float = opt(50.0, "one-way latency of each emulated inter-region link, ms")
     sign_versions: bool = opt(True, "the trainer signs every policy version with the credentials' signing key; the weightsync origin, relays and rollouts refuse versions it did not sign")
 
     def __post_init__(self) -> None:
         if self.ports not in ("fixed", "auto"):
             raise ValueError(f"ports must be fixed or auto, got {self.ports!r}")
+        parse_regions(self.regions)
+        if self.link_mbit_s < 0 or self.link_latency_ms < 0:
+            raise ValueError("link_mbit_s and link_latency_ms must be >= 0")
 
 
 FIXED_PORTS = {"redis": 6390, "rollout": 50051, "envsandbox": 50052, "trainer": 50053, "weightsync": 50054, "rollout_http": 8051}
@@ -65,11 +72,11 @@ class Stack:
     addresses: dict[str, str]
     logs: dict[str, str]
     redis_url: str
-    #: Prometheus endpoint of each process, by its name in ``pids``.
-    metrics: dict[str, str] = dataclasses.field(default_factory=dict)
-
+    home_region: str = "a"
     #: the stack's credentials folder ('' for a stack recorded without one)
     credentials: str = ""
+    #: Prometheus endpoint of each process, by its name in ``pids``.
+    metrics: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def save(self) -> None:
         """Records the stack, and makes this process call its services (and Redis) as
@@ -94,9 +101,10 @@ class Stack:
         return stack
 
     def stop(self, timeout_s: float = 30.0) -> list[str]:
-        """Stops every process, services first, Redis last; returns what needed SIGKILL."""
+        """Stops every process in the reverse order of their start (remote regions before
+        the home region's services), Redis last; returns what needed SIGKILL."""
         killed = []
-        for name in [*reversed(SERVICE_ORDER), "redis"]:
+        for name in [*reversed([n for n in self.pids if n != "redis"]), "redis"]:
             pid = self.pids.get(name)
             if pid and not _terminate(pid, timeout_s):
                 killed.append(name)
@@ -218,14 +226,22 @@ def wait_serving(addresses: dict[str, str], procs: dict[str, subprocess.Popen[by
         time.sleep(0.5)
 
 
-def spawn_service(name: str, args: list[str], run_dir: Path, env: dict[str, str], host: str = "127.0.0.1", port: int = 0) -> tuple[subprocess.Popen[bytes], str, Path]:
+def spawn_service(
+    name: str, args: list[str], run_dir: Path, env: dict[str, str], host: str = "127.0.0.1", port: int = 0, label: str = ""
+) -> tuple[subprocess.Popen[bytes], str, Path]:
     """Starts ``meridian serve NAME`` as the leader of its own process group, logging to
-    ``run_dir/NAME.log``; returns the process, its address once it listens, and the log."""
-    log = run_dir / f"{name}.log"
-    log.write_bytes(b"")
+    ``run_dir/LABEL.log`` (``label`` defaults to the name; a remote region's copy of a
+    service gets its own); returns the process, its address once it listens, and the log."""
     # Metrics on by default, on a free loopback port, unless ``args`` choose.
     metrics = [] if "--metrics-port" in args else ["--metrics-port", "0"]
     argv = [sys.executable, "-m", "meridian.cli", "serve", name, "--host", host, "--port", str(port), *metrics, *args]
+    return spawn_listener(name, argv, run_dir / f"{label or name}.log", env)
+
+
+def spawn_listener(name: str, argv: list[str], log: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """Starts a ``meridian`` process that prints ``meridian NAME listening on host:port``
+    (a service, a link) in its own process group; returns it once it listens."""
+    log.write_bytes(b"")
     proc = _spawn(argv, log, env)
     try:
         return proc, _wait_for_listen(name, proc, log, 120), log
@@ -304,7 +320,8 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
     child_env.pop(credentials.ENV_ROLE, None)
     extra_args = with_signing(creds, extra_args or {}) if config.sign_versions else (extra_args or {})
     port = (lambda name: free_port(config.host)) if config.ports == "auto" else FIXED_PORTS.__getitem__
-    stack = Stack(run_dir, {}, {}, {}, "", credentials=str(creds))
+    home, *remote = parse_regions(config.regions)
+    stack = Stack(run_dir, {}, {}, {}, "", home, credentials=str(creds))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         # Redis speaks no TLS here: it listens on loopback whatever --host says.
@@ -331,12 +348,17 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
         common = ["--model", config.model, "--redis-url", stack.redis_url]
         launch("trainer", [*common, "--weightsync", stack.addresses["weightsync"], "--checkpoint-dir", str(run_dir / "trainer-checkpoints")])
         http_port = 0 if config.ports == "auto" else port("rollout_http")
-        launch("rollout", [*common, "--weightsync", stack.addresses["weightsync"], "--envsandbox", stack.addresses["envsandbox"], "--http-host", config.host, "--http-port", str(http_port)])
+        launch("rollout", [
+            *common, "--weightsync", stack.addresses["weightsync"], "--envsandbox", stack.addresses["envsandbox"],
+            "--http-host", config.host, "--http-port", str(http_port), "--region", home,
+        ])
         serving(["trainer", "rollout"])
         # The HTTP API starts during the rollout's warm-up, so its line is there by now.
         if m := _HTTP_LISTEN.search(Path(stack.logs["rollout"]).read_text(errors="replace")):
             stack.addresses["rollout_http"] = f"http://{m.group(1)}:{m.group(2)}/v1"
             stack.save()
+        for region in remote:
+            start_remote_region(region, config, stack, procs, extra_args, child_env)
     except BaseException:
         stack.stop(config.stop_timeout_s)
         raise
@@ -353,6 +375,34 @@ def metrics_endpoints(logs: dict[str, str]) -> dict[str, str]:
         if m := _METRICS_LISTEN.search(Path(log).read_text(errors="replace")):
             found[name] = f"http://{m.group(1)}:{m.group(2)}/metrics"
     return found
+
+
+def start_remote_region(
+    region: str, config: StackConfig, stack: Stack, procs: dict[str, subprocess.Popen[bytes]], extra_args: dict[str, list[str]], env: dict[str, str]
+) -> None:
+    """Starts a remote region (see :mod:`meridian.regions`) beside a running home region
+    and waits until its services are SERVING. Its services take free ports, the stack's
+    credentials (from ``env``) and the home region's per-service flags (version signing)."""
+
+    def record(name: str, started: tuple[subprocess.Popen[bytes], str, Path]) -> None:
+        procs[name], stack.addresses[name], log = started
+        stack.pids[name], stack.logs[name] = procs[name].pid, str(log)
+        stack.save()
+
+    def launch(service: str, args: list[str]) -> str:
+        name = regions.label(service, region)
+        # Metrics of the region's services carry its name (rollout labels its own).
+        argv = [*([] if service == "rollout" else ["--metrics-region", region]), *args, *extra_args.get(service, [])]
+        record(name, spawn_service(service, argv, stack.run_dir, env, config.host, 0, label=name))
+        return name
+
+    link = regions.link_argv(region, stack.addresses["weightsync"], config.host, stack.run_dir, config.link_mbit_s, config.link_latency_ms)
+    record(link.label, spawn_listener(link.listens_as, link.argv, stack.run_dir / f"{link.label}.log", env))
+    sandbox = launch("envsandbox", ["--root", str(stack.run_dir / regions.label("sandboxes", region))])
+    relay = launch("weightsync", regions.relay_args(region, stack.addresses[link.label], stack.run_dir))
+    wait_serving({n: stack.addresses[n] for n in (sandbox, relay)}, procs, stack.logs, config.ready_timeout_s)
+    rollout = launch("rollout", regions.rollout_args(region, config.model, stack.redis_url, stack.addresses[relay], stack.addresses[sandbox]))
+    wait_serving({rollout: stack.addresses[rollout]}, procs, stack.logs, config.ready_timeout_s)
 
 
 async def gather_status(stack: Stack) -> dict[str, object]:
@@ -381,6 +431,15 @@ async def gather_status(stack: Stack) -> dict[str, object]:
                 "limit": reply.rl_concurrency_limit, "running": reply.rl_running, "preemptions": reply.rl_preemptions,
                 "slo_attainment": round(reply.slo_attainment, 4), "rl_token_share": round(reply.rl_token_share, 4),
             }
+
+    async def status_of(service: str, address: str) -> object | None:
+        if not address or await check_health(address) != "SERVING":
+            return None
+        async with open_channel(address) as ch:
+            return await calls[service](ch)
+
+    if regions.remote_regions(stack.addresses):
+        out["regions"] = await regions.region_status(stack.run_dir, stack.addresses, stack.home_region, status_of)
     transport = open_transport(TransportConfig(url=stack.redis_url))
     try:
         out["stream"] = {"name": transport.config.stream, "groups": await transport.length(), "pending": await transport.pending()}
@@ -404,7 +463,7 @@ def main(command: str, argv: list[str]) -> int:
     if command == "up":
         stack = start(config)
         print(f"meridian stack up (run folder {run_dir})")
-        for name in ("redis", *SERVICE_ORDER):
+        for name in stack.pids:
             print(f"  {name:<11} {stack.addresses[name]:<28} pid {stack.pids[name]:<8} log {stack.logs[name]}")
         if "rollout_http" in stack.addresses:
             print(f"  {'openai api':<11} {stack.addresses['rollout_http']}  (key: the production token in {stack.credentials}/tokens.json)")
@@ -434,5 +493,9 @@ def main(command: str, argv: list[str]) -> int:
         if "rl_admission" in info:
             a = info["rl_admission"]
             print(f"{'':<11} RL {a['running']}/{a['limit']} running, {a['preemptions']} preempted, SLO attainment {a['slo_attainment']:.3f}, RL token share {a['rl_token_share']:.3f}")
+    for region, info in status.get("regions", {}).items():  # type: ignore[union-attr]
+        link = info.get("link") or {}
+        figures = f", link {link['bytes_down'] / 1e6:.1f} MB down in {link['connections']} connection(s){' (CUT)' if link.get('cut_now') else ''}" if link else ""
+        print(f"region {region:<4} serves version {info['served_version']}, weightsync holds {info['weightsync_version']}, lag {info['lag_versions']}{figures}")
     print(f"stream      {status['stream']}")
     return 0

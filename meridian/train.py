@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import json
 import shlex
@@ -55,12 +57,15 @@ class TrainConfig:
     tasks_dir: str = opt("", "folder of your own task files (JSON, SWE-bench JSONL) for envsandbox (when this command starts the stack)")
     temperature: float = opt(0.6, "sampling temperature of the training episodes")
     in_flight: int = opt(2, "async: RunEpisodes requests kept running at once")
-    rollout: str = opt("", "rollout address of a running stack (empty: start a local stack)")
+    rollout: str = opt("", "rollout address of a running stack, or several comma-separated (one per region; empty: start a local stack)")
     trainer: str = opt("", "trainer address of a running stack")
     step_timeout_s: float = opt(600.0, "seconds without a new trainer step before the job gives up")
     run_dir: str = opt("", "stack run folder when this command starts the stack (empty: a temporary one)")
     trainer_flags: str = opt("", "more trainer flags when this command starts the stack, e.g. '--autocast-bf16 true --attention eager' (they override this job's)")
     report_dir: str = opt("", "report folder (empty: <run_dir>/report, or ./meridian-report on a running stack)")
+    regions: str = opt("a", "regions of the stack this command starts (see meridian up --regions): each region's rollout samples for the job")
+    link_mbit_s: float = opt(100.0, "emulated inter-region link bandwidth, Mbit/s (when this command starts a multi-region stack)")
+    link_latency_ms: float = opt(50.0, "emulated inter-region link one-way latency, ms (when this command starts a multi-region stack)")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -98,6 +103,8 @@ class Job:
 
     def __init__(self, addresses: dict[str, str], config: TrainConfig, progress: bool) -> None:
         self.addresses = addresses
+        # The home region's rollout first, then each remote region's (``rollout-<region>``).
+        self.rollouts = [addresses["rollout"], *(a for name, a in addresses.items() if name.startswith("rollout-"))]
         self.config = config
         self.progress = progress
         self.tasks = task_ids(config.train_tasks)
@@ -151,17 +158,20 @@ class Job:
         cfg = self.config
         first = await service_status(self.addresses["trainer"], "trainer")
         start_step, consumed0 = first.step, first.trajectories_consumed
-        start_version = (await service_status(self.addresses["rollout"], "rollout")).policy_version
+        start_version = (await self._served())[0]
         self.started = time.monotonic()
-        async with open_channel(self.addresses["rollout"]) as channel:
-            rollout = rollout_pb2_grpc.RolloutStub(channel)
-            samplers = [asyncio.create_task(self._sampler(rollout)) for _ in range(cfg.in_flight)] if cfg.mode == "async" else []
+        async with contextlib.AsyncExitStack() as channels:
+            stubs = [rollout_pb2_grpc.RolloutStub(await channels.enter_async_context(open_channel(a))) for a in self.rollouts]
+            # Every region samples: at least one request in flight per rollout.
+            in_flight = max(cfg.in_flight, len(stubs))
+            samplers = [asyncio.create_task(self._sampler(stubs[i % len(stubs)])) for i in range(in_flight)] if cfg.mode == "async" else []
             try:
-                trainer, served = await self._follow(rollout, start_step, consumed0, samplers)
+                trainer, served = await self._follow(stubs, start_step, consumed0, samplers)
             finally:
                 for task in samplers:
                     task.cancel()
                 await asyncio.gather(*samplers, return_exceptions=True)
+        served_by_region = await self._served_by_region()
         seconds = time.monotonic() - self.started
         steps = [m for m in trainer.recent_steps if m.step > start_step and m.stepped]
         trained = sum(m.trajectories for m in steps)
@@ -178,25 +188,41 @@ class Job:
             "policy_version_end": served,
             "dropped_stale_total": trainer.dropped_stale_total - first.dropped_stale_total,
             "model": trainer.model,
+            "served_by_region": served_by_region,
+            "trained_by_region": dict(sum((collections.Counter(dict(m.trajectories_by_region)) for m in steps), collections.Counter())),
             "trainer_steps": [step_summary(m) for m in steps],
             "sample_seconds": [round(x, 3) for x in self.sample_seconds],
         }
 
-    async def _follow(self, rollout: Any, start_step: int, consumed0: int, samplers: list[asyncio.Task[None]]) -> tuple[Any, int]:
-        """Waits for ``steps`` trainer steps served by rollout (sampling, in sync mode);
-        prints a line per step. Returns the last trainer status and the served version."""
+    async def _served(self) -> list[int]:
+        """The policy version each rollout serves (home region first)."""
+        return [(await service_status(a, "rollout")).policy_version for a in self.rollouts]
+
+    async def _served_by_region(self) -> dict[str, int]:
+        replies = [await service_status(a, "rollout") for a in self.rollouts]
+        return {r.region or f"rollout{i}": r.policy_version for i, r in enumerate(replies)}
+
+    async def _sample_everywhere(self, stubs: list[Any], groups: int) -> None:
+        """Sync mode: ``groups`` groups spread over the regions' rollouts, at once."""
+        shares = [groups // len(stubs) + (1 if i < groups % len(stubs) else 0) for i in range(len(stubs))]
+        await asyncio.gather(*(self._sample(stub, n) for stub, n in zip(stubs, shares) if n))
+
+    async def _follow(self, stubs: list[Any], start_step: int, consumed0: int, samplers: list[asyncio.Task[None]]) -> tuple[Any, int]:
+        """Waits for ``steps`` trainer steps served by every region's rollout (sampling,
+        in sync mode); prints a line per step. Returns the last trainer status and the
+        version every rollout serves (the lowest)."""
         cfg = self.config
         reported = start_step
         last_progress = time.monotonic()
         while True:
             if cfg.mode == "sync":
-                await self._sample(rollout, cfg.tasks_per_step)
+                await self._sample_everywhere(stubs, cfg.tasks_per_step)
             while True:
                 for task in samplers:
                     if task.done():
                         task.result()  # a sampler's failure ends the job with its error
                 trainer = await service_status(self.addresses["trainer"], "trainer")
-                served = (await service_status(self.addresses["rollout"], "rollout")).policy_version
+                served = min(await self._served())
                 self.consumed = trainer.trajectories_consumed - consumed0
                 if trainer.step > reported:
                     reported = trainer.step
@@ -311,7 +337,9 @@ def _held_out_panel(ax: Any, summary: dict[str, Any]) -> None:
 
 def start_stack(config: TrainConfig, run_dir: str) -> tuple[stack_mod.Stack, stack_mod.StackConfig]:
     """A local stack with the job's trainer settings and task folder."""
-    stack_config = stack_mod.StackConfig(run_dir=run_dir, model=config.model, ports="auto")
+    stack_config = stack_mod.StackConfig(
+        run_dir=run_dir, model=config.model, ports="auto", regions=config.regions, link_mbit_s=config.link_mbit_s, link_latency_ms=config.link_latency_ms
+    )
     extra = {"trainer": config.trainer_args()}
     if config.tasks_dir:
         extra["envsandbox"] = ["--tasks-dir", str(Path(config.tasks_dir).resolve())]
@@ -324,7 +352,9 @@ def run_job(config: TrainConfig, body: Callable[[dict[str, str]], Awaitable[dict
     local stack started (in a ``prefix`` run folder) and stopped around it; returns the
     summary and the report folder."""
     if config.rollout:
-        summary = asyncio.run(body({"rollout": config.rollout, "trainer": config.trainer}))
+        first, *others = task_ids(config.rollout)
+        addresses = {"rollout": first, "trainer": config.trainer, **{f"rollout-{i + 2}": a for i, a in enumerate(others)}}
+        summary = asyncio.run(body(addresses))
         return summary, Path(config.report_dir or "meridian-report")
     run_dir = config.run_dir or tempfile.mkdtemp(prefix=prefix)
     stack, stack_config = start_stack(config, run_dir)
