@@ -4,8 +4,10 @@ validates against the Kubernetes API's JSON schemas of a pinned version (bundled
 kubernetes-validate, offline, strict: unknown fields are errors), and the deployment
 keeps its own invariants:
 
-- every Meridian container has gRPC liveness and readiness probes (native ``grpc:``) on
-  the port it serves, and exposes that port; Redis has TCP probes on its own port;
+- every Meridian container has liveness and readiness probes that ask its gRPC health
+  service over mutual TLS (components/mtls-health-probes, which both regions include:
+  kubelet's native plaintext ``grpc:`` probe cannot pass an mTLS port) on the port it
+  serves, and exposes that port; Redis has TCP probes on its own port;
 - every Secret and ConfigMap a pod refers to (and every ConfigMap key) is in the render;
 - envsandbox is not privileged, drops every capability and adds exactly the listed ones;
   it is reached only by rollout and reaches nothing;
@@ -19,10 +21,8 @@ keeps its own invariants:
   versions and the origin, the relay and rollouts verify them;
 - every ``$(NAME)`` in a command names a variable of the container, and no ``$$`` is
   there for the kubelet to turn into ``$``;
-- components/mtls-health-probes (the probes for services serving mutual TLS, which
-  kubelet's plaintext gRPC probe cannot pass) renders and validates, and its probe
-  command, run as rendered against a real mTLS health server, passes only while that
-  server is SERVING.
+- the mTLS probe command, run as rendered against a real mTLS health server, passes only
+  while that server is SERVING.
 
 Each check is a function returning the problems it found; the sabotage tests at the end
 break a rendered object on purpose and see each check (and the schema validation) say so.
@@ -95,11 +95,6 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(K8S, root, ignore=shutil.ignore_patterns("*.pem", "*.json"))
     for name in credential_files():
         (root / "credentials" / name).write_text(f"stand-in for {name}\n")
-    for region in REGIONS["cpu"]:  # each region with the opt-in mTLS health probes
-        (root / f"{region}-mtls").mkdir()
-        (root / f"{region}-mtls" / "kustomization.yaml").write_text(
-            yaml.safe_dump({"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-                            "resources": [f"../{region}"], "components": ["../components/mtls-health-probes"]}))
     return root
 
 
@@ -211,12 +206,16 @@ def _probe_port(probe: Obj) -> tuple[str, int | str | None]:
     for kind in ("grpc", "tcpSocket", "httpGet"):
         if kind in probe:
             return kind, probe[kind].get("port")
+    command = probe.get("exec", {}).get("command", [])
+    if command[:2] == ["python", "-c"] and len(command) == 6:  # components/mtls-health-probes
+        return "mtls", int(command[5])
     return "exec", None
 
 
 def probe_problems(objs: list[Obj]) -> list[str]:
     """Liveness and readiness (and any startup) probes on a port the container exposes:
-    gRPC health on the service's own port for Meridian containers, TCP for the rest."""
+    gRPC health over mutual TLS on the service's own port for Meridian containers (they
+    serve nothing else), TCP for the rest."""
     problems = []
     for work in workloads(objs):
         for c in pod_spec(work)["containers"]:
@@ -233,8 +232,8 @@ def probe_problems(objs: list[Obj]) -> list[str]:
                 number = ports.get(port) if isinstance(port, str) else port
                 if number not in ports.values():
                     problems.append(f"{where}: {probe_name} on port {port}, which the container does not expose ({ports})")
-                if service and kind != "grpc":
-                    problems.append(f"{where}: {probe_name} is {kind}, not the gRPC health service")
+                if service and kind != "mtls":
+                    problems.append(f"{where}: {probe_name} is {kind}, not the gRPC health service over mTLS")
                 if service:
                     served = env_of(c, objs, ns(work)).get(env_name(service, "port"))
                     if served is None or int(served) != number:
@@ -664,8 +663,9 @@ def test_gpu_variants_ask_for_a_gpu_and_the_cuda_build(rendered: dict[str, list[
 
 
 @pytest.fixture(scope="module")
-def rendered_mtls(tree: Path) -> dict[str, list[Obj]]:
-    return {region: render(tree, f"{region}-mtls") for region in REGIONS["cpu"]}
+def rendered_mtls(rendered: dict[str, list[Obj]]) -> dict[str, list[Obj]]:
+    """The regions as shipped: their overlays include components/mtls-health-probes."""
+    return {region: rendered[region] for region in REGIONS["cpu"]}
 
 
 @pytest.mark.parametrize("region", REGIONS["cpu"])
@@ -736,7 +736,7 @@ def test_schema_check_catches_a_wrong_field_type(rendered: dict[str, list[Obj]])
 
 def test_probe_check_catches_a_probe_on_a_missing_port(rendered: dict[str, list[Obj]]) -> None:
     objs = copy.deepcopy(rendered["region-b"])
-    pod_spec(_first(objs, "StatefulSet", "weightsync-relay"))["containers"][0]["readinessProbe"]["grpc"]["port"] = 50099
+    pod_spec(_first(objs, "StatefulSet", "weightsync-relay"))["containers"][0]["readinessProbe"]["exec"]["command"][5] = "50099"
     assert any("readinessProbe on port 50099" in p for p in probe_problems(objs))
     objs = copy.deepcopy(rendered["region-a"])
     del pod_spec(_first(objs, "Deployment", "envsandbox"))["containers"][0]["livenessProbe"]
