@@ -1,9 +1,11 @@
 """Fixtures for tests that run the real stack: a tiny model and an OTLP receiver."""
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +44,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, otlp: Otlp
     # A large step size so one update visibly moves the tiny model's outputs.
     extra = {"trainer": ["--lr", "1e-2", "--max-grad-norm", "0"], "rollout": ["--caller-classes", str(keys)]}
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    running = stack_mod.start(config, extra_args=extra, env=env)
+    with started_stack(config, extra, env) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def started_stack(config: Any, extra_args: dict[str, list[str]] | None = None, env: dict[str, str] | None = None) -> Iterator[Any]:
+    """A local stack (``meridian.stack.start``) that is stopped on exit, with a check that
+    stopping left no process of any group behind."""
+    from meridian import stack as stack_mod
+
+    running = stack_mod.start(config, extra_args=extra_args, env=env)
     pids = dict(running.pids)
     try:
         yield running

@@ -13,6 +13,7 @@ import pytest
 
 from meridian import stack as stack_mod
 from meridian.train import Job, TrainConfig
+from tests.integration.conftest import started_stack
 
 pytestmark = [pytest.mark.stack, pytest.mark.engine]
 
@@ -23,14 +24,8 @@ def two_regions(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> I
         run_dir=str(tmp_path_factory.mktemp("regions")), model=str(tiny_model), ports="auto", ready_timeout_s=600,
         regions="a,b", link_mbit_s=200, link_latency_ms=20,
     )
-    running = stack_mod.start(config, extra_args={"trainer": ["--lr", "1e-4"]})
-    pids = dict(running.pids)
-    try:
+    with started_stack(config, {"trainer": ["--lr", "1e-4"]}) as running:
         yield running
-    finally:
-        running.stop(config.stop_timeout_s)
-    survivors = {name: members for name, pid in pids.items() if (members := stack_mod.group_members(pid))}
-    assert not survivors, f"processes left behind after stop: {survivors}"
 
 
 def test_region_b_is_a_remote_region_behind_its_own_link(two_regions: stack_mod.Stack) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +27,7 @@ from services.weightsync.client import WeightSubscriber
 from services.weightsync.config import WeightSyncConfig
 from services.weightsync.server import WeightSyncService
 from services.weightsync.signing import Signer, Verifier, generate_signing_key
+from tests.integration.test_weightsync_links import _status, _wait_for
 
 Weights = dict[str, RawTensor]
 CANARY = pb.Canary(sequences=[pb.CanarySequence(token_ids=[3, 4], logprobs=[0.0, -0.75])])
@@ -80,19 +80,6 @@ def _header(version: int, weights: Weights, signature: pb.VersionSignature | Non
 async def _publish(address: str, version: int, weights: Weights, header: pb.PublishHeader) -> pb.PublishResponse:
     async with grpc.aio.insecure_channel(address) as channel:
         return await pb_grpc.WeightSyncStub(channel).Publish(client.publish_requests(version, weights, header=header))
-
-
-async def _status(address: str) -> pb.WeightSyncStatus:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await pb_grpc.WeightSyncStub(channel).Status(pb.WeightSyncStatusRequest(), timeout=10)
-
-
-async def _wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def _genuine(upstream: str, keys: SimpleNamespace, v0: Weights) -> None:
