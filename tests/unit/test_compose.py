@@ -113,6 +113,16 @@ def _stage_chain(dockerfile: Path, target: str) -> list[str]:
     return chain
 
 
+def _stage_names(dockerfile: Path, target: str) -> list[str]:
+    """``target`` and the stages it builds on (FROM), the target's first."""
+    stages = _stages(dockerfile)
+    names = []
+    while target in stages:
+        names.append(target)
+        target = stages[target][0]
+    return names
+
+
 def _entrypoint(dockerfile: Path, target: str) -> list[str]:
     """The target's exec-form ENTRYPOINT from ``meridian serve`` on (a wrapper script that
     execs its arguments, like envsandbox's, may come first)."""
@@ -313,8 +323,10 @@ def test_dockerfile_entrypoint_serves_a_known_service(name: str) -> None:
     ports = re.findall(r"MERIDIAN_HEALTH_PORT=(\d+)", chain[0])
     assert ports == [str(FIXED_PORTS[name])], ports
     # Each image installs only its own extras: the engine for rollout and trainer only.
+    # Its one virtual environment is copied from a venv-* stage or built on (the engine's:
+    # several GB, not stored twice).
     copied = re.findall(r"^COPY --from=(\S+)", "\n".join(chain), flags=re.MULTILINE)
-    venvs = [c for c in copied if c.startswith("venv")]
+    venvs = [c for c in copied if c.startswith("venv")] + [s for s in _stage_names(DOCKERFILE, name) if s.startswith("venv-")]
     assert len(venvs) == 1, venvs
     installs = _stage_chain(DOCKERFILE, venvs[0])[0]
     engine = name in ("trainer", "rollout")
