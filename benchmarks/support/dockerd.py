@@ -87,6 +87,12 @@ class PrivateDockerd:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
+        # The daemon may leave a mount or two behind (its default network namespace): off
+        # with them, innermost first, before the files go.
+        with contextlib.suppress(OSError):
+            mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+            for mount in sorted((m for m in mounts if m.startswith(f"{self.folder}/")), reverse=True):
+                subprocess.run(["umount", "-l", mount], check=False, capture_output=True)
         # vfs layers may hold read-only bits; the daemon's own mounts are gone with it.
         if self.keep_data:
             for path in self.folder.iterdir():
