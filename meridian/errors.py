@@ -37,6 +37,16 @@ class Unavailable(MeridianError):
     status = "UNAVAILABLE"
 
 
+class Aborted(MeridianError):
+    """A concurrent change got in the way (e.g. a sharded publish whose base moved); retrying can succeed."""
+
+    status = "ABORTED"
+
+
+class DeadlineExceeded(MeridianError):
+    status = "DEADLINE_EXCEEDED"
+
+
 class DataLoss(MeridianError):
     status = "DATA_LOSS"
 

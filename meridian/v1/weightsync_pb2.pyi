@@ -29,7 +29,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("version", "weights_hash", "trace_context", "metrics", "canary", "signature")
+    __slots__ = ("version", "weights_hash", "trace_context", "metrics", "canary", "signature", "part_index", "part_count", "part_tensors", "part_hash")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,13 +50,21 @@ class PublishHeader(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     CANARY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PART_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PART_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PART_HASH_FIELD_NUMBER: _ClassVar[int]
     version: int
     weights_hash: str
     trace_context: _containers.ScalarMap[str, str]
     metrics: _containers.ScalarMap[str, float]
     canary: Canary
     signature: VersionSignature
-    def __init__(self, version: _Optional[int] = ..., weights_hash: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., signature: _Optional[_Union[VersionSignature, _Mapping]] = ...) -> None: ...
+    part_index: int
+    part_count: int
+    part_tensors: _containers.RepeatedScalarFieldContainer[str]
+    part_hash: str
+    def __init__(self, version: _Optional[int] = ..., weights_hash: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., signature: _Optional[_Union[VersionSignature, _Mapping]] = ..., part_index: _Optional[int] = ..., part_count: _Optional[int] = ..., part_tensors: _Optional[_Iterable[str]] = ..., part_hash: _Optional[str] = ...) -> None: ...
 
 class VersionSignature(_message.Message):
     __slots__ = ("content_sha256", "key_id", "signature")

@@ -17,11 +17,13 @@ from meridian.errors import DataLoss
 from meridian.grpc_runtime import open_channel
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
+from services.weightsync import parts
+from services.weightsync.parts import TensorDigest
 from services.weightsync.ratelimit import TokenBucket
 from services.weightsync.receiver import ChunkChecksumError, Decoder, UndoLog
 from services.weightsync.signing import Signer, Verifier
 from services.weightsync.versions import Encoded
-from meridian.tensors import RawTensor, Weights, weights_hash
+from meridian.tensors import PB_DTYPES, RawTensor, Weights, weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,39 @@ async def publish(
     async with open_channel(address) as channel:
         stub = pb_grpc.WeightSyncStub(channel)
         return await stub.Publish(publish_requests(version, weights, header=header))
+
+
+def version_header_from_digests(
+    version: int,
+    digests: Mapping[str, TensorDigest],
+    trace_context: Mapping[str, str] | None = None,
+    metrics: Mapping[str, float] | None = None,
+    canary: pb.Canary | None = None,
+    signer: Signer | None = None,
+) -> pb.PublishHeader:
+    """The version fields every part of a sharded publish carries, made from every
+    tensor's digests (:func:`parts.tensor_digests` on each rank, gathered): the same
+    ``weights_hash`` and signature :func:`publish_header` gives over the whole weights."""
+    digest, content = parts.combine(digests)
+    metas = [pb.TensorMeta(name=n, dtype=PB_DTYPES[d.dtype], shape=d.shape) for n, d in digests.items()]
+    return pb.PublishHeader(
+        version=version,
+        weights_hash=digest,
+        trace_context=dict(trace_context or {}),
+        metrics=dict(metrics or {}),
+        canary=canary,
+        signature=signer.sign_digests(version, digest, content, metas, canary) if signer is not None else None,
+    )
+
+
+async def publish_part(address: str, version_header: pb.PublishHeader, index: int, count: int, weights: Weights) -> pb.PublishResponse:
+    """Publishes part ``index`` of ``count`` of a sharded version: this rank's tensors
+    under the version fields every part shares. Returns once the origin stored the whole
+    version (every part gets the same answer) or aborted it."""
+    header = await asyncio.to_thread(parts.part_header, version_header, index, count, weights)
+    async with open_channel(address) as channel:
+        stub = pb_grpc.WeightSyncStub(channel)
+        return await stub.Publish(publish_requests(version_header.version, weights, header=header))
 
 
 async def latest_version(address: str, timeout_s: float = 10.0) -> int:

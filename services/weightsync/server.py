@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import tempfile
 import time
@@ -14,7 +15,9 @@ import grpc
 import numpy as np
 
 from meridian import metrics, telemetry
-from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from meridian.errors import (
+    Aborted, AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, MeridianError, NotFound, ResourceExhausted, Unavailable,
+)
 from meridian.grpc_runtime import CallLimit
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
@@ -23,8 +26,9 @@ from services.weightsync.config import WeightSyncConfig
 from services.weightsync.ratelimit import TokenBucket
 from services.weightsync.signing import SignatureRefused, Verifier, load_verifier
 from services.weightsync.store import VersionStore
-from services.weightsync.versions import Encoded
-from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count
+from services.weightsync import parts
+from services.weightsync.versions import Encoded, check_tensor_set, encode_tensors
+from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count, hash_of_sums
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -117,6 +121,41 @@ class _Assembly:
             raise InvalidArgument(f"stream ended with incomplete tensors: {short[:5]}")
 
 
+@dataclasses.dataclass
+class _PendingVersion:
+    """A sharded publish being assembled: the parts in so far and their encodings, all
+    against ``base`` (the origin's latest when the first part came)."""
+
+    version: int
+    count: int
+    fields: bytes  # the first part's version fields; every part must carry the same
+    header: pb.PublishHeader
+    base_version: int
+    base: dict[str, RawTensor] | None
+    encode: bool  # False: a republish of a held version, checked, not encoded
+    names: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # registered parts
+    done: set[int] = dataclasses.field(default_factory=set)  # parts received and encoded
+    tensors: dict[str, RawTensor] = dataclasses.field(default_factory=dict)
+    payloads: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
+    items: list[parts.HashItem] = dataclasses.field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+    result: asyncio.Future[tuple[Encoded, bool]] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def __post_init__(self) -> None:
+        # An abort nobody is left to hear must not be logged as "never retrieved".
+        self.result.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def arrived(self, index: int, tensors: dict[str, RawTensor], payloads: dict[str, list[bytes]], items: list[parts.HashItem]) -> None:
+        self.tensors.update(tensors)
+        self.payloads.update(payloads)
+        self.items.extend(items)
+        self.done.add(index)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.count and not self.result.done()
+
+
 class WeightSyncService(pb_grpc.WeightSyncServicer):
     """Versions in, versions out.
 
@@ -140,6 +179,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         # that reads or changes its state goes through this lock.
         self._store_lock = asyncio.Lock()
         self._mirror: asyncio.Task[None] | None = None
+        # The sharded publish being assembled (parts of one version at a time).
+        self._pending: _PendingVersion | None = None
         self._send = TokenBucket.mib_per_s(config.send_mib_s)
         # Relay: the version arriving from upstream, re-served chunk by chunk as it comes.
         self._incoming: Encoded | None = None
@@ -253,36 +294,49 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         if self.config.role != "origin":
             raise FailedPrecondition("this weightsync is a relay; publish to the origin")
         started = time.monotonic()
-        assembly = _Assembly(self.publish_budget)
-        try:
-            header, enc, republish = await self._receive_and_store(request_iterator, assembly)
-        finally:
-            assembly.release()
-        if republish:  # identical to what is held: subscribers have nothing new
-            return pb.PublishResponse(version=header.version, raw_bytes=enc.manifest.raw_bytes, encoded_bytes=enc.size)
-        self._stamp(header.version)
-        self.metrics.observe(metrics.WEIGHTSYNC_PROPAGATION, time.monotonic() - started)
-        await self._announce()
-        log.info("version %d stored: %d raw bytes -> %d encoded", header.version, enc.manifest.raw_bytes, enc.size)
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            raise InvalidArgument("Publish stream had no header")
+        if not first.HasField("header"):
+            raise InvalidArgument("the header must come before any tensor piece")
+        header = first.header
+        if header.part_count > 1:
+            enc, republish = await self._publish_part(header, request_iterator)
+        else:
+            if header.part_index or header.part_tensors or header.part_hash:
+                raise InvalidArgument(f"version {header.version}: part fields set on a whole-version Publish (part_count {header.part_count})")
+            assembly = _Assembly(self.publish_budget)
+            try:
+                enc, republish = await self._receive_and_store(header, request_iterator, assembly)
+            finally:
+                assembly.release()
+            if not republish:
+                await self._stored(header.version, enc, started)
         return pb.PublishResponse(version=header.version, raw_bytes=enc.manifest.raw_bytes, encoded_bytes=enc.size)
 
-    async def _receive_and_store(self, request_iterator: AsyncIterator[pb.PublishRequest], assembly: _Assembly) -> tuple[pb.PublishHeader, Encoded, bool]:
-        header: pb.PublishHeader | None = None
+    async def _stored(self, version: int, enc: Encoded, started: float) -> None:
+        """A new version is in the store: stamp, measure and announce it."""
+        self._stamp(version)
+        self.metrics.observe(metrics.WEIGHTSYNC_PROPAGATION, time.monotonic() - started)
+        await self._announce()
+        log.info("version %d stored: %d raw bytes -> %d encoded", version, enc.manifest.raw_bytes, enc.size)
+
+    @staticmethod
+    async def _receive_pieces(request_iterator: AsyncIterator[pb.PublishRequest], assembly: _Assembly) -> None:
+        """The rest of a Publish stream after its header: tensor pieces only."""
         current = ""
         async for item in request_iterator:
             if item.HasField("header"):
-                if header is not None:
-                    raise InvalidArgument("a Publish stream carries one header")
-                header = item.header
-            elif item.HasField("piece"):
-                if header is None:
-                    raise InvalidArgument("the header must come before any tensor piece")
-                current = assembly.add(item.piece, current)
-            else:
+                raise InvalidArgument("a Publish stream carries one header")
+            if not item.HasField("piece"):
                 raise InvalidArgument("empty PublishRequest")
-        if header is None:
-            raise InvalidArgument("Publish stream had no header")
+            current = assembly.add(item.piece, current)
         assembly.check_complete()
+
+    async def _receive_and_store(
+        self, header: pb.PublishHeader, request_iterator: AsyncIterator[pb.PublishRequest], assembly: _Assembly
+    ) -> tuple[Encoded, bool]:
+        await self._receive_pieces(request_iterator, assembly)
         if self.verifier is not None:
             await asyncio.to_thread(self._check_signed, header, assembly.tensors)
         async with self._store_lock:
@@ -294,7 +348,124 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                     header.signature if header.HasField("signature") else None,
                 )
                 span.set_attribute("meridian.encoded_bytes", enc.size)
-        return header, enc, republish
+        return enc, republish
+
+    # ------------------------------------------------------------ sharded publish
+
+    async def _publish_part(self, header: pb.PublishHeader, request_iterator: AsyncIterator[pb.PublishRequest]) -> tuple[Encoded, bool]:
+        """One part of a sharded publish (see :mod:`services.weightsync.parts`): received,
+        checked against its part hash and encoded as soon as it is in; the part that
+        completes the version assembles and stores it; every part answers with the result
+        (or the error that aborted the version)."""
+        parts.check_part_header(header)
+        pending = self._join_part(header)
+        index = header.part_index
+        assembly = _Assembly(self.publish_budget)
+        try:
+            try:
+                await self._receive_pieces(request_iterator, assembly)
+                items = await asyncio.to_thread(parts.check_part_tensors, header, assembly.tensors)
+                payloads: dict[str, list[bytes]] = {}
+                if pending.encode:
+                    with tracer.start_as_current_span("weightsync.encode_part", context=telemetry.extract(dict(header.trace_context))) as span:
+                        span.set_attribute("meridian.version", header.version)
+                        span.set_attribute("meridian.part", index)
+                        payloads = await asyncio.to_thread(encode_tensors, assembly.tensors, pending.base, self.store.chunk_bytes)
+            except BaseException as exc:
+                # One bad or broken part spoils the version: the other parts learn why.
+                self._abort(pending, Aborted(f"version {header.version} aborted: part {index} of {pending.count} failed: {exc or type(exc).__name__}"))
+                raise
+            pending.arrived(index, assembly.tensors, payloads, items)
+            if pending.complete:
+                await self._store_parts(pending)
+            return await asyncio.shield(pending.result)
+        finally:
+            assembly.release()
+
+    def _join_part(self, header: pb.PublishHeader) -> _PendingVersion:
+        """Registers a part's header with the version being assembled (starting one, and its
+        timeout, at the first part); refuses a part of another version while one is pending
+        (FAILED_PRECONDITION), a part seen already (ALREADY_EXISTS), and a part that
+        disagrees with the others (INVALID_ARGUMENT; the version is aborted)."""
+        v, i, n = header.version, header.part_index, header.part_count
+        pending = self._pending
+        if pending is None:
+            latest = self.store.latest
+            pending = _PendingVersion(
+                version=v, count=n, fields=parts.version_fields(header), header=header, base_version=latest,
+                base=self.store.weights if latest >= 0 else None, encode=v > latest,
+            )
+            pending.timer = asyncio.get_running_loop().call_later(self.config.part_timeout_s, self._expire, pending)
+            self._pending = pending
+        elif pending.version != v:
+            raise FailedPrecondition(
+                f"version {v} part {i} refused: version {pending.version} is being assembled ({len(pending.names)} of {pending.count} parts in); "
+                "the origin takes the parts of one version at a time"
+            )
+        if i in pending.names:
+            raise AlreadyExists(f"version {v} part {i} arrived twice")
+        problem = ""
+        if n != pending.count:
+            problem = f"part {i} says {n} parts, the first part said {pending.count}"
+        elif parts.version_fields(header) != pending.fields:
+            problem = f"part {i}'s version fields (weights_hash, signature, canary, trace, metrics) differ from the first part's"
+        else:
+            try:
+                parts.check_disjoint(v, [*pending.names.values(), list(header.part_tensors)])
+            except InvalidArgument as exc:
+                problem = str(exc)
+        if problem:
+            error = InvalidArgument(f"version {v}: {problem}")
+            self._abort(pending, Aborted(f"version {v} aborted: {problem}"))
+            raise error
+        pending.names[i] = list(header.part_tensors)
+        return pending
+
+    def _abort(self, pending: _PendingVersion, error: MeridianError) -> None:
+        """Ends a pending version with ``error`` for every part still waiting on it."""
+        if self._pending is pending:
+            self._pending = None
+        if pending.timer is not None:
+            pending.timer.cancel()
+        if not pending.result.done():
+            log.warning("%s", error)
+            pending.result.set_exception(error)
+
+    def _expire(self, pending: _PendingVersion) -> None:
+        missing = sorted(set(range(pending.count)) - set(pending.done))
+        self._abort(pending, DeadlineExceeded(
+            f"version {pending.version}: parts {missing[:8]} of {pending.count} did not arrive within part_timeout_s={self.config.part_timeout_s:g}; "
+            "the version is aborted (publish all its parts again)"
+        ))
+
+    async def _store_parts(self, pending: _PendingVersion) -> None:
+        """All parts are in: one manifest, checked and stored like a whole-version Publish."""
+        if pending.timer is not None:
+            pending.timer.cancel()
+        if self._pending is pending:
+            self._pending = None
+        header, v = pending.header, pending.version
+        started = time.monotonic()
+        try:
+            tensors = dict(pending.tensors)
+            if pending.base is not None and pending.encode:
+                check_tensor_set(v, tensors, pending.base)
+            if self.verifier is not None:
+                await asyncio.to_thread(self._check_signed, header, tensors)
+            async with self._store_lock:
+                republish = v <= self.store.latest
+                enc: Encoded = await asyncio.to_thread(
+                    self.store.publish_assembled, v, tensors, pending.payloads, pending.base_version, hash_of_sums(pending.items),
+                    header.weights_hash, dict(header.trace_context), header.canary, header.signature if header.HasField("signature") else None,
+                )
+        except BaseException as exc:
+            error = exc if isinstance(exc, MeridianError) else Aborted(f"version {v} aborted while storing: {exc}")
+            if not pending.result.done():
+                pending.result.set_exception(error)
+            raise
+        if not republish:
+            await self._stored(v, enc, started)
+        pending.result.set_result((enc, republish))
 
     def _check_signed(self, header: pb.PublishHeader, tensors: dict[str, RawTensor]) -> None:
         """Refuses (PERMISSION_DENIED) a Publish the trusted key did not sign, or whose

@@ -130,7 +130,8 @@ def signed_bytes(version: int, weights_hash: str, content_sha256: str, tensors: 
     return b"".join(out)
 
 
-def _tensor_digest(t: RawTensor) -> bytes:
+def tensor_sha256(t: RawTensor) -> bytes:
+    """sha256 of one tensor's raw bytes (a part of :func:`content_digest`)."""
     # hashlib releases the GIL on large buffers: tensors hash in parallel on the pool.
     return hashlib.sha256(memoryview(np.ascontiguousarray(t.bits)).cast("B")).digest()
 
@@ -141,13 +142,18 @@ def content_digest(weights: Mapping[str, RawTensor]) -> str:
     names = sorted(weights)
     if _HASH_THREADS > 1 and len(names) > 1:
         with concurrent.futures.ThreadPoolExecutor(_HASH_THREADS) as pool:
-            digests = list(pool.map(_tensor_digest, (weights[n] for n in names)))
+            digests = list(pool.map(tensor_sha256, (weights[n] for n in names)))
     else:
-        digests = [_tensor_digest(weights[n]) for n in names]
+        digests = [tensor_sha256(weights[n]) for n in names]
+    return content_from_digests([(n, weights[n].dtype, tuple(weights[n].shape), d) for n, d in zip(names, digests)])
+
+
+def content_from_digests(items: Iterable[tuple[str, str, tuple[int, ...], bytes]]) -> str:
+    """:func:`content_digest` from each tensor's (name, dtype, shape, sha256 of its raw
+    bytes), in any order: what a sharded trainer's rank 0 combines from its ranks' parts."""
     h = hashlib.sha256(CONTENT_DOMAIN)
-    for name, digest in zip(names, digests):
-        t = weights[name]
-        h.update(_text(name) + _text(t.dtype) + struct.pack(f"<I{len(t.shape)}q", len(t.shape), *t.shape) + digest)
+    for name, dtype, shape, digest in sorted(items):
+        h.update(_text(name) + _text(dtype) + struct.pack(f"<I{len(shape)}q", len(shape), *shape) + digest)
     return h.hexdigest()
 
 
@@ -170,6 +176,12 @@ class Signer:
         content = content_digest(weights)
         metas = [weights[n].meta(n) for n in weights]
         payload = signed_bytes(version, weights_hash, content, metas, canary or pb.Canary())
+        return pb.VersionSignature(content_sha256=content, key_id=self.key_id, signature=self._key.sign(payload))
+
+    def sign_digests(self, version: int, weights_hash: str, content: str, tensors: Iterable[pb.TensorMeta], canary: pb.Canary | None) -> pb.VersionSignature:
+        """The same signature as :meth:`sign` from digests combined elsewhere (a sharded
+        trainer: no process holds the whole weights)."""
+        payload = signed_bytes(version, weights_hash, content, tensors, canary or pb.Canary())
         return pb.VersionSignature(content_sha256=content, key_id=self.key_id, signature=self._key.sign(payload))
 
 

@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 
-from meridian.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from meridian.errors import Aborted, AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from meridian.tensors import RawTensor, Weights, weights_hash
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync.receiver import decode_all
-from services.weightsync.versions import CODEC_NAME, Encoded, encode_version
+from services.weightsync.versions import CODEC_NAME, Encoded, assemble_version, check_tensor_set, encode_version
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,35 @@ class VersionStore:
         enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary, signature)
         if expected_hash and expected_hash != enc.manifest.weights_hash:
             raise DataLoss(f"version {version}: received weights hash {enc.manifest.weights_hash[:12]} != publisher's {expected_hash[:12]}")
+        return self.add_encoded(enc, weights)
+
+    def publish_assembled(
+        self,
+        version: int,
+        weights: Weights,
+        payloads: Mapping[str, list[bytes]],
+        base_version: int,
+        digest: str,
+        expected_hash: str = "",
+        trace_context: Mapping[str, str] | None = None,
+        canary: pb.Canary | None = None,
+        signature: pb.VersionSignature | None = None,
+    ) -> Encoded:
+        """:meth:`publish` for a version whose tensors were encoded apart (a sharded
+        publish's parts, each against the weights of ``base_version``) and whose weights
+        hash ``digest`` was combined from the parts: the same checks, the same manifest
+        and chunks as :meth:`publish` of the whole ``weights``. Refuses (ABORTED) when the
+        latest version moved past ``base_version`` while the parts were encoding."""
+        if not weights:
+            raise InvalidArgument(f"version {version} has no tensors")
+        if version <= self.latest:
+            return self._republished(version, weights)
+        if base_version != self.latest:
+            raise Aborted(f"version {version} was encoded against version {base_version}, but the latest is now {self.latest}; publish it again")
+        check_tensor_set(version, weights, self.weights if self.latest >= 0 else None)
+        if expected_hash and expected_hash != digest:
+            raise DataLoss(f"version {version}: received weights hash {digest[:12]} != publisher's {expected_hash[:12]}")
+        enc = assemble_version(version, weights, payloads, base_version, digest, trace_context, canary, signature)
         return self.add_encoded(enc, weights)
 
     def _republished(self, version: int, weights: Weights) -> Encoded:

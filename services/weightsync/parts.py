@@ -1,0 +1,163 @@
+"""Sharded publish: one version sent as several parts, one per trainer rank.
+
+A trainer sharded over N ranks (FSDP) publishes without any rank holding the whole
+model:
+
+- **Partition.** :func:`partition` assigns whole tensors to parts by a deterministic rule
+  every rank computes alike from the tensor names and sizes: largest first, each to the
+  part with the fewest bytes so far (ties: the lower part index), names breaking ties
+  between equal sizes. Every tensor lands in exactly one part, and the parts' bytes
+  differ by at most the largest tensor.
+- **Digests, not tensors, travel between ranks.** Each rank gathers only the tensors it
+  owns and computes, per tensor, the additive element-hash sums and the sha256 of its raw
+  bytes (:func:`tensor_digests`, a few dozen bytes each). Rank 0 collects these and
+  combines them (:func:`combine`) into exactly the ``weights_hash`` and
+  ``content_sha256`` a single process computes over the whole weights, signs the version
+  once, and hands the signed version header to every rank. Signing on rank 0 keeps the
+  key in one process and needs no extra round trip to the origin after the parts.
+- **One stream per part.** Each rank's Publish header repeats the version fields and adds
+  its part index, the part count, its tensor names and :func:`part_hash` of its tensors.
+  The origin checks every part as it arrives, encodes each part's tensors as soon as that
+  part is in (one worker per part, against the same base), and once every part arrived
+  assembles ONE manifest with the tensors and chunks in name order: the same manifest and
+  chunk bytes a single stream of the whole version gives (the chunk payloads of a tensor
+  depend only on that tensor and its base; see :func:`versions.encode_tensors`).
+
+Pure core: no gRPC, no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from meridian.errors import InvalidArgument
+from meridian.tensors import RawTensor, hash_of_sums
+from meridian.v1 import weightsync_pb2 as pb
+
+#: How many parts one version may come in (one per trainer rank).
+MAX_PARTS = 4096
+
+
+def partition(sizes: Mapping[str, int], parts: int) -> list[list[str]]:
+    """Tensor names per part (each list in name order): whole tensors, largest first, each
+    to the part holding the fewest bytes so far. Deterministic: depends only on the names,
+    sizes and ``parts``, never on the order of ``sizes``."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    heap = [(0, index) for index in range(parts)]
+    out: list[list[str]] = [[] for _ in range(parts)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        load, index = heapq.heappop(heap)
+        out[index].append(name)
+        heapq.heappush(heap, (load + sizes[name], index))
+    return [sorted(names) for names in out]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorDigest:
+    """What rank 0 needs of a tensor another rank owns: its meta and two digests."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    sums: tuple[int, int]  # additive element-hash sums (meridian.elementhash)
+    sha256: bytes  # of the tensor's raw bytes
+
+
+def tensor_digests(weights: Mapping[str, RawTensor]) -> dict[str, TensorDigest]:
+    """Both digests of every tensor of one part (one pass over this part only)."""
+    from meridian import elementhash
+    from services.weightsync.signing import tensor_sha256
+
+    names = sorted(weights)
+    sums = elementhash.many_tensor_sums([np.ascontiguousarray(weights[n].bits) for n in names])
+    return {n: TensorDigest(weights[n].dtype, tuple(weights[n].shape), s, tensor_sha256(weights[n])) for n, s in zip(names, sums)}
+
+
+def combine(digests: Mapping[str, TensorDigest]) -> tuple[str, str]:
+    """(weights_hash, content_sha256) of the whole version from every tensor's digest:
+    equal to ``weights_hash(weights)`` and ``signing.content_digest(weights)``."""
+    from services.weightsync.signing import content_from_digests
+
+    digest = hash_of_sums([(n, d.dtype, d.shape, d.sums) for n, d in digests.items()])
+    content = content_from_digests([(n, d.dtype, d.shape, d.sha256) for n, d in digests.items()])
+    return digest, content
+
+
+HashItem = tuple[str, str, tuple[int, ...], tuple[int, int]]
+
+
+def hash_items(weights: Mapping[str, RawTensor]) -> list[HashItem]:
+    """(name, dtype, shape, element-hash sums) of each tensor: what ``hash_of_sums`` takes,
+    so the whole version's weights hash combines from its parts' items."""
+    from meridian import elementhash
+
+    names = sorted(weights)
+    sums = elementhash.many_tensor_sums([np.ascontiguousarray(weights[n].bits) for n in names])
+    return [(n, weights[n].dtype, tuple(weights[n].shape), s) for n, s in zip(names, sums)]
+
+
+def part_hash(weights: Mapping[str, RawTensor]) -> str:
+    """The weights hash over one part's tensors alone (what a part's header carries)."""
+    return hash_of_sums(hash_items(weights))
+
+
+def part_header(version_header: pb.PublishHeader, index: int, count: int, weights: Mapping[str, RawTensor]) -> pb.PublishHeader:
+    """Part ``index`` of ``count``'s header: the version's fields and this part's own."""
+    header = pb.PublishHeader()
+    header.CopyFrom(version_header)
+    header.part_index, header.part_count = index, count
+    header.part_tensors[:] = sorted(weights)
+    header.part_hash = part_hash(weights)
+    return header
+
+
+def version_fields(header: pb.PublishHeader) -> bytes:
+    """A part header's version fields, serialised deterministically: equal for every
+    part of one version (the part fields cleared)."""
+    common = pb.PublishHeader()
+    common.CopyFrom(header)
+    for field in ("part_index", "part_count", "part_tensors", "part_hash"):
+        common.ClearField(field)
+    return common.SerializeToString(deterministic=True)
+
+
+def check_part_header(header: pb.PublishHeader) -> None:
+    """Refuses (INVALID_ARGUMENT) a part header that cannot describe a part."""
+    v, i, n = header.version, header.part_index, header.part_count
+    if not 2 <= n <= MAX_PARTS:
+        raise InvalidArgument(f"version {v}: part_count must be in [2, {MAX_PARTS}] for a sharded publish, got {n}")
+    if i >= n:
+        raise InvalidArgument(f"version {v}: part_index {i} is not below part_count {n}")
+    names = list(header.part_tensors)
+    if names != sorted(set(names)):
+        raise InvalidArgument(f"version {v} part {i}: part_tensors must be distinct and in name order")
+    if not header.part_hash:
+        raise InvalidArgument(f"version {v} part {i}: a part must carry its part_hash")
+
+
+def check_part_tensors(header: pb.PublishHeader, weights: Mapping[str, RawTensor]) -> list[HashItem]:
+    """Refuses (INVALID_ARGUMENT) a part whose received tensors are not the ones its header
+    names, or whose bytes do not hash to its ``part_hash``; returns the part's hash items."""
+    v, i = header.version, header.part_index
+    if sorted(weights) != list(header.part_tensors):
+        missing = sorted(set(header.part_tensors) - set(weights))
+        extra = sorted(set(weights) - set(header.part_tensors))
+        raise InvalidArgument(f"version {v} part {i}: tensors sent differ from part_tensors (missing {missing[:3]}, unnamed {extra[:3]})")
+    items = hash_items(weights)
+    got = hash_of_sums(items)
+    if got != header.part_hash:
+        raise InvalidArgument(f"version {v} part {i}: its tensors hash to {got[:12]}, its header says {header.part_hash[:12]}")
+    return items
+
+
+def check_disjoint(version: int, parts: Sequence[Sequence[str]]) -> None:
+    """Refuses (INVALID_ARGUMENT) parts that name one tensor twice."""
+    seen: dict[str, int] = {}
+    for index, names in enumerate(parts):
+        for name in names:
+            if name in seen:
+                raise InvalidArgument(f"version {version}: tensor {name!r} is in parts {seen[name]} and {index}")
+            seen[name] = index

@@ -1,0 +1,213 @@
+"""Sharded publish: the partition rule, digests combined from parts, and a real
+in-process origin assembling one version from parts that arrive in any order, into the
+same store a single Publish of the same weights gives; a missing part times out, and a
+duplicate, foreign or inconsistent part is refused with its status."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from meridian.tensors import RawTensor, weights_hash
+from meridian.v1 import weightsync_pb2 as pb
+from services.weightsync import client as weightsync
+from services.weightsync import parts
+from services.weightsync.config import WeightSyncConfig
+from services.weightsync.server import WeightSyncService
+from services.weightsync.signing import Signer, Verifier, content_digest, generate_signing_key
+from tests.conftest import serving
+
+Weights = dict[str, RawTensor]
+
+
+def _weights(seed: int, shift: int = 0) -> Weights:
+    rng = np.random.default_rng(seed)
+    shapes = {"embed": (96, 32), "layers.0.attn": (32, 32), "layers.0.mlp": (32, 64), "layers.1.attn": (32, 32), "layers.1.mlp": (32, 64), "norm": (32,)}
+    out = {}
+    for name, shape in shapes.items():
+        bits = rng.integers(0x3C00, 0x3F00, size=int(np.prod(shape)), dtype=np.uint16)
+        bits[: shift * 7 : 3] += np.uint16(shift)  # a sparse change per version, like a training step
+        out[name] = RawTensor("bf16", shape, bits)
+    return out
+
+
+def _split(weights: Weights, count: int) -> list[Weights]:
+    names = parts.partition({n: t.nbytes for n, t in weights.items()}, count)
+    return [{n: weights[n] for n in ns} for ns in names]
+
+
+def _header(version: int, weights: Weights, signer: Signer | None = None) -> pb.PublishHeader:
+    digests: dict[str, parts.TensorDigest] = {}
+    for part in _split(weights, 3):
+        digests.update(parts.tensor_digests(part))
+    return weightsync.version_header_from_digests(version, digests, {}, {}, pb.Canary(), signer)
+
+
+def _store_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ---------------------------------------------------------------- partition and digests
+
+
+def test_partition_is_deterministic_balanced_and_covers_every_tensor_once() -> None:
+    rng = random.Random(0)
+    sizes = {f"t{i:03d}": rng.choice([4, 64, 1000, 4096, 50_000]) for i in range(200)}
+    for count in (1, 2, 3, 7):
+        split = parts.partition(sizes, count)
+        assert len(split) == count
+        flat = [n for names in split for n in names]
+        assert sorted(flat) == sorted(sizes) and len(flat) == len(set(flat)), "every tensor in exactly one part"
+        assert all(names == sorted(names) for names in split)
+        shuffled = dict(rng.sample(list(sizes.items()), len(sizes)))
+        assert parts.partition(shuffled, count) == split, "depends on names and sizes, not order"
+        loads = [sum(sizes[n] for n in names) for names in split]
+        assert max(loads) - min(loads) <= max(sizes.values())
+    assert parts.partition({"a": 1}, 3) == [["a"], [], []]
+
+
+def test_digests_from_parts_equal_the_whole_versions_hash_content_and_signature(tmp_path: Path) -> None:
+    generate_signing_key(tmp_path / "k", tmp_path / "k.pub")
+    signer = Signer.load(tmp_path / "k")
+    weights = _weights(1)
+    header = _header(5, weights, signer)
+    whole = weightsync.publish_header(5, weights, {}, {}, pb.Canary(), signer)
+    assert header.weights_hash == whole.weights_hash == weights_hash(weights)
+    assert header.signature.content_sha256 == content_digest(weights)
+    # Ed25519 is deterministic: the same signed bytes give the same signature bytes.
+    assert header.signature.signature == whole.signature.signature
+    Verifier.load(tmp_path / "k.pub").check(5, header.weights_hash, [t.meta(n) for n, t in weights.items()], pb.Canary(), header.signature)
+
+
+# ---------------------------------------------------------------- the origin
+
+
+async def _publish_parts(address: str, version: int, weights: Weights, count: int, order: list[int], header: pb.PublishHeader | None = None) -> list[pb.PublishResponse]:
+    header = header or _header(version, weights)
+    split = _split(weights, count)
+
+    async def one(index: int, delay: float) -> pb.PublishResponse:
+        await asyncio.sleep(delay)
+        return await weightsync.publish_part(address, header, index, count, split[index])
+
+    return list(await asyncio.gather(*(one(i, 0.05 * rank) for rank, i in enumerate(order))))
+
+
+def _config(root: Path, **kw: object) -> WeightSyncConfig:
+    return WeightSyncConfig(role="origin", data_dir=str(root), keyframe_every=2, chunk_mb=0.002, **kw)  # type: ignore[arg-type]
+
+
+def test_parts_in_any_order_store_exactly_what_one_publish_stores(tmp_path: Path) -> None:
+    versions = [_weights(2, shift) for shift in range(4)]
+
+    async def body() -> None:
+        async with serving(WeightSyncService(_config(tmp_path / "single"))) as single:
+            for v, w in enumerate(versions):
+                await weightsync.publish(single, v, w)
+        orders = itertools.cycle([[2, 0, 1], [0, 1, 2], [1, 2, 0], [2, 1, 0]])
+        async with serving(WeightSyncService(_config(tmp_path / "parted"))) as parted:
+            for v, w in enumerate(versions):
+                replies = await _publish_parts(parted, v, w, 3, next(orders))
+                assert {r.version for r in replies} == {v} and len({r.encoded_bytes for r in replies}) == 1
+            # An identical republish of a held version, in parts, is accepted and changes nothing.
+            await _publish_parts(parted, 3, versions[3], 3, [1, 0, 2])
+
+    asyncio.run(body())
+    single, parted = _store_files(tmp_path / "single"), _store_files(tmp_path / "parted")
+    assert len(single) >= 4 * 3 and single.keys() == parted.keys()
+    for name in single:
+        assert single[name] == parted[name], f"{name} differs"
+
+
+def test_a_missing_part_times_out_and_every_waiting_part_hears_it(tmp_path: Path) -> None:
+    weights = _weights(3)
+
+    async def body() -> None:
+        async with serving(WeightSyncService(_config(tmp_path / "o", part_timeout_s=0.5))) as address:
+            header = _header(0, weights)
+            split = _split(weights, 3)
+            calls = [weightsync.publish_part(address, header, i, 3, split[i]) for i in (0, 2)]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            for exc in results:
+                assert isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+                assert "[1]" in exc.details() and "part_timeout_s" in exc.details()
+            assert await weightsync.latest_version(address) == -1
+            # Nothing of it stayed: the whole version published again goes through.
+            await _publish_parts(address, 0, weights, 3, [0, 1, 2], header)
+            assert await weightsync.latest_version(address) == 0
+
+    asyncio.run(body())
+
+
+def test_duplicate_foreign_and_inconsistent_parts_are_refused(tmp_path: Path) -> None:
+    weights, other = _weights(4), _weights(5)
+
+    async def body() -> None:
+        async with serving(WeightSyncService(_config(tmp_path / "o", part_timeout_s=2.0))) as address:
+            header = _header(0, weights)
+            split = _split(weights, 2)
+            first = asyncio.create_task(weightsync.publish_part(address, header, 0, 2, split[0]))
+            await asyncio.sleep(0.3)
+            with pytest.raises(grpc.aio.AioRpcError) as dup:
+                await weightsync.publish_part(address, header, 0, 2, split[0])
+            assert dup.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            with pytest.raises(grpc.aio.AioRpcError) as foreign:
+                await weightsync.publish_part(address, _header(1, other), 1, 2, _split(other, 2)[1])
+            assert foreign.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "version 0 is being assembled" in foreign.value.details()
+            # The pending version is untouched by either: its second part completes it.
+            await weightsync.publish_part(address, header, 1, 2, split[1])
+            assert (await first).version == 0
+
+            # A part whose version fields differ (another weights hash) aborts the version.
+            header1 = _header(1, other)
+            split1 = _split(other, 2)
+            waiting = asyncio.create_task(weightsync.publish_part(address, header1, 0, 2, split1[0]))
+            await asyncio.sleep(0.3)
+            with pytest.raises(grpc.aio.AioRpcError) as odd:
+                await weightsync.publish_part(address, _header(1, _weights(6)), 1, 2, _split(_weights(6), 2)[1])
+            assert odd.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as aborted:
+                await waiting
+            assert aborted.value.code() == grpc.StatusCode.ABORTED and "version fields" in aborted.value.details()
+
+            # A part whose bytes are not what its header's part hash says (a stale tensor).
+            stale = dict(split1[1])
+            name = sorted(stale)[0]
+            stale_header = parts.part_header(header1, 1, 2, split1[1])
+            bad = RawTensor(stale[name].dtype, stale[name].shape, stale[name].bits + np.uint16(1))
+            requests = list(weightsync.publish_requests(1, {**stale, name: bad}, header=stale_header))
+            waiting = asyncio.create_task(weightsync.publish_part(address, header1, 0, 2, split1[0]))
+            await asyncio.sleep(0.3)
+            async with weightsync.open_channel(address) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as corrupt:
+                    await weightsync.pb_grpc.WeightSyncStub(channel).Publish(iter(requests))
+            assert corrupt.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hash to" in corrupt.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as aborted:
+                await waiting
+            assert aborted.value.code() == grpc.StatusCode.ABORTED
+            assert await weightsync.latest_version(address) == 0
+
+    asyncio.run(body())
+
+
+def test_signed_parts_verify_at_an_origin_with_the_key(tmp_path: Path) -> None:
+    generate_signing_key(tmp_path / "k", tmp_path / "k.pub")
+    signer = Signer.load(tmp_path / "k")
+    weights = _weights(7)
+
+    async def body() -> None:
+        async with serving(WeightSyncService(_config(tmp_path / "o", verify_key=str(tmp_path / "k.pub")))) as address:
+            await _publish_parts(address, 0, weights, 2, [1, 0], _header(0, weights, signer))
+            manifest = await weightsync.manifest(address, 0)
+            assert manifest.signature.content_sha256 == content_digest(weights)
+            unsigned = _header(1, _weights(8))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _publish_parts(address, 1, _weights(8), 2, [0, 1], unsigned)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+    asyncio.run(body())
