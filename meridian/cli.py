@@ -69,6 +69,12 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return train.main(args.rest)
 
 
+def _chaos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from meridian import chaos
+
+    return chaos.main(args.rest)
+
+
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from meridian import bench
 
@@ -119,6 +125,7 @@ COMMANDS = {
     "certs": (_certs, "make credentials (CA, certificates, role tokens, API keys, Redis passwords, signing key): meridian certs --out DIR [--host H]"),
     "status": (_stack_command, "health, policy versions and stream length of the local stack"),
     "train": (_train, "run an RL job on a running stack (--rollout, --trainer) or on a local one it starts"),
+    "chaos": (_chaos, "an RL job on a two-region local stack under a seeded fault schedule; audits loss, duplicates, served versions and leaks: meridian chaos --json [--faults N] [--seed S]"),
     "demo": (_demo, "start the stack, evaluate, run a short RL job, evaluate again, report, stop the stack"),
     "bench": (_bench, "run a benchmark and print JSON"),
     "link": (_link, "an emulated WAN link (bandwidth, latency, cuts) between two regions, as a process"),

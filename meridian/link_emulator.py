@@ -5,8 +5,8 @@ two weightsync servers (or a server and a subscriber), and a multi-region ``meri
 puts one between each remote region's relay and the origin. In tests it runs inside the
 caller's asyncio loop and is controlled in-process; as a process (``meridian link``,
 :func:`main`) it is controlled by signals: SIGUSR1 cuts the link (open connections reset,
-new ones refused) until SIGUSR2 restores it, and its counters are written to a JSON
-file once a second.
+new ones refused) until SIGUSR2 restores it, SIGHUP corrupts the next weight chunk it
+carries, and its counters are written to a JSON file once a second.
 
 Model of one direction of the link: bytes are *serialised* onto the link at
 ``bandwidth`` bytes/s (one link per direction, shared by every connection through the
@@ -39,6 +39,8 @@ from meridian.config import add_config_args, config_from_args, opt
 log = logging.getLogger(__name__)
 
 READ_BYTES = 64 * 1024
+#: The start of every weightsync chunk payload (magic ``MW``, format version 1).
+CHUNK_MAGIC = b"MW\x01"
 
 
 @dataclasses.dataclass
@@ -212,6 +214,8 @@ class LinkEmulator:
             "bandwidth_bytes_s": self.down.bandwidth, "latency_s": self.down.latency_s,
             "bytes_down": self.bytes_down, "bytes_up": self.bytes_up,
             "connections": self.connections, "open_connections": len(self._conns), "cuts": self.cuts, "cut_now": self.refusing,
+            "corruptions_armed": sum(1 for r in self._corruption if r.armed),
+            "corruptions_fired": sum(1 for r in self._corruption if r.fired),
         }
 
     def corrupt_once(self, pattern: bytes, after: int = 0) -> _Corruption:
@@ -311,7 +315,6 @@ async def run_link(config: LinkConfig) -> None:
     """Serves the link until SIGTERM/SIGINT; SIGUSR1 cuts it, SIGUSR2 restores it."""
     link = LinkEmulator(config.target, config.mbit_s * 1e6 / 8, config.latency_ms / 1000, config.host, config.port)
     await link.start()
-    print(f"meridian link listening on {link.address}", flush=True)
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -319,6 +322,11 @@ async def run_link(config: LinkConfig) -> None:
     # A cut lasts until it is restored: a refusal period longer than any run.
     loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning("link cut: %d connection(s) reset", link.cut(refuse_s=1e9)))
     loop.add_signal_handler(signal.SIGUSR2, link.restore)
+    # SIGHUP: corrupt the next weight chunk carried down (a byte just past the codec's
+    # header magic); the relay must catch it by checksum and fetch the chunk again.
+    loop.add_signal_handler(signal.SIGHUP, lambda: link.corrupt_once(CHUNK_MAGIC, after=3))
+    # Announced once the controls are in place: a signal sent on seeing this line is handled.
+    print(f"meridian link listening on {link.address}", flush=True)
     try:
         while not stopping.is_set():
             if config.stats_file:

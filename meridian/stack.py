@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -77,6 +78,12 @@ class Stack:
     credentials: str = ""
     #: Prometheus endpoint of each process, by its name in ``pids``.
     metrics: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Each process's command line, with the ports it took written in: what
+    #: :meth:`restart` runs again (clients reconnect to the same addresses).
+    argv: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    #: Variables the processes got beyond this process's environment (the credentials
+    #: folder, and what ``start`` was given): :meth:`restart` gives them again.
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def save(self) -> None:
         """Records the stack, and makes this process call its services (and Redis) as
@@ -111,6 +118,75 @@ class Stack:
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
         credentials.unregister(self.addresses.values())
         return killed
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Sends ``sig`` to process ``name``'s whole group; after SIGKILL, returns once
+        every member is gone (a fault as a crash makes it: nothing exits cleanly)."""
+        pid = self.pids[name]
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            _wait_group_empty(pid)
+            _reap(pid)
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> int:
+        """Starts process ``name`` again with its recorded command line and environment,
+        on the same port (Redis with the same data folder and config); returns its new
+        PID once it accepts connections. Whatever of the old group still runs is stopped
+        first. The caller waits for SERVING where it needs to."""
+        argv = self.argv.get(name)
+        if not argv:
+            raise KeyError(f"no command line recorded for {name!r} (a stack started before restarts were possible?)")
+        old = self.pids.get(name)
+        if old and group_members(old):
+            _terminate(old, 10.0)
+        env = {**os.environ, **self.env}
+        env.pop(credentials.ENV_ROLE, None)
+        proc = _spawn(argv, Path(self.logs[name]), env)
+        self.pids[name] = proc.pid
+        self.save()
+        host, port = _host_port(self.addresses[name])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode} on restart; see {self.logs[name]}")
+            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+                return proc.pid
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not listen on {host}:{port} within {timeout_s:.0f}s of its restart; see {self.logs[name]}")
+            time.sleep(0.1)
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """(host, port) of ``host:port`` or a ``redis://host:port/db`` URL."""
+    hostport = address.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = hostport.rpartition(":")
+    return host, int(port)
+
+
+def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """``argv`` with every ``flag X`` set to ``flag value`` (the last one wins anyway)."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg == flag:
+            out[i + 1] = value
+    return out
+
+
+def pin_ports(stack: Stack) -> None:
+    """Writes the ports each process took (``--port 0``: a free one) into its recorded
+    command line, so that a restart listens where its clients look."""
+    for name, argv in stack.argv.items():
+        if name == "redis" or name not in stack.addresses:
+            continue
+        argv = _with_flag(argv, "--port", str(_host_port(stack.addresses[name])[1]))
+        if name in stack.metrics:
+            argv = _with_flag(argv, "--metrics-port", str(_host_port(stack.metrics[name])[1]))
+        if name == "rollout" and "rollout_http" in stack.addresses:
+            argv = _with_flag(argv, "--http-port", str(_host_port(stack.addresses["rollout_http"])[1]))
+        stack.argv[name] = argv
 
 
 def _alive(pid: int) -> bool:
@@ -321,13 +397,14 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
     extra_args = with_signing(creds, extra_args or {}) if config.sign_versions else (extra_args or {})
     port = (lambda name: free_port(config.host)) if config.ports == "auto" else FIXED_PORTS.__getitem__
     home, *remote = parse_regions(config.regions)
-    stack = Stack(run_dir, {}, {}, {}, "", home, credentials=str(creds))
+    stack = Stack(run_dir, {}, {}, {}, "", home, credentials=str(creds), env={**(env or {}), credentials.ENV_CREDENTIALS: str(creds)})
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         # Redis speaks no TLS here: it listens on loopback whatever --host says.
         redis_host = config.host if credentials.is_loopback(config.host) else "127.0.0.1"
         procs["redis"], stack.redis_url = _start_redis(run_dir, redis_host, port("redis"), child_env, creds)
         stack.pids["redis"] = procs["redis"].pid
+        stack.argv["redis"] = [str(a) for a in procs["redis"].args]  # type: ignore[union-attr]
         stack.addresses["redis"] = stack.redis_url
         stack.logs["redis"] = str(run_dir / "redis.log")
         stack.save()
@@ -337,6 +414,7 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
             metrics = ["--metrics-port", str(0 if config.ports == "auto" else FIXED_METRICS_PORTS[name])]
             procs[name], address, log = spawn_service(name, [*metrics, *args, *extra_args.get(name, [])], run_dir, child_env, config.host, svc_port)
             stack.pids[name], stack.logs[name], stack.addresses[name] = procs[name].pid, str(log), address
+            stack.argv[name] = [str(a) for a in procs[name].args]  # type: ignore[union-attr]
             stack.save()
 
         def serving(names: list[str]) -> None:
@@ -364,6 +442,7 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
         raise
     # Every service printed its metrics line before its warm-up: all are there by now.
     stack.metrics = metrics_endpoints(stack.logs)
+    pin_ports(stack)
     stack.save()
     return stack
 
@@ -387,6 +466,7 @@ def start_remote_region(
     def record(name: str, started: tuple[subprocess.Popen[bytes], str, Path]) -> None:
         procs[name], stack.addresses[name], log = started
         stack.pids[name], stack.logs[name] = procs[name].pid, str(log)
+        stack.argv[name] = [str(a) for a in procs[name].args]  # type: ignore[union-attr]
         stack.save()
 
     def launch(service: str, args: list[str]) -> str:

@@ -66,6 +66,8 @@ class TrainConfig:
     regions: str = opt("a", "regions of the stack this command starts (see meridian up --regions): each region's rollout samples for the job")
     link_mbit_s: float = opt(100.0, "emulated inter-region link bandwidth, Mbit/s (when this command starts a multi-region stack)")
     link_latency_ms: float = opt(50.0, "emulated inter-region link one-way latency, ms (when this command starts a multi-region stack)")
+    retry_s: float = opt(180.0, "seconds the job keeps retrying a call to a service that is restarting (UNAVAILABLE) before it gives up")
+    retry_codes: str = opt("UNAVAILABLE", "comma-separated gRPC status codes the job retries with backoff")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,6 +87,28 @@ class TrainConfig:
 
 def task_ids(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
+
+
+RETRY_PAUSES_S = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+async def retrying(call: Callable[[], Awaitable[Any]], codes: frozenset[str], within_s: float, what: str) -> Any:
+    """``call()``, again with backoff while it fails with one of ``codes`` (a service
+    being restarted refuses connections meanwhile), for up to ``within_s`` seconds."""
+    import grpc
+
+    deadline = time.monotonic() + within_s
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code().name not in codes or time.monotonic() > deadline:
+                raise
+            pause = RETRY_PAUSES_S[min(attempt, len(RETRY_PAUSES_S) - 1)]
+            attempt += 1
+            print(f"{what}: {exc.code().name} ({exc.details()}); retrying in {pause:.2f} s", file=sys.stderr, flush=True)
+            await asyncio.sleep(pause)
 
 
 async def service_status(address: str, kind: str) -> Any:
@@ -114,6 +138,15 @@ class Job:
         self.sample_seconds: list[float] = []  # each RunEpisodes request, start to reply
         self.consumed = 0  # trajectories the trainer consumed since the job started
         self.started = 0.0
+        self.retry_codes = frozenset(c.strip().upper() for c in config.retry_codes.split(",") if c.strip())
+        #: ids of the trajectories each RunEpisodes reply said it published
+        self.published_ids: list[str] = []
+        #: RunEpisodes requests running now, by rollout address
+        self.in_flight: collections.Counter[str] = collections.Counter()
+
+    async def _status(self, address: str, kind: str) -> Any:
+        """``Status`` of a rollout or trainer, retried while it restarts."""
+        return await retrying(lambda: service_status(address, kind), self.retry_codes, self.config.retry_s, f"{kind} {address} Status")
 
     def _pick(self, n: int) -> list[str]:
         if not self.tasks:
@@ -122,23 +155,33 @@ class Job:
         self._next_task += n
         return picked
 
-    async def _sample(self, rollout: Any, groups: int) -> None:
+    async def _sample(self, rollout: Any, groups: int, address: str = "") -> None:
         from meridian.v1 import rollout_pb2
 
         picked = self._pick(groups)
         started = time.monotonic()
-        reply = await rollout.RunEpisodes(
-            rollout_pb2.RunEpisodesRequest(
-                task_ids=picked,
-                num_tasks=0 if picked else groups,
-                group_size=self.config.group_size,
-                publish=True,
-                sampling=rollout_pb2.SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature),
-            ),
-            timeout=self.config.step_timeout_s,  # a stalled rollout ends the job with its error
+        request = rollout_pb2.RunEpisodesRequest(
+            task_ids=picked,
+            num_tasks=0 if picked else groups,
+            group_size=self.config.group_size,
+            publish=True,
+            sampling=rollout_pb2.SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature),
         )
+
+        async def call() -> Any:
+            self.in_flight[address] += 1
+            try:
+                # a stalled rollout ends the job with its error
+                return await rollout.RunEpisodes(request, timeout=self.config.step_timeout_s)
+            finally:
+                self.in_flight[address] -= 1
+
+        # A rollout restarted mid-request may have published some groups already: the
+        # retry samples new ones (new ids); the trainer trains on all of them.
+        reply = await retrying(call, self.retry_codes, self.config.retry_s, f"RunEpisodes on {address or 'rollout'}")
         self.sample_seconds.append(time.monotonic() - started)
         self.sampled += len(reply.trajectories)
+        self.published_ids.extend(t.trajectory_id for t in reply.trajectories)
         self.rewards.extend(t.reward for t in reply.trajectories)
 
     async def _sampler(self, rollout: Any) -> None:
@@ -148,7 +191,7 @@ class Job:
             if self.sampled - self.consumed >= backlog:
                 await asyncio.sleep(POLL_S)
                 continue
-            await self._sample(rollout, 1)
+            await self._sample(rollout, 1, getattr(rollout, "address", ""))
 
     async def run(self) -> dict[str, Any]:
         """Runs ``steps`` trainer steps; returns the summary."""
@@ -156,12 +199,14 @@ class Job:
         from meridian.v1 import rollout_pb2_grpc
 
         cfg = self.config
-        first = await service_status(self.addresses["trainer"], "trainer")
+        first = await self._status(self.addresses["trainer"], "trainer")
         start_step, consumed0 = first.step, first.trajectories_consumed
         start_version = (await self._served())[0]
         self.started = time.monotonic()
         async with contextlib.AsyncExitStack() as channels:
             stubs = [rollout_pb2_grpc.RolloutStub(await channels.enter_async_context(open_channel(a))) for a in self.rollouts]
+            for stub, address in zip(stubs, self.rollouts):
+                stub.address = address  # type: ignore[attr-defined]  # what in_flight counts by
             # Every region samples: at least one request in flight per rollout.
             in_flight = max(cfg.in_flight, len(stubs))
             samplers = [asyncio.create_task(self._sampler(stubs[i % len(stubs)])) for i in range(in_flight)] if cfg.mode == "async" else []
@@ -196,16 +241,16 @@ class Job:
 
     async def _served(self) -> list[int]:
         """The policy version each rollout serves (home region first)."""
-        return [(await service_status(a, "rollout")).policy_version for a in self.rollouts]
+        return [(await self._status(a, "rollout")).policy_version for a in self.rollouts]
 
     async def _served_by_region(self) -> dict[str, int]:
-        replies = [await service_status(a, "rollout") for a in self.rollouts]
+        replies = [await self._status(a, "rollout") for a in self.rollouts]
         return {r.region or f"rollout{i}": r.policy_version for i, r in enumerate(replies)}
 
     async def _sample_everywhere(self, stubs: list[Any], groups: int) -> None:
         """Sync mode: ``groups`` groups spread over the regions' rollouts, at once."""
         shares = [groups // len(stubs) + (1 if i < groups % len(stubs) else 0) for i in range(len(stubs))]
-        await asyncio.gather(*(self._sample(stub, n) for stub, n in zip(stubs, shares) if n))
+        await asyncio.gather(*(self._sample(stub, n, stub.address) for stub, n in zip(stubs, shares) if n))
 
     async def _follow(self, stubs: list[Any], start_step: int, consumed0: int, samplers: list[asyncio.Task[None]]) -> tuple[Any, int]:
         """Waits for ``steps`` trainer steps served by every region's rollout (sampling,
@@ -221,7 +266,7 @@ class Job:
                 for task in samplers:
                     if task.done():
                         task.result()  # a sampler's failure ends the job with its error
-                trainer = await service_status(self.addresses["trainer"], "trainer")
+                trainer = await self._status(self.addresses["trainer"], "trainer")
                 served = min(await self._served())
                 self.consumed = trainer.trajectories_consumed - consumed0
                 if trainer.step > reported:

@@ -75,6 +75,8 @@ _REFUSALS = frozenset(
     {grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}
 )
 _PUBLISH_RETRY_S = (0.5, 1.0, 2.0, 5.0)
+#: In the checkpoint folder: one JSON line per group acked as trained (see GroupConsumer.open_trained_log).
+TRAINED_LOG = "trained-ids.jsonl"
 
 
 class Committer:
@@ -103,6 +105,7 @@ class Committer:
         if root:
             root.mkdir(parents=True, exist_ok=True)
             ckpt.prune(root, self.config.keep_checkpoints)
+            self.consumer.open_trained_log(root / TRAINED_LOG)
         if path is None:
             return False
         state, meta = ckpt.load_checkpoint(path)

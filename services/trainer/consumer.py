@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
+import os
 import time
+from pathlib import Path
 
 from meridian.trajectory_transport import GroupEntry, GroupTransport
 from meridian.v1 import common_pb2
@@ -74,7 +77,51 @@ class GroupConsumer:
         self._ready: dict[str, Taken] = {}
         # Trained on, not yet covered by a checkpoint: group id -> entry id, acked at commit.
         self._unacked: dict[str, str] = {}
+        # Trajectory ids of each unacked group, for the trained-ids log.
+        self._unacked_groups: dict[str, common_pb2.TrajectoryGroup] = {}
         self._next_claim = 0.0
+        self._trained_log: Path | None = None
+        self._logged: set[str] = set()  # group ids the trained-ids log holds
+
+    def open_trained_log(self, path: Path) -> None:
+        """Keeps an append-only, fsynced record of every group this trainer acked as
+        trained (one JSON line per group, written before its XACK): what an outside
+        audit (``meridian chaos``) compares with what was published. Groups the log
+        already holds (from before a restart) are not written again."""
+        self._trained_log = path
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    self._logged.add(json.loads(line)["group_id"])
+                except (ValueError, KeyError):
+                    continue  # a line torn by a crash mid-write: its group is written again
+
+    def _log_trained(self, groups: list[tuple[str, common_pb2.TrajectoryGroup]], how: str) -> None:
+        """Appends (and fsyncs) the groups the log does not hold yet; ``how`` says why
+        they are acked: ``checkpoint`` (a checkpoint covers their step) or ``covered``
+        (a redelivery of a group the restored checkpoint already holds)."""
+        if self._trained_log is None:
+            return
+        lines = []
+        for entry_id, group in groups:
+            if group.group_id in self._logged:
+                continue
+            rewards = {t.reward for t in group.trajectories}
+            lines.append(json.dumps({
+                "group_id": group.group_id, "entry_id": entry_id, "how": how,
+                "trajectory_ids": [t.trajectory_id for t in group.trajectories],
+                # Flat rewards: the learner drops the group by design (no advantage).
+                "flat": len(rewards) <= 1,
+            }))
+        if not lines:
+            return
+        fd = os.open(self._trained_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, ("\n".join(lines) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._logged.update(json.loads(line)["group_id"] for line in lines)
 
     def restore(self, trained_ids: list[str]) -> None:
         """Remembers the group ids a checkpoint says were trained on."""
@@ -128,6 +175,10 @@ class GroupConsumer:
             # A second copy, or a redelivery of something a checkpoint already holds. The
             # copy we hold (if any) keeps its entry pending until its own commit.
             self.counters["duplicates_skipped"] += 1
+            if held is None:
+                # Trained before a restart and covered by the checkpoint we resumed from;
+                # a crash may have come before its log line.
+                self._log_trained([(entry.entry_id, entry.group)], "covered")
             await self.transport.ack([entry.entry_id])
             return False
         self._ready[gid] = (entry.entry_id, entry.group)
@@ -144,6 +195,7 @@ class GroupConsumer:
         for entry_id, group in taken:
             self.trained.add(group.group_id)
             self._unacked[group.group_id] = entry_id
+            self._unacked_groups[group.group_id] = group
 
     def unacked(self) -> dict[str, str]:
         """The groups trained on and not acked yet (group id -> entry id), as of now."""
@@ -153,10 +205,14 @@ class GroupConsumer:
         """Acks ``groups`` (from :meth:`unacked`) once a checkpoint or a publish holds them."""
         if not groups:
             return
+        # Logged before the XACK: a crash between the two leaves a logged group that the
+        # restarted trainer finds in its checkpoint and acks without logging it again.
+        self._log_trained([(e, self._unacked_groups[g]) for g, e in groups.items() if g in self._unacked_groups], "checkpoint")
         await self.transport.ack(list(groups.values()))
         for gid, entry_id in groups.items():
             if self._unacked.get(gid) == entry_id:
                 del self._unacked[gid]
+                self._unacked_groups.pop(gid, None)
 
     def ready_trajectories(self) -> int:
         """Trajectories received and waiting for a step."""
