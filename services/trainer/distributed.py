@@ -149,7 +149,7 @@ def save_batches(path: Path, batches: list[list[list[Any]]]) -> None:
     torch.save([_serialize(b) for b in batches], path)
 
 
-def replay(learner: Any, path: Path, out: Path, rank: int) -> None:
+def replay(learner: Any, path: Path, out: Path, rank: int, publish_to: str = "", signing_key: str = "") -> None:
     """Steps through saved batches the way the service does: rank 0 drives a
     :class:`BroadcastLearner`, the others follow. Every rank then writes its
     master-weight hash and how many parameter elements it holds, rank 0 the whole
@@ -157,11 +157,19 @@ def replay(learner: Any, path: Path, out: Path, rank: int) -> None:
 
     Before the last batch rank 0 takes a checkpoint, trains on that batch, restores the
     checkpoint and trains on it again, so a restore that loses anything (a rank's shard,
-    the optimiser's moments, the step count) shows in the final weights."""
+    the optimiser's moments, the step count) shows in the final weights.
+
+    With ``publish_to`` (a weightsync origin) every rank also publishes the starting
+    weights as version 0 and the final ones as version 1, each rank its own part
+    (:func:`services.trainer.shard_publish.publish_sharded`), and records the tensor bytes
+    it gathered for that."""
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
     losses: list[float] = []
+    published: list[int] = []
+    if publish_to:
+        published.append(_publish_part_of(learner, publish_to, 0, rank, signing_key))
     if rank == 0:
         batches = [_parse(b) for b in torch.load(path, weights_only=False)]
         lead = BroadcastLearner(learner)
@@ -174,11 +182,23 @@ def replay(learner: Any, path: Path, out: Path, rank: int) -> None:
         lead.close()
     else:
         follow(learner)
-    summary = {"master_hash": learner.master_hash(), "local_elements": learner.local_elements()}
+    if publish_to:
+        published.append(_publish_part_of(learner, publish_to, 1, rank, signing_key))
+    summary = {"master_hash": learner.master_hash(), "local_elements": learner.local_elements(), "published_bytes": published}
     (out / f"rank-{rank}.json").write_text(json.dumps(summary))
     weights = learner.master_weights()
     if rank == 0:
         torch.save({"weights": weights, "losses": losses}, out / "result.pt")
+
+
+def _publish_part_of(learner: Any, address: str, version: int, rank: int, signing_key: str) -> int:
+    """Every rank publishes its part of ``version``; returns the bytes this rank sent."""
+    from services.trainer.shard_publish import publish_sharded
+    from services.weightsync.signing import load_signer
+
+    signer = load_signer(signing_key) if rank == 0 else None
+    _, sent = publish_sharded(learner.module, address, version, signer=signer)
+    return sent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     add_config_args(parser, TrainerConfig, "trainer")
     parser.add_argument("--replay", type=Path, help="train on batches saved with save_batches instead of the stream")
     parser.add_argument("--out", type=Path, help="with --replay: folder for hashes and final weights")
+    parser.add_argument("--publish-to", default="", help="with --replay: weightsync origin every rank publishes its part of versions 0 (start) and 1 (end) to")
     ns = parser.parse_args(argv)
     try:
         server_config = config_from_args(ServerConfig, ns, "trainer")
@@ -207,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         learner = Learner(resolve_model(config.model), config, device=device)
         if ns.replay:
-            replay(learner, ns.replay, ns.out, rank)
+            replay(learner, ns.replay, ns.out, rank, ns.publish_to, config.signing_key)
         elif rank != 0:
             follow(learner)
         else:

@@ -132,7 +132,8 @@ def test_a_missing_part_times_out_and_every_waiting_part_hears_it(tmp_path: Path
             header = _header(0, weights)
             split = _split(weights, 3)
             calls = [weightsync.publish_part(address, header, i, 3, split[i]) for i in (0, 2)]
-            results = await asyncio.gather(*calls, return_exceptions=True)
+            # Bounded here: an origin that never gives up would otherwise hang the test.
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
             for exc in results:
                 assert isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
                 assert "[1]" in exc.details() and "part_timeout_s" in exc.details()
