@@ -74,7 +74,8 @@ class CommitRefused(RuntimeError):
 _REFUSALS = frozenset(
     {grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}
 )
-_PUBLISH_RETRY_S = (0.5, 1.0, 2.0, 5.0)
+# About half a minute: an origin restarting after a crash (`meridian chaos` kills it) is back by then.
+_PUBLISH_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0)
 #: In the checkpoint folder: one JSON line per group acked as trained (see GroupConsumer.open_trained_log).
 TRAINED_LOG = "trained-ids.jsonl"
 
