@@ -148,19 +148,36 @@ class Audit:
         return set(self.trained) - self.produced
 
 
-def read_trained_log(path: Path) -> tuple[collections.Counter[str], int]:
-    """(times each trajectory id was logged as trained, groups logged as flat)."""
+def read_trained_log(path: Path, in_checkpoint: set[str] | None = None) -> tuple[collections.Counter[str], int, list[str]]:
+    """(times each trajectory id was logged as trained, groups logged as flat, groups
+    logged but absent from ``in_checkpoint``). With ``in_checkpoint`` (the group ids the
+    final checkpoint says its weights hold), a logged group the weights do not hold, as
+    a trainer that acked before its checkpoint and then crashed leaves, is not trained."""
     trained: collections.Counter[str] = collections.Counter()
     flat = 0
+    missing: list[str] = []
     if not path.exists():
-        return trained, 0
+        return trained, 0, missing
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
         record = json.loads(line)
+        if in_checkpoint is not None and record["group_id"] not in in_checkpoint:
+            missing.append(record["group_id"])
+            continue
         trained.update(record["trajectory_ids"])
         flat += bool(record.get("flat"))
-    return trained, flat
+    return trained, flat, missing
+
+
+def checkpointed_groups(root: Path) -> set[str] | None:
+    """Group ids the newest complete checkpoint under ``root`` lists as trained (None: no checkpoint)."""
+    from services.trainer import checkpoint as ckpt
+
+    path = ckpt.latest_checkpoint(root) if root.is_dir() else None
+    if path is None:
+        return None
+    return set(json.loads((path / ckpt.META_FILE).read_text()).get("trained_groups", []))
 
 
 # ---------------------------------------------------------------- watching the stack
@@ -329,7 +346,7 @@ class Chaos:
         c = self.config
         return TrainConfig(
             steps=1, mode="sync", tasks_per_step=len(stack_mod.parse_regions(c.regions)), group_size=c.group_size, max_tokens=c.max_tokens,
-            train_tasks=c.train_tasks, temperature=1.0, step_timeout_s=600, retry_s=600, retry_codes=JOB_RETRY_CODES,
+            train_tasks=c.train_tasks, temperature=1.0, step_timeout_s=240, retry_s=600, retry_codes=JOB_RETRY_CODES,
         )
 
     async def job(self) -> None:
@@ -516,7 +533,8 @@ async def run_chaos(stack: stack_mod.Stack, config: ChaosConfig, stop: Callable[
         await asyncio.gather(job, return_exceptions=True)
     final = await chaos.drain()
     produced = chaos.published_ids | await chaos.stream_ids()
-    trained, flat_groups = read_trained_log(stack.run_dir / "trainer-checkpoints" / TRAINED_LOG)
+    root = stack.run_dir / "trainer-checkpoints"
+    trained, flat_groups, not_in_checkpoint = read_trained_log(root / TRAINED_LOG, checkpointed_groups(root))
     audit = Audit(produced, trained)
     equal, region_detail = await chaos.regions_equal(final, 0.15)
     live_sandboxes = sum(max(n, 0) for n in final.sandboxes.values())
@@ -543,7 +561,7 @@ async def run_chaos(stack: stack_mod.Stack, config: ChaosConfig, stop: Callable[
     details = {
         "seed": config.seed, "faults": chaos.records, "regions": region_detail, "job_round_errors": chaos.job_errors,
         "lost_ids": sorted(audit.lost)[:50], "trained_twice_ids": sorted(audit.trained_twice)[:50], "unexplained_ids": sorted(audit.unexplained)[:50],
-        "flat_groups_logged": flat_groups, "live_sandboxes_at_end": final.sandboxes, "leftover_sandboxes": leftovers,
+        "flat_groups_logged": flat_groups, "logged_groups_not_in_final_checkpoint": not_in_checkpoint[:50], "live_sandboxes_at_end": final.sandboxes, "leftover_sandboxes": leftovers,
         "leaked_processes": leaked_groups,
     }
     return summary, details

@@ -63,13 +63,24 @@ def test_the_audit_finds_lost_duplicated_and_unexplained_ids(tmp_path: Path) -> 
         + json.dumps({"group_id": "g1", "trajectory_ids": ["a", "b"], "flat": False}) + "\n"
         + json.dumps({"group_id": "g9", "trajectory_ids": ["z"], "flat": False}) + "\n"
     )
-    trained, flat = chaos.read_trained_log(log)
+    trained, flat, missing = chaos.read_trained_log(log)
     audit = chaos.Audit({"a", "b", "c", "d", "e"}, trained)
     assert audit.lost == {"e"}
     assert audit.trained_twice == {"a", "b"}
     assert audit.unexplained == {"z"}
-    assert flat == 1
-    assert chaos.read_trained_log(tmp_path / "absent.jsonl") == (collections.Counter(), 0)
+    assert flat == 1 and missing == []
+    assert chaos.read_trained_log(tmp_path / "absent.jsonl") == (collections.Counter(), 0, [])
+    # A group logged as trained that the final checkpoint's weights do not hold is lost.
+    trained, _, missing = chaos.read_trained_log(log, in_checkpoint={"g1", "g9"})
+    assert missing == ["g2"] and chaos.Audit({"a", "b", "c", "d"}, trained).lost == {"c", "d"}
+
+
+def test_checkpointed_groups_reads_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    from services.trainer import checkpoint as ckpt
+
+    assert chaos.checkpointed_groups(tmp_path / "none") is None
+    ckpt.save_checkpoint(tmp_path, 3, {}, {"step": 3, "version": 3, "trained_groups": ["g1", "g2"]}, 2)
+    assert chaos.checkpointed_groups(tmp_path) == {"g1", "g2"}
 
 
 # ---------------------------------------------------------------- the trained-ids log
