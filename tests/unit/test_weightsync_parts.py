@@ -124,6 +124,19 @@ def test_parts_in_any_order_store_exactly_what_one_publish_stores(tmp_path: Path
         assert single[name] == parted[name], f"{name} differs"
 
 
+def test_more_parts_than_tensors_leaves_empty_parts_that_still_complete_the_version(tmp_path: Path) -> None:
+    weights = {n: t for n, t in _weights(9).items() if n in ("embed", "norm")}
+
+    async def body() -> None:
+        async with serving(WeightSyncService(_config(tmp_path / "parted"))) as parted:
+            await _publish_parts(parted, 0, weights, 4, [3, 1, 0, 2])
+        async with serving(WeightSyncService(_config(tmp_path / "single"))) as single:
+            await weightsync.publish(single, 0, weights)
+
+    asyncio.run(body())
+    assert _store_files(tmp_path / "parted") == _store_files(tmp_path / "single")
+
+
 def test_a_missing_part_times_out_and_every_waiting_part_hears_it(tmp_path: Path) -> None:
     weights = _weights(3)
 
