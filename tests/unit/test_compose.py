@@ -330,7 +330,7 @@ def test_dockerfile_entrypoint_serves_a_known_service(name: str) -> None:
     assert len(venvs) == 1, venvs
     installs = "\n".join(_stage_chain(DOCKERFILE, venvs[0]))
     engine = name in ("trainer", "rollout")
-    installs_engine = "['optional-dependencies']['engine']" in installs or "'.[engine]'" in installs
+    installs_engine = "/requirements/engine.txt" in installs or "'.[engine]'" in installs
     assert installs_engine == engine, f"{name}: engine extra {'missing' if engine else 'not needed'}"
     users = re.findall(r"^USER\s+(\S+)", chain[0], flags=re.MULTILINE)
     # envsandbox keeps root for its namespaces, mounts and sandbox uids; the others drop it.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,19 @@ def test_entrypoint_refuses_before_the_service_when_it_cannot_isolate() -> None:
     refuse = script.index("exit 78")
     assert script.index("THIS CONTAINER CANNOT ISOLATE SANDBOXES") < refuse < script.index('exec "$@"')
     assert "MERIDIAN_ENVSANDBOX_SKIP_PREFLIGHT" in script
+
+
+def test_installed_envsandbox_has_its_launcher_source() -> None:
+    """The process backend compiles launcher/sandbox_exec.c at start: an installed (not
+    editable) package, as in the images, must carry it, and the task suites."""
+    repo = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["services.envsandbox"]
+    package = repo / "services" / "envsandbox"
+    needed = [f for f in package.rglob("*") if f.is_file() and f.suffix not in (".py", ".pyc") and "__pycache__" not in f.parts]
+    assert any(f.name == "sandbox_exec.c" for f in needed)
+    missing = [str(f.relative_to(package)) for f in needed if not any(f.relative_to(package).match(pattern) or _glob_match(package, f, pattern) for pattern in patterns)]
+    assert not missing, f"not in the package data of services.envsandbox: {missing}"
+
+
+def _glob_match(package: Path, path: Path, pattern: str) -> bool:
+    return path in set(package.glob(pattern))
