@@ -41,6 +41,11 @@ class PrivateDockerd:
             raise DockerdUnavailable("dockerd is not installed (apt package docker.io)")
         for name in ("data", "exec"):
             (self.folder / name).mkdir(parents=True, exist_ok=True)
+        # A kept folder may hold the pid file of a daemon that died without removing it.
+        pidfile = self.folder / "dockerd.pid"
+        with contextlib.suppress(OSError, ValueError):
+            if pidfile.exists() and not Path(f"/proc/{int(pidfile.read_text().strip())}").exists():
+                pidfile.unlink()
         log = open(self.folder / "dockerd.log", "wb")
         self.proc = subprocess.Popen(
             [
