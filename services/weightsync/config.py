@@ -21,7 +21,7 @@ class WeightSyncConfig:
     max_subscribe_streams: int = opt(256, "Subscribe streams open at once (followers, relays, catch-ups); more answer RESOURCE_EXHAUSTED")
     max_publish_gib: float = opt(16.0, "tensor bytes one Publish may declare, GiB; a declaration past it answers RESOURCE_EXHAUSTED before anything is allocated")
     max_publish_total_gib: float = opt(32.0, "tensor bytes all Publish streams in flight may declare together, GiB; past it RESOURCE_EXHAUSTED")
-    part_timeout_s: float = opt(120.0, "sharded publish: how long the origin waits, from a version's first part, for all its parts; past it the version is aborted and every part answered DEADLINE_EXCEEDED")
+    part_timeout_s: float = opt(120.0, "sharded publish: how long the origin waits, from a version's first part, for all its parts to be received and encoded; past it the version is aborted and every part answered DEADLINE_EXCEEDED")
     verify_key: str = opt("", "Ed25519 public key (PEM) versions must be signed with: an origin refuses an unsigned or badly signed Publish (PERMISSION_DENIED), a relay refuses such a version from upstream (not stored, not served) and keeps serving the previous one (empty: no check)")
 
     def __post_init__(self) -> None:

@@ -434,7 +434,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
     def _expire(self, pending: _PendingVersion) -> None:
         missing = sorted(set(range(pending.count)) - set(pending.done))
         self._abort(pending, DeadlineExceeded(
-            f"version {pending.version}: parts {missing[:8]} of {pending.count} did not arrive within part_timeout_s={self.config.part_timeout_s:g}; "
+            f"version {pending.version}: parts {missing[:8]} of {pending.count} were not in (received and encoded) within "
+            f"part_timeout_s={self.config.part_timeout_s:g} of the first; "
             "the version is aborted (publish all its parts again)"
         ))
 
