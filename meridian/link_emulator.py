@@ -5,8 +5,8 @@ two weightsync servers (or a server and a subscriber), and a multi-region ``meri
 puts one between each remote region's relay and the origin. In tests it runs inside the
 caller's asyncio loop and is controlled in-process; as a process (``meridian link``,
 :func:`main`) it is controlled by signals: SIGUSR1 cuts the link (open connections reset,
-new ones refused) until SIGUSR2 restores it, SIGHUP corrupts the next weight chunk it
-carries, and its counters are written to a JSON file once a second.
+new ones refused) until SIGUSR2 restores it, SIGHUP corrupts the next bytes it carries
+down (see :func:`run_link`), and its counters are written to a JSON file once a second.
 
 Model of one direction of the link: bytes are *serialised* onto the link at
 ``bandwidth`` bytes/s (one link per direction, shared by every connection through the
@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 READ_BYTES = 64 * 1024
 #: The start of every weightsync chunk payload (magic ``MW``, format version 1).
 CHUNK_MAGIC = b"MW\x01"
+#: SIGHUP flips the byte this far into the next bytes the link carries down.
+SIGHUP_AFTER = 1000
 
 
 @dataclasses.dataclass
@@ -89,6 +91,10 @@ class _Pump:
         buf = bytearray(data)
         for rule in self.corruption:
             if not rule.armed:
+                continue
+            if not rule.pattern:  # the next bytes carried, whatever they are
+                rule.armed = False
+                self._pending_flip.append((rule, rule.after))
                 continue
             window = self._tail + data
             at = window.find(rule.pattern)
@@ -220,10 +226,8 @@ class LinkEmulator:
 
     def corrupt_once(self, pattern: bytes, after: int = 0) -> _Corruption:
         """Flips (XOR 0xFF) the byte ``after`` bytes past the end of the next occurrence of
-        ``pattern`` in the server-to-client stream; the returned rule's ``fired`` tells
-        whether it happened."""
-        if not pattern:
-            raise ValueError("pattern must not be empty")
+        ``pattern`` in the server-to-client stream (empty ``pattern``: ``after`` bytes into
+        the next bytes carried down); the returned rule's ``fired`` tells whether it happened."""
         rule = _Corruption(pattern, after)
         self._corruption.append(rule)
         return rule
@@ -322,9 +326,13 @@ async def run_link(config: LinkConfig) -> None:
     # A cut lasts until it is restored: a refusal period longer than any run.
     loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning("link cut: %d connection(s) reset", link.cut(refuse_s=1e9)))
     loop.add_signal_handler(signal.SIGUSR2, link.restore)
-    # SIGHUP: corrupt the next weight chunk carried down (a byte just past the codec's
-    # header magic); the relay must catch it by checksum and fetch the chunk again.
-    loop.add_signal_handler(signal.SIGHUP, lambda: link.corrupt_once(CHUNK_MAGIC, after=3))
+    # SIGHUP: corrupt the next bytes carried down (a new version's chunks, the next time
+    # one crosses). The link cannot find a chunk inside TLS (meridian up's services speak
+    # mTLS), so it flips a byte of whatever comes: the TLS record's MAC catches it there
+    # (the connection fails, the relay resumes the version); on a plaintext link the
+    # chunk's checksum does (the relay fetches the chunk again; tests pick the chunk with
+    # corrupt_once(CHUNK_MAGIC)).
+    loop.add_signal_handler(signal.SIGHUP, lambda: link.corrupt_once(b"", after=SIGHUP_AFTER))
     # Announced once the controls are in place: a signal sent on seeing this line is handled.
     print(f"meridian link listening on {link.address}", flush=True)
     try:

@@ -298,6 +298,31 @@ def test_corrupting_the_next_chunk_flips_a_byte_after_the_chunk_magic() -> None:
     asyncio.run(body())
 
 
+def test_an_empty_pattern_corrupts_the_next_bytes_carried_whatever_they_are() -> None:
+    payload = bytes(range(256)) * 20
+
+    async def body() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(1)  # after the rule is set
+            writer.write(payload)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with LinkEmulator(f"127.0.0.1:{port}") as link:
+            reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+            rule = link.corrupt_once(b"", after=1000)
+            writer.write(b"go")
+            got = await reader.read()
+            writer.close()
+            assert rule.fired
+        server.close()
+        assert [i for i in range(len(payload)) if got[i] != payload[i]] == [1000] and got[1000] == payload[1000] ^ 0xFF
+
+    asyncio.run(body())
+
+
 def test_the_link_process_arms_a_corruption_on_sighup(tmp_path: Path) -> None:
     target = _free_port()
     stats = tmp_path / "link.json"
