@@ -317,6 +317,9 @@ class ChaosConfig:
             raise ValueError("faults and steps must be positive")
 
 
+#: Sandbox time-to-live in a chaos run's envsandboxes: a rollout killed mid-episode
+#: leaves its group's sandboxes open until then (an episode of the tiny model takes seconds).
+SANDBOX_TTL_S = 120
 JOB_RETRY_CODES = "UNAVAILABLE,INTERNAL,UNKNOWN,CANCELLED,ABORTED,DEADLINE_EXCEEDED,RESOURCE_EXHAUSTED"
 
 
@@ -448,10 +451,13 @@ class Chaos:
                 snap = await snapshot(self.stack)
                 backlog = await _quiet(transport.backlog())
                 t = snap.trainer
-                if t is not None and backlog == 0 and t.trajectories_pending == 0 and t.checkpoint_step >= t.step and snap.served() >= t.policy_version:
+                # Sandboxes of an episode whose rollout was killed are nobody's: the
+                # envsandbox closes them at their TTL (SANDBOX_TTL_S here).
+                sandboxes = sum(max(n, 0) for n in snap.sandboxes.values())
+                if t is not None and backlog == 0 and t.trajectories_pending == 0 and t.checkpoint_step >= t.step and snap.served() >= t.policy_version and not sandboxes:
                     return snap
                 if time.monotonic() > deadline:
-                    _log(f"drain timed out: backlog {backlog}, trainer {t and (t.step, t.checkpoint_step, t.policy_version)}, served {snap.served()}")
+                    _log(f"drain timed out: backlog {backlog}, trainer {t and (t.step, t.checkpoint_step, t.policy_version)}, served {snap.served()}, live sandboxes {snap.sandboxes}")
                     return snap
                 await asyncio.sleep(0.5)
         finally:
@@ -572,7 +578,8 @@ def start_stack(config: ChaosConfig, run_dir: str) -> tuple[stack_mod.Stack, sta
     partner that a fault took away), a checkpoint after every step, a quick idle checkpoint."""
     stack_config = stack_mod.StackConfig(run_dir=run_dir, model=config.model, ports="auto", regions=config.regions, link_mbit_s=200, link_latency_ms=20)
     trainer = ["--lr", "1e-4", "--groups-per-step", "1", "--checkpoint-every", "1", "--checkpoint-idle-s", "1", "--threads", "2"]
-    return stack_mod.start(stack_config, extra_args={"trainer": trainer}), stack_config
+    envsandbox = ["--default-ttl-s", str(SANDBOX_TTL_S)]
+    return stack_mod.start(stack_config, extra_args={"trainer": trainer, "envsandbox": envsandbox}), stack_config
 
 
 def main(argv: list[str]) -> int:
