@@ -343,6 +343,15 @@ def test_engine_images_have_a_cxx_compiler() -> None:
     assert any(re.search(r"apt-get install[^\n]*\bg\+\+", body) for body in runtime), "no g++ in the rollout image"
 
 
+def test_engine_images_have_python_headers() -> None:
+    """torch's inductor compiles vLLM's sampler against Python.h at warm-up: the engine
+    image checks for it at build time, and the locally built base installs the headers."""
+    runtime = "\n".join(_stage_chain(DOCKERFILE, "rollout"))
+    assert "Python.h" in runtime and "sysconfig.get_paths()['include']" in runtime, "the engine image does not check for Python.h"
+    base_image = (REPO / "deploy" / "base-image").read_text()
+    assert re.search(r"--include=\S*libpython3\.11-dev", base_image), "deploy/base-image installs no Python headers"
+
+
 def test_dockerignore_keeps_local_state_out() -> None:
     ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()}
     for entry in (".git", ".venv", ".meridian", "**/__pycache__"):
