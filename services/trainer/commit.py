@@ -224,7 +224,7 @@ class Committer:
         metrics.weightsync_raw_bytes = reply.raw_bytes
         metrics.weightsync_encoded_bytes = reply.encoded_bytes
         if acks is not None:
-            await self.consumer.ack(acks)
+            await self._ack(acks, f"version {version}")
 
     async def checkpoint(self) -> None:
         """Starts writing a checkpoint of the learner as it is now; its acks follow it."""
@@ -257,7 +257,18 @@ class Committer:
             self._since_checkpoint += 1
             return
         self.progress.checkpoint_step = meta["step"]
-        await self.consumer.ack(acks)
+        await self._ack(acks, f"checkpoint {meta['step']}")
+        if self.consumer.unacked():
+            self._since_checkpoint += 1  # an idle trainer checkpoints again, and acks then
+
+    async def _ack(self, acks: dict[str, str], what: str) -> None:
+        """Acks what ``what`` covers. A failure (Redis restarting) leaves the groups unacked
+        for the next checkpoint or publish to ack: raised here, it would stay in this
+        commit's task and fail every later one, which waits for it."""
+        try:
+            await self.consumer.ack(acks)
+        except Exception:
+            log.exception("acking the groups %s covers failed; the next one acks them", what)
 
     async def idle(self) -> None:
         """Called when no batch is ready: checkpoints uncovered steps after ``checkpoint_idle_s``

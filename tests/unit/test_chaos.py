@@ -340,3 +340,38 @@ def test_the_link_process_arms_a_corruption_on_sighup(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+# ---------------------------------------------------------------- a Redis restart at an ack
+
+
+def test_an_ack_that_fails_while_redis_restarts_is_made_by_the_next_checkpoint(tmp_path: Path) -> None:
+    """Found by a chaos run: a checkpoint's XACK failing (Redis restarting) stayed in the
+    checkpoint task and failed every later checkpoint, so none was written again."""
+    from services.weightsync.config import WeightSyncConfig
+    from services.weightsync.server import WeightSyncService
+    from tests.conftest import serving
+    from tests.unit.test_trainer_commit import CountingLearner, Trainer
+    from tests.unit.test_trainer_commit import _group as commit_group
+
+    async def body() -> None:
+        streams = MemoryStreams()
+        async with serving(WeightSyncService(WeightSyncConfig(role="origin", data_dir=str(tmp_path / "ws")))) as address:
+            t = Trainer(streams, address, tmp_path / "ckpt", CountingLearner(), checkpoint_every=1)
+            for name in ("g1", "g2"):
+                await t.transport.publish_group(commit_group(name))
+            await t.start()
+            real_ack = t.transport.ack
+
+            async def redis_down(entry_ids: list[str]) -> int:
+                raise ConnectionError("Connection closed by server.")
+
+            t.transport.ack = redis_down  # type: ignore[method-assign]
+            await t.train_one()  # the checkpoint is written, its ack fails: not raised
+            assert list(t.consumer.unacked()) == ["g1"] and t.progress.checkpoint_step == 1
+            t.transport.ack = real_ack  # type: ignore[method-assign]
+            await t.train_one()  # the next checkpoint is written and acks both
+            assert t.progress.checkpoint_step == 2 and t.consumer.unacked() == {}
+            assert await t.transport.pending() == 0
+
+    asyncio.run(body())
