@@ -162,7 +162,9 @@ def read_trained_log(path: Path, in_checkpoint: set[str] | None = None) -> tuple
         if not line.strip():
             continue
         record = json.loads(line)
-        if in_checkpoint is not None and record["group_id"] not in in_checkpoint:
+        # A group dropped whole (every sample stale or flat) changed no weights: no
+        # checkpoint covers it, the trainer acked it at its (empty) step.
+        if in_checkpoint is not None and record["group_id"] not in in_checkpoint and record.get("how") != "dropped":
             missing.append(record["group_id"])
             continue
         trained.update(record["trajectory_ids"])

@@ -197,6 +197,19 @@ class GroupConsumer:
             self._unacked[group.group_id] = entry_id
             self._unacked_groups[group.group_id] = group
 
+    async def ack_dropped(self, taken: list[Taken]) -> None:
+        """Acks groups of a step that trained nothing (every sample stale or flat): they
+        changed no weights, so no checkpoint needs to cover them, and none would (a step
+        that trains nothing is not committed); logged as ``dropped``."""
+        groups = {group.group_id: entry_id for entry_id, group in taken if self._unacked.get(group.group_id) == entry_id}
+        if not groups:
+            return
+        self._log_trained([(e, self._unacked_groups[g]) for g, e in groups.items()], "dropped")
+        await self.transport.ack(list(groups.values()))
+        for gid in groups:
+            del self._unacked[gid]
+            self._unacked_groups.pop(gid, None)
+
     def unacked(self) -> dict[str, str]:
         """The groups trained on and not acked yet (group id -> entry id), as of now."""
         return dict(self._unacked)

@@ -112,6 +112,10 @@ class TrainingLoop:
                 await self.committer.commit(metrics, span)
                 self._committed.extend(self._uncommitted)
                 self._uncommitted.clear()
+            elif not result.stepped:
+                # Nothing trained: no commit will ever ack these groups (a last batch of
+                # stale samples would stay pending for good).
+                await self.consumer.ack_dropped(taken)
         log.info(
             "step %d -> version %d: loss %.4f reward %.3f (%d trajectories, %d stale dropped, %d down-weighted, %d flat groups), peak RSS %.0f MiB",
             result.step, self.learner.version, result.loss, result.reward_mean, result.trajectories,

@@ -375,3 +375,29 @@ def test_an_ack_that_fails_while_redis_restarts_is_made_by_the_next_checkpoint(t
             assert await t.transport.pending() == 0
 
     asyncio.run(body())
+
+
+def test_a_group_dropped_whole_is_acked_and_logged_as_dropped_at_once(tmp_path: Path) -> None:
+    """Found by a chaos run: a step whose samples were all stale trained nothing, was never
+    committed, and its group stayed pending for good (the drain never ended)."""
+    log = tmp_path / "trained-ids.jsonl"
+
+    async def body() -> None:
+        streams = MemoryStreams()
+        producer = InMemoryGroupTransport(CONFIG, streams)
+        await producer.publish_group(_group("g0"))
+        c = _consumer(streams, log)
+        await c.start()
+        await c.poll(10, 0)
+        taken = c.take(1)
+        c.trained_on(taken)
+        await c.ack_dropped(taken)
+        assert c.unacked() == {} and await producer.pending() == 0
+        assert [(line["group_id"], line["how"]) for line in _lines(log)] == [("g0", "dropped")]
+        await c.ack_dropped(taken)  # again: nothing more
+        assert len(_lines(log)) == 1
+        # The audit counts it trained although no checkpoint lists it.
+        trained, _, missing = chaos.read_trained_log(log, in_checkpoint=set())
+        assert missing == [] and set(trained) == {"g0-0", "g0-1"}
+
+    asyncio.run(body())
