@@ -145,8 +145,11 @@ class Job:
         self.in_flight: collections.Counter[str] = collections.Counter()
 
     async def _status(self, address: str, kind: str) -> Any:
-        """``Status`` of a rollout or trainer, retried while it restarts."""
-        return await retrying(lambda: service_status(address, kind), self.retry_codes, self.config.retry_s, f"{kind} {address} Status")
+        """``Status`` of a rollout or trainer, retried while it restarts, and (a read, safe
+        to repeat) when it times out on a loaded machine: a demo lost its last evaluation
+        to one Status call that took over 10 s at load 31."""
+        codes = self.retry_codes | {"DEADLINE_EXCEEDED"}
+        return await retrying(lambda: service_status(address, kind), codes, self.config.retry_s, f"{kind} {address} Status")
 
     def _pick(self, n: int) -> list[str]:
         if not self.tasks:
