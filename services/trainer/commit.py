@@ -270,6 +270,17 @@ class Committer:
         except Exception:
             log.exception("acking the groups %s covers failed; the next one acks them", what)
 
+    @property
+    def checkpoints(self) -> bool:
+        """Whether this trainer writes checkpoints (and acks only what one covers)."""
+        return self._root() is not None
+
+    def uncovered(self) -> None:
+        """A step took groups without changing the weights (every sample stale or flat): it
+        publishes nothing, so the next checkpoint (the idle one at the latest) must cover
+        and ack its groups."""
+        self._since_checkpoint += 1
+
     async def idle(self) -> None:
         """Called when no batch is ready: checkpoints uncovered steps after ``checkpoint_idle_s``
         so that a quiet trainer leaves nothing to replay; raises a refused publish."""

@@ -113,9 +113,15 @@ class TrainingLoop:
                 self._committed.extend(self._uncommitted)
                 self._uncommitted.clear()
             elif not result.stepped:
-                # Nothing trained: no commit will ever ack these groups (a last batch of
-                # stale samples would stay pending for good).
-                await self.consumer.ack_dropped(taken)
+                # Nothing trained, so no commit will ack these groups (a last batch of
+                # stale samples would stay pending for good). With checkpoints the next
+                # one (the idle one at the latest) covers them like any group: acked
+                # before it, a crash would replay a history without them (other batches,
+                # other weights, a consumed count short of them). Without, ack now.
+                if self.committer.checkpoints:
+                    self.committer.uncovered()
+                else:
+                    await self.consumer.ack_dropped(taken)
         log.info(
             "step %d -> version %d: loss %.4f reward %.3f (%d trajectories, %d stale dropped, %d down-weighted, %d flat groups), peak RSS %.0f MiB",
             result.step, self.learner.version, result.loss, result.reward_mean, result.trajectories,
