@@ -73,8 +73,16 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str
     _fsync_file(tmp / MARKER)
     _fsync_dir(tmp)
     if (final / MARKER).is_file():
-        # A resumed trainer never rewrites a complete step; keep the durable one as is.
-        shutil.rmtree(tmp, ignore_errors=True)
+        # The same step again: a step that trained nothing (stale or flat groups) took more
+        # groups, which only the newer meta lists, and they are acked once this returns.
+        # Moved aside first: a crash between the renames leaves the previous step's
+        # checkpoint to resume from, never a half-written one.
+        aside = root / f"{_TMP_PREFIX}replaced-{checkpoint_name(step)}-{os.getpid()}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        shutil.rmtree(aside, ignore_errors=True)
     else:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)

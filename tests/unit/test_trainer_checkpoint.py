@@ -37,11 +37,13 @@ def test_keeps_the_newest_n(tmp_path: Path) -> None:
     assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-000000004", "step-000000005"]
 
 
-def test_a_complete_step_is_never_overwritten(tmp_path: Path) -> None:
+def test_the_same_step_again_replaces_it_whole(tmp_path: Path) -> None:
+    """A step that trained nothing takes more groups at the same step number; the newer
+    checkpoint, which lists them, must be the one on disk (they are acked after it)."""
     _save(tmp_path, 3)
-    ckpt.save_checkpoint(tmp_path, 3, {"w": torch.zeros(2)}, {"step": -1}, 3)
+    ckpt.save_checkpoint(tmp_path, 3, {"w": torch.zeros(2)}, {"step": 3, "trained_groups": ["g"]}, 3)
     state, meta = ckpt.load_checkpoint(tmp_path / "step-000000003")
-    assert meta == {"step": 3} and torch.equal(state["w"], torch.full((2,), 3.0))
+    assert meta == {"step": 3, "trained_groups": ["g"]} and torch.equal(state["w"], torch.zeros(2))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
 
 
