@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 import sys
+import shutil
 import tempfile
 from typing import Any
 
@@ -96,6 +97,8 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         services = {name: peak_rss_mb(pid) for name, pid in stack.pids.items()}
     finally:
         stack.stop(stack_config.stop_timeout_s)
+        # The run folder holds checkpoints and every version (~3.6 GB on the built-in model).
+        shutil.rmtree(run_dir, ignore_errors=True)
     return {
         "async_samples_per_s": asynchronous["samples_per_s"],
         "sync_samples_per_s": sync["samples_per_s"],

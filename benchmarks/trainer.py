@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import shutil
 import tempfile
 import time
 from typing import Any
@@ -161,6 +162,7 @@ def bench_stack(model: str, steps: int, task: str, group_size: int, max_tokens: 
         _log(f"async: {asynchronous}")
     finally:
         stack.stop(config.stop_timeout_s)
+        shutil.rmtree(run_dir, ignore_errors=True)
     return {
         "async_vs_sync_speedup": round(sync["seconds"] / asynchronous["seconds"], 3),
         "sync_s": sync["seconds"],
