@@ -584,6 +584,26 @@ def start_stack(config: ChaosConfig, run_dir: str) -> tuple[stack_mod.Stack, sta
     return stack_mod.start(stack_config, extra_args={"trainer": trainer, "envsandbox": envsandbox}), stack_config
 
 
+def run(config: ChaosConfig, run_dir: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:
+    """Starts the stack, runs the chaos job on it and stops it, whatever happens; returns the
+    summary, the details and the services' PIDs as first started (for leak checks)."""
+    stack, stack_config = start_stack(config, run_dir)
+    pids = dict(stack.pids)
+    stopped = False
+
+    def stop() -> None:  # run_chaos stops the stack itself before its leak checks
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            stack.stop(stack_config.stop_timeout_s)
+
+    try:
+        summary, details = asyncio.run(run_chaos(stack, config, stop))
+    finally:
+        stop()
+    return summary, details, pids
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``meridian chaos``."""
     parser = argparse.ArgumentParser(prog="meridian chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -598,19 +618,7 @@ def main(argv: list[str]) -> int:
     run_dir = config.run_dir or tempfile.mkdtemp(prefix="meridian-chaos-")
     started = time.monotonic()
     _log(f"starting the stack in {run_dir} (model {config.model})")
-    stack, stack_config = start_stack(config, run_dir)
-    stopped = False
-
-    def stop() -> None:
-        nonlocal stopped
-        if not stopped:
-            stopped = True
-            stack.stop(stack_config.stop_timeout_s)
-
-    try:
-        summary, details = asyncio.run(run_chaos(stack, config, stop))
-    finally:
-        stop()
+    summary, details, _ = run(config, run_dir)
     details["wall_s"] = round(time.monotonic() - started, 1)
     (Path(run_dir) / "chaos-report.json").write_text(json.dumps({"summary": summary, "details": details}, indent=2))
     _log(f"details in {Path(run_dir) / 'chaos-report.json'} ({details['wall_s']} s)")

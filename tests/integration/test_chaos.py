@@ -4,7 +4,6 @@ produced is lost, nothing is trained twice, every region serves the trainer's fi
 version (weights hash and canary), and nothing is left behind after the stack stops."""
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -19,20 +18,7 @@ def test_a_chaos_run_loses_nothing_trains_nothing_twice_and_leaks_nothing(tmp_pa
     remote = ["b"]
     faults = len(chaos.base_faults(remote))
     config = chaos.ChaosConfig(faults=faults, seed=11, steps=3, model=str(tiny_model), run_dir=str(tmp_path / "run"), trigger_timeout_s=60)
-    stack, stack_config = chaos.start_stack(config, config.run_dir)
-    pids = dict(stack.pids)
-    stopped = False
-
-    def stop() -> None:
-        nonlocal stopped
-        if not stopped:
-            stopped = True
-            stack.stop(stack_config.stop_timeout_s)
-
-    try:
-        summary, details = asyncio.run(chaos.run_chaos(stack, config, stop))
-    finally:
-        stop()
+    summary, details, pids = chaos.run(config, config.run_dir)
     assert set(summary) == {
         "faults_injected", "steps_completed", "trajectories_produced", "trajectories_trained", "trajectories_lost",
         "trajectories_trained_twice", "versions_published", "regions_hash_equal", "sandboxes_leaked", "processes_leaked", "recovery_s",

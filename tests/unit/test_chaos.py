@@ -108,17 +108,23 @@ def _lines(log: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+async def _polled(log: Path, *groups: list[common_pb2.Trajectory]) -> tuple[MemoryStreams, InMemoryGroupTransport, GroupConsumer]:
+    """A stream holding ``groups`` (published in order) and a started consumer that has read them."""
+    streams = MemoryStreams()
+    producer = InMemoryGroupTransport(CONFIG, streams)
+    for group in groups:
+        await producer.publish_group(group)
+    c = _consumer(streams, log)
+    await c.start()
+    await c.poll(10, 0)
+    return streams, producer, c
+
+
 def test_a_group_is_logged_once_when_its_checkpoint_acks_it_not_when_it_is_trained(tmp_path: Path) -> None:
     log = tmp_path / "trained-ids.jsonl"
 
     async def body() -> None:
-        streams = MemoryStreams()
-        producer = InMemoryGroupTransport(CONFIG, streams)
-        await producer.publish_group(_group("g0"))
-        await producer.publish_group(_group("g1", (1.0, 1.0)))
-        c = _consumer(streams, log)
-        await c.start()
-        await c.poll(10, 0)
+        streams, producer, c = await _polled(log, _group("g0"), _group("g1", (1.0, 1.0)))
         c.trained_on(c.take(2))
         assert _lines(log) == []  # trained, not yet covered by a checkpoint
         await c.ack(c.unacked())
@@ -136,12 +142,7 @@ def test_a_crash_between_the_log_and_the_ack_logs_the_group_once(tmp_path: Path)
     log = tmp_path / "trained-ids.jsonl"
 
     async def body() -> None:
-        streams = MemoryStreams()
-        producer = InMemoryGroupTransport(CONFIG, streams)
-        await producer.publish_group(_group("g0"))
-        a = _consumer(streams, log)
-        await a.start()
-        await a.poll(10, 0)
+        streams, producer, a = await _polled(log, _group("g0"))
         taken = a.take(1)
         a.trained_on(taken)
         a._log_trained(taken, "checkpoint")  # the log line is written; the XACK never happens
@@ -160,12 +161,7 @@ def test_a_crash_between_the_checkpoint_and_the_log_logs_the_redelivery(tmp_path
     log = tmp_path / "trained-ids.jsonl"
 
     async def body() -> None:
-        streams = MemoryStreams()
-        producer = InMemoryGroupTransport(CONFIG, streams)
-        await producer.publish_group(_group("g0"))
-        a = _consumer(streams, log)
-        await a.start()
-        await a.poll(10, 0)
+        streams, producer, a = await _polled(log, _group("g0"))
         a.trained_on(a.take(1))  # the checkpoint holds g0; the crash comes before its log line
         b = _consumer(streams, log)
         b.restore(["g0"])
@@ -182,12 +178,7 @@ def test_a_failed_ack_does_not_log_the_group_twice_when_retried(tmp_path: Path) 
     log = tmp_path / "trained-ids.jsonl"
 
     async def body() -> None:
-        streams = MemoryStreams()
-        producer = InMemoryGroupTransport(CONFIG, streams)
-        await producer.publish_group(_group("g0"))
-        c = _consumer(streams, log)
-        await c.start()
-        await c.poll(10, 0)
+        streams, producer, c = await _polled(log, _group("g0"))
         c.trained_on(c.take(1))
         real_ack = c.transport.ack
 
@@ -383,12 +374,7 @@ def test_a_group_dropped_whole_is_acked_and_logged_as_dropped_at_once(tmp_path: 
     log = tmp_path / "trained-ids.jsonl"
 
     async def body() -> None:
-        streams = MemoryStreams()
-        producer = InMemoryGroupTransport(CONFIG, streams)
-        await producer.publish_group(_group("g0"))
-        c = _consumer(streams, log)
-        await c.start()
-        await c.poll(10, 0)
+        streams, producer, c = await _polled(log, _group("g0"))
         taken = c.take(1)
         c.trained_on(taken)
         await c.ack_dropped(taken)
