@@ -5,7 +5,9 @@ one run on one stack.
 Reports trained samples per wall second of each mode (from the job's start to the last
 version served), their ratio ``async_vs_sync_speedup``, median step figures (the
 learner's step, the rollout's last weight apply), the trainer's peak RSS, and each
-service's peak RSS (its process group's high-water marks, summed), with the load average.
+service's peak RSS (its process group's high-water marks, summed) and CPU seconds per
+trained sample (``cpu_s_per_sample``: on a machine whose cores the services share, the
+sum bounds throughput more than any one stage's time), with the load average.
 The defaults follow the single-process comparison in the project's issue: the built-in
 model, GRPO groups of 8, at most 64 tokens, lr 1e-6, four easy function tasks.
 """
@@ -19,6 +21,7 @@ import statistics
 import sys
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Any
 
 FOUR_EASY_TASKS = "python/add,python/square,python/multiply,python/is_even"
@@ -42,6 +45,26 @@ def peak_rss_mb(pgid: int) -> float:
         except OSError:
             continue  # exited meanwhile
     return round(total_kb / 1024, 1)
+
+
+def cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system, with reaped children's) of the live members of a process
+    group: where a step's CPU goes on a machine whose cores every service shares."""
+    from meridian import stack as stack_mod
+
+    ticks = 0
+    for pid in stack_mod.group_members(pgid):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()
+        ticks += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_per_sample(before: dict[str, float], after: dict[str, float], samples: int) -> dict[str, float]:
+    return {name: round((after[name] - before[name]) / max(1, samples), 3) for name in after}
 
 
 async def _mode(addresses: dict[str, str], mode: str, ns: argparse.Namespace) -> dict[str, Any]:
@@ -89,10 +112,18 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     run_dir = tempfile.mkdtemp(prefix="meridian-bench-e2e-")
     job = TrainConfig(model=ns.model, tasks_per_step=ns.tasks_per_step, lr=ns.lr, max_policy_lag=ns.max_policy_lag, trainer_flags=ns.trainer_flags)
     stack, stack_config = start_stack(job, run_dir)
+
+    def cpu() -> dict[str, float]:
+        return {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
+
     try:
+        cpu_start = cpu()
         sync = asyncio.run(_mode(stack.addresses, "sync", ns))
+        cpu_sync = cpu()
+        sync["cpu_s_per_sample"] = _cpu_per_sample(cpu_start, cpu_sync, sync["trained_samples"])
         _log(f"sync: {sync}")
         asynchronous = asyncio.run(_mode(stack.addresses, "async", ns))
+        asynchronous["cpu_s_per_sample"] = _cpu_per_sample(cpu_sync, cpu(), asynchronous["trained_samples"])
         _log(f"async: {asynchronous}")
         services = {name: peak_rss_mb(pid) for name, pid in stack.pids.items()}
     finally:

@@ -115,6 +115,10 @@ def channel_options(max_message_mb: int = 64) -> list[tuple[str, Any]]:
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, errors.MeridianError):
         return grpc.StatusCode[exc.status], str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+        # A service this call needs (envsandbox behind rollout, the origin behind a relay) is
+        # down or restarting: the caller may retry, so it must not read INTERNAL.
+        return grpc.StatusCode.UNAVAILABLE, f"a service this call depends on is unavailable: {exc.details()}"
     ref = uuid.uuid4().hex[:12]
     log.exception("unhandled error (ref=%s)", ref, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error (ref={ref}); see the service log"

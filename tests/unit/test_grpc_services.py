@@ -433,8 +433,9 @@ class ToyService:
 
     service_names = ("test.Toy",)
 
-    def __init__(self) -> None:
+    def __init__(self, dead_address: str = "") -> None:
         self.secret = "secret-detail-must-not-leak"
+        self.dead_address = dead_address  # a service this one calls, which is down
 
     def register(self, server: grpc.aio.Server) -> None:
         async def boom(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -445,6 +446,10 @@ class ToyService:
 
         async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             return request
+
+        async def downstream(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            async with grpc.aio.insecure_channel(self.dead_address) as channel:
+                return await channel.unary_unary("/test.Toy/Echo")(request, timeout=5)  # type: ignore[no-any-return]
 
         async def stream_boom(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             yield b"one"
@@ -459,6 +464,7 @@ class ToyService:
             "Boom": grpc.unary_unary_rpc_method_handler(boom),
             "Missing": grpc.unary_unary_rpc_method_handler(missing),
             "Echo": grpc.unary_unary_rpc_method_handler(echo),
+            "Downstream": grpc.unary_unary_rpc_method_handler(downstream),
             "StreamBoom": grpc.unary_stream_rpc_method_handler(stream_boom),
             "StreamInBoom": grpc.stream_unary_rpc_method_handler(stream_in_boom),
         }
@@ -510,6 +516,18 @@ def test_error_boundary_maps_meridian_errors_with_their_message(grpc_serving: Se
                 details = await expect_code(grpc.StatusCode.NOT_FOUND, channel.unary_unary("/test.Toy/Missing")(b""))
                 assert details == "no such thing: widget-9"
                 await expect_code(grpc.StatusCode.UNIMPLEMENTED, channel.unary_unary("/test.Toy/Nope")(b""))
+
+    run(main())
+
+
+def test_error_boundary_answers_unavailable_when_a_service_it_calls_is_down(grpc_serving: Serving, pick_port: Callable[[], int]) -> None:
+    """A dependency that is down (rollout's envsandbox restarting) is retryable for the
+    caller: UNAVAILABLE naming it, not INTERNAL."""
+    async def main() -> None:
+        async with grpc_serving(ToyService(dead_address=f"127.0.0.1:{pick_port()}")) as address:
+            async with grpc.aio.insecure_channel(address) as channel:
+                details = await expect_code(grpc.StatusCode.UNAVAILABLE, channel.unary_unary("/test.Toy/Downstream")(b"x"))
+                assert details.startswith("a service this call depends on is unavailable")
 
     run(main())
 
