@@ -84,10 +84,16 @@ class Stack:
     #: Variables the processes got beyond this process's environment (the credentials
     #: folder, and what ``start`` was given): :meth:`restart` gives them again.
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Each process's start time (clock ticks since boot, from /proc): a state file
+    #: outliving its stack must not make ``stop`` signal whoever took a PID since.
+    starts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def save(self) -> None:
         """Records the stack, and makes this process call its services (and Redis) as
         their operator: what ``meridian status`` and the benches rely on."""
+        for name, pid in self.pids.items():
+            if name not in self.starts and (start := start_time(pid)) is not None:
+                self.starts[name] = start
         (self.run_dir / STATE_FILE).write_text(json.dumps(dataclasses.asdict(self), default=str, indent=2))
         self.use_credentials()
 
@@ -113,7 +119,7 @@ class Stack:
         killed = []
         for name in [*reversed([n for n in self.pids if n != "redis"]), "redis"]:
             pid = self.pids.get(name)
-            if pid and not _terminate(pid, timeout_s):
+            if pid and self.ours(name) and not _terminate(pid, timeout_s):
                 killed.append(name)
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
         credentials.unregister(self.addresses.values())
@@ -123,6 +129,8 @@ class Stack:
         """Sends ``sig`` to process ``name``'s whole group; after SIGKILL, returns once
         every member is gone (a fault as a crash makes it: nothing exits cleanly)."""
         pid = self.pids[name]
+        if not self.ours(name):
+            return
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
@@ -140,12 +148,13 @@ class Stack:
         if not argv:
             raise KeyError(f"no command line recorded for {name!r} (a stack started before restarts were possible?)")
         old = self.pids.get(name)
-        if old and group_members(old):
+        if old and self.ours(name) and group_members(old):
             _terminate(old, 10.0)
         env = {**os.environ, **self.env}
         env.pop(credentials.ENV_ROLE, None)
         proc = _spawn(argv, Path(self.logs[name]), env)
         self.pids[name] = proc.pid
+        self.starts.pop(name, None)
         self.save()
         host, port = _host_port(self.addresses[name])
         deadline = time.monotonic() + timeout_s
@@ -157,6 +166,24 @@ class Stack:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} did not listen on {host}:{port} within {timeout_s:.0f}s of its restart; see {self.logs[name]}")
             time.sleep(0.1)
+
+
+    def ours(self, name: str) -> bool:
+        """Whether process ``name``'s PID still names the process this stack started. A
+        leader that is gone counts as ours: while any member of its group lives, Linux
+        does not hand its PID (the group's id) to another process."""
+        recorded = self.starts.get(name)
+        now = start_time(self.pids[name])
+        return recorded is None or now is None or now == recorded
+
+
+def start_time(pid: int) -> int | None:
+    """Process ``pid``'s start time in clock ticks since boot (None: no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22 of proc(5)
 
 
 def _host_port(address: str) -> tuple[str, int]:

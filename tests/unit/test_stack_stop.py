@@ -58,3 +58,29 @@ def test_group_members_reads_names_with_spaces_and_parentheses(tmp_path: Path) -
         proc.kill()
         proc.wait()
     assert stack_mod.group_members(proc.pid) == []
+
+
+def test_a_stale_state_file_does_not_stop_whoever_took_a_recorded_pid(tmp_path: Path) -> None:
+    """A stack.json outliving its stack names PIDs that other processes may hold by now:
+    the recorded start time tells them apart, so stop and kill leave them alone."""
+    stranger = _spawn_group(["sleep", "300"])
+    try:
+        _wait_members(stranger.pid, 1)
+        start = stack_mod.start_time(stranger.pid)
+        assert start is not None
+        stale = stack_mod.Stack(tmp_path, {"trainer": stranger.pid}, {}, {}, "", starts={"trainer": start - 1})
+        stale.save()
+        loaded = stack_mod.Stack.load(tmp_path)
+        assert loaded is not None and loaded.starts == {"trainer": start - 1}
+        loaded.kill("trainer")
+        assert loaded.stop(timeout_s=1) == []
+        assert stranger.poll() is None and stack_mod.group_members(stranger.pid) == [stranger.pid]
+        # Recorded by save() at start, the same PID is ours and is stopped.
+        ours = stack_mod.Stack(tmp_path, {"trainer": stranger.pid}, {}, {}, "")
+        ours.save()
+        assert ours.starts == {"trainer": start}
+        ours.stop(timeout_s=5)
+        assert stack_mod.group_members(stranger.pid) == []
+    finally:
+        stranger.kill()
+        stranger.wait()
