@@ -16,6 +16,12 @@ its effect (with no checkpoint folder, once its version is published).
   (:meth:`Committer.sync_initial_version` publishes the checkpoint's version).
 - A crash between a checkpoint and its acks redelivers groups the checkpoint already
   lists: the consumer recognises and acks them without training.
+
+A sharded trainer's rank 0 (a learner with ``publishes_in_parts``, see
+:class:`PartsLearner`) publishes each version in parts, one per rank: preparing the parts
+is a collective (every rank gathers only its own tensors, the canary runs through the
+sharded model, rank 0 signs) done in :meth:`Committer.commit`, before the next step;
+sending rank 0's part is the background publish, with the same order, retries and refusals.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import grpc
 
@@ -38,7 +44,10 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.consumer import GroupConsumer
 from services.trainer.learner_protocol import PolicyLearner
 from services.weightsync import client as weightsync
-from services.weightsync.signing import load_signer
+from services.weightsync.signing import Signer, load_signer
+
+if TYPE_CHECKING:  # torch: imported only where a sharded learner runs
+    from services.trainer.shard_publish import PreparedPart
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +80,31 @@ class CommitRefused(RuntimeError):
 
 #: Weightsync's answers that mean "not this version, ever" (PERMISSION_DENIED: an origin
 #: that trusts another signing key than this trainer's).
-_REFUSALS = frozenset(
+REFUSALS = frozenset(
     {grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}
 )
 # About half a minute: an origin restarting after a crash (`meridian chaos` kills it) is back by then.
-_PUBLISH_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0)
+# The other ranks of a sharded trainer retry their parts on the same schedule.
+PUBLISH_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0)
 #: In the checkpoint folder: one JSON line per group acked as trained (see GroupConsumer.open_trained_log).
 TRAINED_LOG = "trained-ids.jsonl"
+
+
+class PartsLearner(PolicyLearner, Protocol):
+    """A learner whose versions go out in parts, one per rank (rank 0 of a sharded trainer)."""
+
+    publishes_in_parts: bool
+
+    def prepare_part(
+        self, version: int, trace_context: dict[str, str], metrics: dict[str, float], signer: Signer | None, send: bool
+    ) -> PreparedPart:
+        """Rank 0's part of ``version`` (the current weights): a collective every rank joins,
+        after which each other rank sends its own part in the background (unless not ``send``)."""
+        ...
+
+
+#: What publishing one version sends: the whole weights, or this rank's part of them.
+Outgoing: TypeAlias = "dict[str, RawTensor] | PreparedPart"
 
 
 class Committer:
@@ -95,6 +122,7 @@ class Committer:
         self._checkpointing: asyncio.Task[None] | None = None
         self._since_checkpoint = 0  # publishing steps not covered by a checkpoint
         self.last_step_at = time.monotonic()
+        self._in_parts = bool(getattr(learner, "publishes_in_parts", False))
 
     def _root(self) -> Path | None:
         return Path(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
@@ -134,8 +162,8 @@ class Committer:
         latest = await weightsync.latest_version(self.config.weightsync)
         if resumed:
             if latest < learner.version:
-                weights = await asyncio.to_thread(learner.policy_weights)
-                await self._publish_now(learner.version, weights, {}, {})
+                outgoing = await self._outgoing(learner.version, {}, {})
+                await self._publish_now(learner.version, outgoing, {}, {})
                 log.info("published version %d from the checkpoint", learner.version)
             elif latest > learner.version:
                 log.info("weightsync holds versions up to %d, the checkpoint is at %d: replaying publishes them again", latest, learner.version)
@@ -148,13 +176,14 @@ class Committer:
 
     async def _fresh_start(self, latest: int) -> None:
         learner = self.learner
-        weights = await asyncio.to_thread(learner.policy_weights)
+        # Parts are sent only when version 0 is published; otherwise only the hash is compared.
+        outgoing = await self._outgoing(0, {}, {}, send=latest < 0)
         if latest < 0:
-            await self._publish_now(0, weights, {}, {})
+            await self._publish_now(0, outgoing, {}, {})
             log.info("published initial version 0")
             return
         manifest = await weightsync.manifest(self.config.weightsync, latest)
-        if latest == 0 and manifest.weights_hash == weights_hash(weights):
+        if latest == 0 and manifest.weights_hash == _hash_of(outgoing):
             return
         log.info("weightsync holds version %d; starting from it", latest)
         subscriber = weightsync.WeightSubscriber(self.config.weightsync, None, -1)
@@ -164,17 +193,42 @@ class Committer:
         finally:
             await subscriber.close()
 
+    async def _outgoing(self, version: int, trace_context: dict[str, str], metrics: dict[str, float], send: bool = True) -> Outgoing:
+        """What publishing the learner's current weights as ``version`` sends: the whole
+        weights, or for a learner that publishes in parts rank 0's part (a collective: every
+        rank gathers its own tensors now, in order with the steps; the header, signed
+        now, carries ``trace_context``, ``metrics`` and the canary)."""
+        learner = self.learner
+        if self._in_parts:
+            return await asyncio.to_thread(learner.prepare_part, version, trace_context, metrics, self.signer, send)  # type: ignore[attr-defined]
+        return await asyncio.to_thread(learner.policy_weights)
+
+    async def _canary(self, outgoing: Outgoing) -> weightsync_pb2.Canary:
+        """The canary of ``outgoing`` (a part's header already carries it)."""
+        if isinstance(outgoing, dict):
+            return await asyncio.to_thread(self.learner.canary, outgoing)
+        return outgoing.header.canary
+
+    async def _send(
+        self, version: int, outgoing: Outgoing, trace_context: dict[str, str], metrics: dict[str, float], probe: weightsync_pb2.Canary
+    ) -> weightsync_pb2.PublishResponse:
+        """One attempt: the whole version in one stream, or this rank's part (answered once
+        the origin stored the whole version)."""
+        if isinstance(outgoing, dict):
+            return await weightsync.publish(self.config.weightsync, version, outgoing, trace_context, metrics, probe, self.signer)
+        return await weightsync.publish_part(self.config.weightsync, outgoing.header, outgoing.index, outgoing.count, outgoing.weights)
+
     async def _publish_now(
-        self, version: int, weights: dict[str, RawTensor], trace_context: dict[str, str], metrics: dict[str, float], probe: weightsync_pb2.Canary | None = None
+        self, version: int, outgoing: Outgoing, trace_context: dict[str, str], metrics: dict[str, float], probe: weightsync_pb2.Canary | None = None
     ) -> weightsync_pb2.PublishResponse:
         """Publishes ``version`` with its canary; transient failures are retried, a refusal is final."""
         if probe is None:
-            probe = await asyncio.to_thread(self.learner.canary, weights)
-        for attempt, pause in enumerate((*_PUBLISH_RETRY_S, None)):
+            probe = await self._canary(outgoing)
+        for attempt, pause in enumerate((*PUBLISH_RETRY_S, None)):
             try:
-                return await weightsync.publish(self.config.weightsync, version, weights, trace_context, metrics, probe, self.signer)
+                return await self._send(version, outgoing, trace_context, metrics, probe)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() in _REFUSALS:
+                if exc.code() in REFUSALS:
                     raise CommitRefused(f"weightsync refused version {version}: {exc.details()}") from exc
                 if pause is None:
                     raise
@@ -192,26 +246,28 @@ class Committer:
         self.last_step_at = started = time.monotonic()
         if self._root() is not None:
             p.history.append({"step": learner.step_count, "version": learner.version, "master_hash": await asyncio.to_thread(learner.master_hash)})
-        weights = await asyncio.to_thread(learner.policy_weights)
-        # The canary runs the learner's model: here, not beside the next step.
-        probe = await asyncio.to_thread(learner.canary, weights)
         values = {"loss": metrics.loss, "reward_mean": metrics.reward_mean, "grad_norm": metrics.grad_norm, "pass_rate": metrics.pass_rate}
+        trace = telemetry.inject(span)
+        # Gathers (and, in parts, every rank's collectives) here, before the next step.
+        outgoing = await self._outgoing(learner.version, trace, values)
+        # The canary runs the learner's model: here, not beside the next step.
+        probe = await self._canary(outgoing)
         # Without checkpoints a publish is the only durable record: it acks what it covers.
         acks = self.consumer.unacked() if self._root() is None else None
         await _finished(self._publishing)
-        self._publishing = asyncio.create_task(self._publish(learner.version, weights, probe, telemetry.inject(span), values, metrics, acks))
+        self._publishing = asyncio.create_task(self._publish(learner.version, outgoing, probe, trace, values, metrics, acks))
         self._since_checkpoint += 1
         if self._root() is not None and self._since_checkpoint >= self.config.checkpoint_every:
             await self.checkpoint()
         metrics.commit_seconds = time.monotonic() - started
 
     async def _publish(
-        self, version: int, weights: dict[str, RawTensor], probe: weightsync_pb2.Canary, trace: dict[str, str], values: dict[str, float],
+        self, version: int, outgoing: Outgoing, probe: weightsync_pb2.Canary, trace: dict[str, str], values: dict[str, float],
         metrics: pb.StepMetrics, acks: dict[str, str] | None,
     ) -> None:
         started = time.monotonic()
         try:
-            reply = await self._publish_now(version, weights, trace, values, probe)
+            reply = await self._publish_now(version, outgoing, trace, values, probe)
         except CommitRefused:
             raise
         except Exception:
@@ -293,6 +349,11 @@ class Committer:
         """Waits for the publish and the checkpoint in flight (ordered shutdown)."""
         await _finished(self._publishing)
         await _finished(self._checkpointing)
+
+
+def _hash_of(outgoing: Outgoing) -> str:
+    """The weights hash of the whole version ``outgoing`` publishes (or is part of)."""
+    return weights_hash(outgoing) if isinstance(outgoing, dict) else outgoing.header.weights_hash
 
 
 async def _finished(task: asyncio.Task[None] | None) -> None:

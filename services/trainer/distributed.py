@@ -8,10 +8,17 @@ ranks, and each rank trains on its shard of the trajectories (gloo on CPU, NCCL 
 GPU). ``--data-parallel ddp`` (the default): DistributedDataParallel all-reduces the
 gradients, every rank holds the same weights, and rank 0 alone checkpoints and
 publishes. ``--data-parallel fsdp``: FSDP2 shards parameters, gradients and optimiser
-state, so reading the whole policy or the training state is a gather every rank joins:
-rank 0 broadcasts those reads as commands too. (Rank 0 then still assembles each
-published version; publishing per shard belongs to weightsync.) ``--replay FILE --out
-DIR`` runs saved batches instead of the stream (tests and benchmarks use it).
+state, so reading the training state is a gather every rank joins: rank 0 broadcasts
+those reads as commands too. Each version is published in parts, one per rank, and no
+rank gathers the whole model for it: rank 0 broadcasts a ``publish`` command (version,
+trace context, metrics); every rank gathers the tensors it owns and joins the canary's
+forward pass through the sharded model and the signing of the version header
+(:func:`services.trainer.shard_publish.prepare_part`, collectives, so done right there, in
+order with the steps); then each rank sends its part in the background while the next
+step runs (rank 0 in the Committer's publish task, the others in a
+:class:`~services.trainer.shard_publish.PartSender` thread), and the origin assembles one
+version (``--part-log DIR``: each rank appends a line per part it sent). ``--replay FILE
+--out DIR`` runs saved batches instead of the stream (tests and benchmarks use it).
 
 ``meridian serve trainer`` stays the single-process path; this entry only adds the
 process group and the broadcast.
@@ -35,6 +42,8 @@ from services.trainer.learner_protocol import StepResult
 
 if TYPE_CHECKING:  # torch is imported only by the ranks that train
     from services.trainer.learner import Learner
+    from services.trainer.shard_publish import PartSender, PreparedPart
+    from services.weightsync.signing import Signer
 
 
 def _init() -> tuple[int, int, str]:
@@ -63,11 +72,18 @@ def _parse(groups: list[list[bytes]]) -> list[list[Any]]:
 class BroadcastLearner:
     """Rank 0's learner (a :class:`PolicyLearner`): every state-changing call is first
     broadcast to the followers. Reads of the policy and the state are local when the
-    ranks hold equal replicas (DDP) and broadcast when they are gathers (FSDP); the
-    canary is always rank 0's alone."""
+    ranks hold equal replicas (DDP) and broadcast when they are gathers (FSDP). Under FSDP
+    with several ranks it publishes in parts (:meth:`prepare_part`); the DDP canary is
+    rank 0's alone."""
 
-    def __init__(self, learner: Learner) -> None:
+    def __init__(self, learner: Learner, part_log: Path | None = None) -> None:
         self.inner = learner
+        self.part_log = part_log
+
+    @property
+    def publishes_in_parts(self) -> bool:
+        """Sharded over several ranks: each version goes out in parts, one per rank."""
+        return self.inner.sharded and self.inner.world > 1
 
     @property
     def version(self) -> int:
@@ -106,6 +122,20 @@ class BroadcastLearner:
     def canary(self, weights: dict[str, RawTensor]) -> weightsync_pb2.Canary:
         return self.inner.canary(weights)
 
+    def prepare_part(
+        self, version: int, trace_context: dict[str, str], metrics: dict[str, float], signer: Signer | None, send: bool
+    ) -> PreparedPart:
+        """Rank 0's part of ``version``: the followers are told to prepare theirs (and,
+        with ``send``, to send it in the background), then every rank gathers its own
+        tensors and joins the canary and the header's signing."""
+        from services.trainer.shard_publish import prepare_part, record_part
+
+        self._send("publish", (version, dict(trace_context), dict(metrics), send))
+        part = prepare_part(self.inner, version, signer=signer, trace_context=trace_context, metrics=metrics)
+        if send:
+            record_part(self.part_log, part)
+        return part
+
     def master_hash(self) -> str:
         return self._read("master_hash")  # type: ignore[no-any-return]
 
@@ -120,8 +150,9 @@ class BroadcastLearner:
 COLLECTIVE_READS = ("policy_weights", "master_hash", "state")
 
 
-def follow(learner: Any) -> None:
-    """A follower rank: applies rank 0's commands until it says stop."""
+def follow(learner: Any, sender: PartSender | None = None, part_log: Path | None = None) -> None:
+    """A follower rank: applies rank 0's commands until it says stop. ``sender`` sends the
+    parts of the versions rank 0 publishes (under FSDP); at stop it finishes what it holds."""
     import torch.distributed as dist
 
     while True:
@@ -129,8 +160,12 @@ def follow(learner: Any) -> None:
         dist.broadcast_object_list(box, src=0)
         command, payload = box
         if command == "stop":
+            if sender is not None:
+                sender.close()
             return
-        if command == "step":
+        if command == "publish":
+            _prepare_and_send(learner, payload, sender, part_log)
+        elif command == "step":
             learner.step(_parse(payload))
         elif command == "load_state":
             learner.load_state(payload)
@@ -140,6 +175,21 @@ def follow(learner: Any) -> None:
             getattr(learner, command)()
         else:
             raise RuntimeError(f"unknown command from rank 0: {command!r}")
+
+
+def _prepare_and_send(learner: Any, payload: tuple[int, dict[str, str], dict[str, float], bool], sender: PartSender | None, part_log: Path | None) -> None:
+    """A follower's share of rank 0's publish: the collective preparation now, in order
+    with the steps; the sending queued for the background."""
+    from services.trainer.shard_publish import prepare_part, record_part
+
+    version, trace_context, metrics, send = payload
+    part = prepare_part(learner, version, trace_context=trace_context, metrics=metrics)
+    if not send:
+        return
+    if sender is None:
+        raise RuntimeError(f"rank 0 publishes version {version} in parts, but this rank has no part sender")
+    record_part(part_log, part)
+    sender.submit(part)
 
 
 def save_batches(path: Path, batches: list[list[list[Any]]]) -> None:
@@ -210,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay", type=Path, help="train on batches saved with save_batches instead of the stream")
     parser.add_argument("--out", type=Path, help="with --replay: folder for hashes and final weights")
     parser.add_argument("--publish-to", default="", help="with --replay: weightsync origin every rank publishes its part of versions 0 (start) and 1 (end) to")
+    parser.add_argument("--part-log", type=Path, help="fsdp: folder where each rank appends a JSON line per version part it sends (tensors, gathered bytes)")
     ns = parser.parse_args(argv)
     try:
         server_config = config_from_args(ServerConfig, ns, "trainer")
@@ -224,18 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     from meridian.model_store import resolve_model
     from services.trainer.learner import Learner
 
-    rank, _, device = _init()
+    rank, world, device = _init()
     try:
         learner = Learner(resolve_model(config.model), config, device=device)
         if ns.replay:
             replay(learner, ns.replay, ns.out, rank, ns.publish_to, config.signing_key)
         elif rank != 0:
-            follow(learner)
+            follow(learner, _part_sender(config) if learner.sharded and world > 1 else None, ns.part_log)
         else:
             from meridian.grpc_runtime import serve_forever
             from services.trainer.server import TrainerService
 
-            lead = BroadcastLearner(learner)
+            lead = BroadcastLearner(learner, ns.part_log)
             try:
                 serve_forever("trainer", lambda: TrainerService(config, learner=lead), server_config)
             finally:
@@ -244,6 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _part_sender(config: TrainerConfig) -> PartSender:
+    """A follower's background sender, retrying as rank 0's Committer does."""
+    from services.trainer.commit import PUBLISH_RETRY_S, REFUSALS
+    from services.trainer.shard_publish import PartSender
+
+    return PartSender(config.weightsync, PUBLISH_RETRY_S, REFUSALS)
 
 
 if __name__ == "__main__":

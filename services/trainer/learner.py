@@ -92,12 +92,13 @@ def _shard(batch: Batch, rank: int, world: int) -> Batch:
     return shard
 
 
-def canary_logprobs(module: torch.nn.Module, weights: dict[str, RawTensor], sequences: list[list[int]]) -> list[list[float]]:
+def canary_logprobs(module: torch.nn.Module, weights: dict[str, RawTensor] | None, sequences: list[list[int]]) -> list[list[float]]:
     """Per-token log-probs of ``sequences`` (first token 0) from ``module``'s forward pass
-    with its parameters replaced by ``weights`` (checkpoint names, any dtype): the numbers
-    a correct engine serving exactly these weights reproduces."""
+    with its parameters replaced by ``weights`` (checkpoint names, any dtype; None: the
+    module's own parameters): the numbers a correct engine serving exactly these weights
+    reproduces."""
     device = next(module.parameters()).device
-    params = {name: to_torch(t).to(device) for name, t in weights.items()}
+    params = {name: to_torch(t).to(device) for name, t in (weights or {}).items()}
     out = []
     with torch.no_grad():
         for ids in sequences:
@@ -159,7 +160,7 @@ class Learner:
         self.rank, self.world = 0, 1
         self.sharded = False
         self.model: torch.nn.Module = self.module
-        self._plain: torch.nn.Module | None = None
+        self._twin: torch.nn.Module | None = None  # the sharded canary's bf16 twin (see shard_canary)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
             self._distribute(config.data_parallel)
@@ -220,19 +221,60 @@ class Learner:
 
     def canary(self, weights: dict[str, RawTensor]) -> weightsync_pb2.Canary:
         """The canary for a version: log-probs of the fixed sequences from a forward pass
-        on exactly ``weights`` (the bf16 tensors being published, not the fp32 masters)."""
-        return canary.build(self.canary_ids, canary_logprobs(self._unsharded(), weights, self.canary_ids))
+        on exactly ``weights`` (the bf16 tensors being published, not the fp32 masters).
+        Not for a sharded learner: running given whole weights needs the whole model on
+        one rank; it computes its canary with :meth:`shard_canary`."""
+        if self.sharded:
+            raise RuntimeError("a sharded learner computes the canary of its own weights with shard_canary(), a collective every rank joins")
+        return canary.build(self.canary_ids, canary_logprobs(self.module, weights, self.canary_ids))
 
-    def _unsharded(self) -> torch.nn.Module:
-        """A module to run with whole weights: the model itself, or under FSDP (whose
-        forward gathers its own shards) a plain copy built once, on the rank that asks."""
-        if not self.sharded:
-            return self.module
-        if self._plain is None:
-            from transformers import AutoModelForCausalLM
+    def shard_canary(self) -> weightsync_pb2.Canary:
+        """The canary of the current policy (the bf16 view of the masters, as
+        :meth:`policy_weights` publishes it) without any rank holding the whole model: the
+        forward pass runs through a bf16 twin sharded like the model, whose FSDP units
+        gather one decoder layer at a time. A collective every rank joins; each rank gets
+        the same canary. The log-probs are bit for bit those :meth:`canary` gives on one
+        process with the same bf16 weights: the same kernels see the same tensors (the
+        twin's parameters are bf16 like the published ones; its buffers, e.g. the rotary
+        frequencies, are the model's own)."""
+        twin = self._bf16_twin()
+        ours = dict(self.module.named_parameters())
+        with torch.no_grad():
+            for name, q in twin.named_parameters():
+                # Local shard to local shard: both are laid out alike over the same ranks.
+                q.to_local().copy_(ours[name].to_local())  # type: ignore[attr-defined]  # fp32 -> bf16, as policy_weights rounds
+        try:
+            return canary.build(self.canary_ids, canary_logprobs(twin, None, self.canary_ids))
+        finally:
+            # FSDP keeps the root unit's parameters gathered after a forward (a backward
+            # would follow): shard them again, so no rank keeps more than its part.
+            for unit in twin.modules():
+                if hasattr(unit, "reshard"):
+                    unit.reshard()
 
-            self._plain = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
-        return self._plain
+    def _bf16_twin(self) -> torch.nn.Module:
+        """A bf16 copy of the model's architecture sharded like it (built once, on every
+        rank, without materialising the whole model: on the meta device, then only each
+        rank's shards get memory)."""
+        if self._twin is not None:
+            return self._twin
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            twin = AutoModelForCausalLM.from_config(self.module.config, dtype=torch.float32, attn_implementation=self.config.attention)
+        for p in twin.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        for layer in _decoder_layers(twin):
+            fully_shard(layer)
+        fully_shard(twin)
+        twin.to_empty(device=self.device)
+        # The buffers (rotary frequencies) as the model holds them: to_empty left them unset.
+        ours = dict(self.module.named_buffers())
+        for name, buf in twin.named_buffers():
+            buf.copy_(ours[name])
+        self._twin = twin.eval()
+        return self._twin
 
     def load_policy_weights(self, weights: dict[str, RawTensor], version: int) -> None:
         """Starts from a published version (e.g. after a restart without a checkpoint)."""

@@ -19,13 +19,28 @@ whole model's memory and a single-threaded encode at the origin. Instead
    single-process publish of the same weights stores.
 
 One process (world size 1) keeps the ordinary single-stream publish.
+
+The trainer service under ``--data-parallel fsdp`` splits this in two (see
+:mod:`services.trainer.distributed`): :func:`prepare_part` is the collective part (steps 1
+to 3, and the canary through the sharded model), which every rank runs when rank 0 says
+so, in order with the training steps; sending (step 4) is network only and runs in the
+background beside the next step: on rank 0 in the Committer's publish task, on every other
+rank in a :class:`PartSender` thread.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import logging
 import math
-from collections.abc import Mapping
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+import grpc
 
 import torch
 import torch.distributed as dist
@@ -35,6 +50,8 @@ from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import client as weightsync
 from services.weightsync import parts
 from services.weightsync.signing import Signer
+
+log = logging.getLogger(__name__)
 
 
 def _gather_to_owner(t: torch.Tensor, owner: int, rank: int, world: int) -> torch.Tensor | None:
@@ -114,3 +131,102 @@ def publish_sharded(
     header = version_header(version, mine, rank, signer, canary, trace_context, metrics)
     reply = asyncio.run(weightsync.publish_part(address, header, rank, world, mine))
     return reply, sum(t.nbytes for t in mine.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedPart:
+    """This rank's part of one version, ready to send: the signed version header every
+    part shares (it carries the canary), this rank's index among ``count`` parts, and the
+    whole tensors it owns (nothing of the others')."""
+
+    header: pb.PublishHeader
+    index: int
+    count: int
+    weights: dict[str, RawTensor]
+
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the tensors this rank gathered for the part."""
+        return sum(t.nbytes for t in self.weights.values())
+
+
+def prepare_part(
+    learner: Any, version: int, *, signer: Signer | None = None, trace_context: Mapping[str, str] | None = None,
+    metrics: Mapping[str, float] | None = None,
+) -> PreparedPart:
+    """This rank's part of ``version`` from a sharded ``learner``
+    (:class:`services.trainer.learner.Learner`): its own tensors gathered to it, the canary
+    computed through the sharded model (:meth:`Learner.shard_canary`), the version header
+    signed on rank 0. A collective: every rank calls it at the same point of the command
+    sequence (only rank 0's ``signer``, ``trace_context`` and ``metrics`` are used)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine, _ = owned_weights(learner.module, rank, world)
+    probe = learner.shard_canary()
+    header = version_header(version, mine, rank, signer, probe, trace_context, metrics)
+    return PreparedPart(header, rank, world, mine)
+
+
+async def send_part(address: str, part: PreparedPart, retry_s: Sequence[float], refusals: frozenset[grpc.StatusCode]) -> bool:
+    """Sends a follower's part, retried after each of ``retry_s`` on transient errors (the
+    origin aborts the version for every part when one fails, so every rank retries on the
+    same schedule and the parts meet again). Returns whether the origin stored the version;
+    a refusal or the last failure is logged, not raised: rank 0, answered the same by the
+    origin, decides what the trainer does."""
+    for attempt, pause in enumerate((*retry_s, None)):
+        try:
+            await weightsync.publish_part(address, part.header, part.index, part.count, part.weights)
+            return True
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in refusals or pause is None:
+                log.error("version %d part %d of %d was not published: %s %s", part.version, part.index, part.count, exc.code().name, exc.details())
+                return False
+            log.warning("version %d part %d failed (%s, attempt %d); retrying in %.1f s", part.version, part.index, exc.code().name, attempt + 1, pause)
+            await asyncio.sleep(pause)
+    raise AssertionError("unreachable")
+
+
+class PartSender:
+    """A follower rank's parts on their way to the origin, beside the next training step:
+    one background thread sends them one at a time in the order given (the origin
+    assembles one version at a time, in version order, as rank 0's Committer sends its
+    own), each with :func:`send_part`'s retries."""
+
+    def __init__(self, address: str, retry_s: Sequence[float], refusals: frozenset[grpc.StatusCode]) -> None:
+        self.address = address
+        self.retry_s = tuple(retry_s)
+        self.refusals = refusals
+        self._queue: queue.Queue[PreparedPart | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="part-sender", daemon=True)
+        self._thread.start()
+
+    def submit(self, part: PreparedPart) -> None:
+        """Queues ``part`` behind the parts queued before it."""
+        self._queue.put(part)
+
+    def close(self) -> None:
+        """Sends what is queued, then ends the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (part := self._queue.get()) is not None:
+            try:
+                asyncio.run(send_part(self.address, part, self.retry_s, self.refusals))
+            except Exception:
+                log.exception("sending version %d part %d failed", part.version, part.index)
+
+
+def record_part(folder: Path | None, part: PreparedPart) -> None:
+    """Appends one JSON line about ``part`` (version, index, count, tensors, gathered
+    bytes) to ``folder``/parts-rank-<index>.jsonl: what shows that no rank gathered more
+    than its part. Nothing without a folder."""
+    if folder is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    line = {"version": part.version, "part": part.index, "parts": part.count, "tensors": sorted(part.weights), "gathered_bytes": part.gathered_bytes}
+    with open(folder / f"parts-rank-{part.index}.jsonl", "a") as fh:
+        fh.write(json.dumps(line) + "\n")
