@@ -143,7 +143,7 @@ def synthetic_adam_versions(
 
 
 def _warm_up(dtype: str) -> float:
-    """Trigger numba compilation (or cache load) of both formats outside the timed region."""
+    """Trigger numba compilation (or cache load) of every format outside the timed region."""
     t0 = time.perf_counter()
     raw = codec.DTYPES[dtype]
     vs = [np.arange(4096, dtype=raw)]
@@ -152,13 +152,15 @@ def _warm_up(dtype: str) -> float:
         nxt[::7] += raw(1)
         vs.append(nxt)
     for fmt in codec.FORMAT_VERSIONS:
-        ctx = None
+        ctx = idx = None
         for old, new in zip(vs, vs[1:]):
-            chunks = codec.encode_tensor("warmup", new, old, dtype, format_version=fmt, context=ctx)
+            chunks = codec.encode_tensor("warmup", new, old, dtype, format_version=fmt, context=ctx, index=idx)
             buf = old.copy()
             for j, c in enumerate(chunks):
-                codec.decode_chunk_into(c.payload, buf, buf, context=ctx[j] if ctx else None)
-            ctx = [c.changes for c in chunks] if fmt == 2 else None
+                held_idx = codec.ensure_index(c.payload, buf, idx[j] if idx else None)
+                codec.decode_chunk_into(c.payload, buf, buf, context=ctx[j] if ctx else None, index=held_idx)
+            ctx = [c.changes for c in chunks] if fmt >= 2 else None
+            idx = [c.index for c in chunks] if fmt == 3 else None
     return time.perf_counter() - t0
 
 
@@ -167,27 +169,44 @@ def _format_figures(
     new_v: dict[str, np.ndarray],
     dtype: str,
     fmt: int,
-    context: dict[str, list] | None,
+    state: tuple[dict[str, list], dict[str, list]] | None,
     chunk_elems: int,
-) -> tuple[dict, dict[str, list], bool]:
+) -> tuple[dict, tuple[dict[str, list], dict[str, list]], bool]:
     """Encode one step in format ``fmt``, decode it into fresh buffers and apply
-    it in place; returns the figures, the next context and bit-exactness."""
+    it in place; returns the figures, the next state (per tensor the chunks'
+    contexts and position indexes, as a receiver keeps them) and
+    bit-exactness.
+
+    Format 3's receiver builds a chunk's index once, before its first delta
+    (``ensure_index``, a pass over the chunk): timed apart as
+    ``index_build_s``, not as apply time, since it is paid once, not per version."""
     names = sorted(new_v)
     raw_bytes = sum(new_v[k].nbytes for k in names)
+    context, index = state if state is not None else (None, None)
 
     def ctx(k: str) -> list | None:
-        return context[k] if context is not None and fmt == 2 else None
+        return context[k] if context is not None and fmt >= 2 else None
+
+    def idx(k: str) -> list | None:
+        return index[k] if index is not None and fmt == 3 else None
 
     t0 = time.perf_counter()
-    encoded = {k: codec.encode_tensor(k, new_v[k], old_v[k], dtype, chunk_elems=chunk_elems, context=ctx(k), format_version=fmt) for k in names}
+    encoded = {
+        k: codec.encode_tensor(k, new_v[k], old_v[k], dtype, chunk_elems=chunk_elems, context=ctx(k), index=idx(k), format_version=fmt) for k in names
+    }
     t_enc = time.perf_counter() - t0
+
+    # The receiver's indexes of old (format 3): built where missing (first use).
+    t0 = time.perf_counter()
+    held_idx = {k: [codec.ensure_index(c.payload, old_v[k], idx(k)[j] if idx(k) else None) for j, c in enumerate(encoded[k])] for k in names}
+    t_build = time.perf_counter() - t0
 
     outs = {k: np.zeros_like(new_v[k]) for k in names}  # allocation is not decode work
     t0 = time.perf_counter()
     for k in names:
         c_k = ctx(k)
         for j, chunk in enumerate(encoded[k]):
-            codec.decode_chunk_into(chunk.payload, outs[k], old_v[k], context=c_k[j] if c_k else None)
+            codec.decode_chunk_into(chunk.payload, outs[k], old_v[k], context=c_k[j] if c_k else None, index=held_idx[k][j])
     t_dec = time.perf_counter() - t0
     exact = all(np.array_equal(outs[k], new_v[k]) for k in names)
 
@@ -200,10 +219,20 @@ def _format_figures(
         t0, c0 = time.perf_counter(), time.thread_time()
         for k in names:
             c_k = ctx(k)
-            got[k] = [codec.decode_chunk_into(chunk.payload, held[k], held[k], context=c_k[j] if c_k else None) for j, chunk in enumerate(encoded[k])]
+            got[k] = [
+                codec.decode_chunk_into(chunk.payload, held[k], held[k], context=c_k[j] if c_k else None, index=held_idx[k][j])
+                for j, chunk in enumerate(encoded[k])
+            ]
         t_apply = min(t_apply, time.perf_counter() - t0)
         c_apply = min(c_apply, time.thread_time() - c0)
         exact = exact and all(np.array_equal(held[k], new_v[k]) for k in names)
+    # The next version's indexes: what each delta's decode returned (None after
+    # a keyframe chunk: rebuilt at first use); they must equal the encoder's.
+    next_idx = {k: [ch.index if ch is not None else None for ch in got[k]] for k in names}
+    if fmt == 3:
+        exact = exact and all(
+            a is None or b is None or a.fingerprint == b.fingerprint for k in names for a, b in zip(next_idx[k], (c.index for c in encoded[k]))
+        )
     fig = {
         "bytes": sum(len(c.payload) for k in names for c in encoded[k]),
         "encode_gbps": raw_bytes / t_enc / 1e9,
@@ -213,13 +242,16 @@ def _format_figures(
         "keyframe_chunks": sum(codec.parse_header(c.payload).mode == codec.MODE_KEYFRAME for k in names for c in encoded[k]),
         "context_chunks": sum(_uses_context(c.payload) for k in names for c in encoded[k]),
     }
-    return fig, got, exact
+    if fmt == 3:
+        fig["index_build_s"] = t_build
+        fig["index_entries"] = sum(i.positions.shape[0] for k in names for i in held_idx[k] if i is not None)
+    return fig, (got, next_idx), exact
 
 
 def _uses_context(payload: bytes) -> bool:
-    """Whether a payload is a version-2 delta coded against a context."""
+    """Whether a payload is a version-2 or -3 delta coded against a context."""
     hdr = codec.parse_header(payload)
-    return hdr.version == 2 and hdr.mode == codec.MODE_DELTA and payload[hdr.body_offset] & 1 == 1
+    return hdr.version >= 2 and hdr.mode == codec.MODE_DELTA and payload[hdr.body_offset] & 1 == 1
 
 
 def run_codec_bench(
@@ -227,25 +259,28 @@ def run_codec_bench(
     dtype: str,
     *,
     chunk_elems: int = 2 << 20,
-    formats: tuple[int, ...] = (1, 2),
+    formats: tuple[int, ...] = (1, 2, 3),
 ) -> dict:
     """Encode each consecutive pair of ``versions`` (dicts name -> 1-D raw-bit
     array) in each format version, decode it again single-threaded, and report
     per-step figures.
 
-    Format 2 runs as a receiver would: the first step without context, each
-    later one against the change lists the previous step's decode returned.
+    Formats 2 and 3 run as a receiver would: the first step without context, each
+    later one against the change lists the previous step's decode returned;
+    format 3 also over the position indexes the previous decode returned
+    (built once before the first step, timed as ``index_build_s``).
 
     Returns ``{"steps": [...], "summary": {...}}``. Each step has
     ``changed_fraction``, ``full_bf16_bytes`` (raw size of the new version),
     ``zstd_full_bytes`` and ``xor_zstd_bytes`` (zstd level 3 of the raw new
-    version / of old XOR new) and per format (``"v1"``, ``"v2"``): ``bytes``,
+    version / of old XOR new) and per format (``"v1"``, ``"v2"``, ``"v3"``): ``bytes``,
     ``encode_gbps``, ``decode_gbps`` (into fresh buffers, which includes
     copying the base), ``apply_gbps`` (in place, as a receiver applies it, best of
     ``APPLY_REPEATS``; ``apply_gbps_cpu`` over the thread's CPU time, which
     a busy machine disturbs less), all
     raw model bytes per second on one thread, ``keyframe_chunks`` and
-    ``context_chunks``. ``ours_bytes`` is the newest format's size. The summary
+    ``context_chunks`` (format 3 also ``index_build_s`` and ``index_entries``).
+    ``ours_bytes`` is the newest format's size. The summary
     holds per format the medians ``pct_of_full`` and speeds, plus
     ``ours_pct_of_full``, ``ours_vs_xor_zstd``, ``bit_exact`` (every step of
     every format decoded and compared), ``jit_warmup_s`` and ``load_average``
@@ -257,7 +292,7 @@ def run_codec_bench(
     cctx = zstandard.ZstdCompressor(level=3)
     steps = []
     exact = True
-    contexts: dict[int, dict[str, list] | None] = {fmt: None for fmt in formats}
+    contexts: dict[int, tuple | None] = {fmt: None for fmt in formats}
     for old_v, new_v in zip(versions, versions[1:]):
         if set(old_v) != set(new_v):
             raise ValueError("consecutive versions must have the same tensor names")
@@ -296,7 +331,7 @@ def run_codec_bench(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``meridian bench codec [--steps K] [--synthetic N]``: format 1 vs 2 on
+    """``meridian bench codec [--steps K] [--synthetic N]``: formats 1, 2 and 3 on
     the recorded real RL versions of the built-in model (as ``meridian bench
     weightsync`` records and caches them) or on synthetic AdamW versions; prints
     one JSON object."""

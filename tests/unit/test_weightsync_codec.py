@@ -476,7 +476,7 @@ def test_wrong_or_missing_context_raises():
     with pytest.raises(CodecError, match="context has"):
         encode_tensor("t", v2, v1, "bf16", chunk_elems=5000, context=[None], format_version=2)
     with pytest.raises(CodecError, match="format_version"):
-        encode_tensor("t", v2, v1, "bf16", format_version=3)
+        encode_tensor("t", v2, v1, "bf16", format_version=4)
 
 
 def test_format_2_corrupt_payloads_raise():

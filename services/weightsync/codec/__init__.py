@@ -13,21 +13,27 @@ from collections.abc import Sequence
 import numpy as np
 
 from services.weightsync.codec.format import (
+    _uv_decode,
     _BITS,
     _EXP_FIELD,
     _MAX_CHUNK,
     _PAD,
     _VERSION,
     _VERSION_2,
+    _VERSION_3,
+    _INDEX_FRACTION,
+    _FLAG_INDEX,
     DTYPES,
     MODE_DELTA,
     MODE_KEYFRAME,
     ChunkChanges,
     ChunkHeader,
+    ChunkIndex,
     CodecError,
     EncodedChunk,
     _decode_keyframe,
     _delta2_body,
+    _delta3_body,
     _delta_body,
     _header_bytes,
     _keyframe_body,
@@ -43,6 +49,16 @@ from services.weightsync.codec.context_kernels import (
     _diff_positions,
     _encode_v2,
 )
+from services.weightsync.codec.index_kernels import (
+    _HEAD3_ERRORS,
+    _V3_ERRORS,
+    _build_index,
+    _class_histogram,
+    _decode_chunk3,
+    _encode_v3,
+    _index_fingerprint,
+    _update_index,
+)
 
 __all__ = [
     "DTYPES",
@@ -57,6 +73,11 @@ __all__ = [
     "FORMAT_VERSIONS",
     "decode_chunk_into",
     "ChunkChanges",
+    "ChunkIndex",
+    "build_index",
+    "update_index",
+    "ensure_index",
+    "index_threshold",
     "decode_tensor",
     "parse_header",
     "ChunkHeader",
@@ -66,11 +87,11 @@ __all__ = [
 # the smaller; below it a delta is always far smaller, so we skip the work.
 _TRY_KEYFRAME_FRACTION = 0.2
 
-#: Format versions the encoders write (``format_version=``); the decoder reads both.
-#: The encoders write version 1 unless asked for 2: a version-2 delta pays off
-#: only when the caller keeps and passes each chunk's context (see format.py);
-#: without one it is larger than version 1 (measured in format.py).
-FORMAT_VERSIONS = (_VERSION, _VERSION_2)
+#: Format versions the encoders write (``format_version=``); the decoder reads all.
+#: The encoders write version 1 unless asked for another: versions 2 and 3 pay
+#: off only when the caller keeps and passes each chunk's context (2, 3) and
+#: position index (3) from version to version (see format.py).
+FORMAT_VERSIONS = (_VERSION, _VERSION_2, _VERSION_3)
 
 
 def _words16(src: np.ndarray) -> np.ndarray | None:
@@ -124,6 +145,8 @@ def encode_keyframe_chunk(new: np.ndarray, dtype: str, start: int, count: int, *
 
 _NO_INT = np.empty(0, np.int64)
 _NO_BOOL = np.empty(0, np.bool_)
+_NO_U8 = np.empty(0, np.uint8)
+_NO_COUNTS = np.zeros(256, np.int64)
 
 
 def _context_arrays(context: ChunkChanges | None, dtype: str, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
@@ -151,6 +174,151 @@ def _context_arrays(context: ChunkChanges | None, dtype: str, start: int, count:
             f"context positions are not ascending inside this chunk [{start}, {start + count}): pass the changes of the previous delta for the same chunk range"
         )
     return rel, grp, neg, int(fingerprint)
+
+
+# --------------------------------------------------------------------------
+# Position index (format 3)
+# --------------------------------------------------------------------------
+
+
+def index_threshold(values: np.ndarray, dtype: str, *, fraction: float = _INDEX_FRACTION) -> int:
+    """The threshold rule of format 3: the largest ``t`` such that the elements
+    of ``values`` (one chunk's raw bits) whose exponent field is below ``t``
+    are at most ``fraction`` of them (0 when the zero class alone is more).
+    Deterministic in the values; a payload names the threshold it used."""
+    _check_dtype(dtype)
+    shift, emask = _EXP_FIELD[dtype]
+    cum = np.cumsum(_class_histogram(np.ascontiguousarray(values), shift, emask)[: emask + 1])
+    return int(np.searchsorted(cum, fraction * values.shape[0], side="right"))
+
+
+def _make_index(dtype: str, start: int, count: int, t: int, pos: np.ndarray, cls: np.ndarray, counts: np.ndarray, h) -> ChunkIndex:
+    for a in (pos, cls, counts):
+        a.flags.writeable = False  # shared between successive indexes
+    h = int(h)
+    return ChunkIndex(dtype, start, count, t, pos, cls, counts, h, int(_index_fingerprint(np.uint64(h), pos.shape[0], t)))
+
+
+def build_index(values: np.ndarray, dtype: str, start: int, count: int, threshold: int | None = None, *, fraction: float = _INDEX_FRACTION) -> ChunkIndex:
+    """The position index of ``values[start:start+count]`` (``values``: the
+    full 1-D raw-bit tensor) for ``threshold`` (None: :func:`index_threshold`
+    of the chunk). One pass over the chunk: do it once (first use, after a
+    keyframe), then keep it current with the change lists."""
+    _check_dtype(dtype)
+    _check_array(values, dtype, "values")
+    if start < 0 or count < 0 or start + count > values.shape[0]:
+        raise CodecError(f"chunk [{start}, {start + count}) is outside a tensor of {values.shape[0]} elements")
+    sl = np.ascontiguousarray(values[start : start + count])
+    shift, emask = _EXP_FIELD[dtype]
+    t = index_threshold(sl, dtype, fraction=fraction) if threshold is None else int(threshold)
+    if not 0 <= t <= emask + 1:
+        raise CodecError(f"index threshold {t} is outside [0, {emask + 1}] for {dtype}")
+    pos, cls, counts, h = _build_index(sl, shift, emask, t)
+    return _make_index(dtype, start, count, t, pos, cls, counts, h)
+
+
+def _check_index(index: ChunkIndex, dtype: str, start: int, count: int) -> None:
+    if not isinstance(index, ChunkIndex):
+        raise CodecError(f"index must be a ChunkIndex (see build_index), got {type(index).__name__}")
+    if (index.dtype, index.start, index.count) != (dtype, start, count):
+        raise CodecError(
+            f"position index is for {index.dtype} chunk [{index.start}, {index.start + index.count}), "
+            f"not {dtype} chunk [{start}, {start + count}): pass the index of this chunk"
+        )
+
+
+def _index_after(index: ChunkIndex, rel: np.ndarray, old: np.ndarray, new: np.ndarray) -> ChunkIndex:
+    shift, emask = _EXP_FIELD[index.dtype]
+    st, pos, cls, counts, h = _update_index(index.positions, index.classes, index.class_counts, np.uint64(index.entry_hash), index.threshold, rel, old, new, shift, emask)
+    if st != 0:
+        raise CodecError(
+            f"position index of chunk [{index.start}, {index.start + index.count}) does not describe the old values of these changes (stale index or wrong base)"
+        )
+    if pos is index.positions and cls is index.classes and counts is index.class_counts:
+        return index
+    return _make_index(index.dtype, index.start, index.count, index.threshold, pos, cls, counts, h)
+
+
+def update_index(index: ChunkIndex, changes: ChunkChanges) -> ChunkIndex:
+    """The index after a delta's changes (the ``ChunkChanges`` of this chunk,
+    any format): O(index + changes), no pass over the chunk. Raises
+    CodecError when the index does not describe the changes' old values."""
+    _check_index(index, index.dtype, index.start, index.count)
+    raw = DTYPES[index.dtype]
+    if changes.old.dtype != raw or changes.new.dtype != raw:
+        raise CodecError(f"change bits have dtype {changes.old.dtype}, {index.dtype} needs {np.dtype(raw)}")
+    rel = np.ascontiguousarray(changes.positions, dtype=np.int64) - index.start
+    if rel.shape[0] and (rel[0] < 0 or rel[-1] >= index.count or np.any(np.diff(rel) <= 0)):
+        raise CodecError(f"change positions are not ascending inside chunk [{index.start}, {index.start + index.count})")
+    return _index_after(index, rel, np.ascontiguousarray(changes.old), np.ascontiguousarray(changes.new))
+
+
+def _payload_index(payload: bytes, hdr: ChunkHeader) -> tuple[int, int, int] | None:
+    """(threshold, entry count, fingerprint) a version-3 delta is coded over, or None."""
+    if hdr.version != _VERSION_3 or hdr.mode != MODE_DELTA:
+        return None
+    pos = hdr.body_offset
+    if pos >= len(payload):
+        raise CodecError("truncated delta body (flags)")
+    flags = payload[pos]
+    if not flags & _FLAG_INDEX:
+        return None
+    pos += 1
+    if flags & 1:
+        _, pos = _uv_decode(payload, pos, "context count")
+        pos += 4
+    t, pos = _uv_decode(payload, pos, "index threshold")
+    m, pos = _uv_decode(payload, pos, "index count")
+    if pos + 4 > len(payload):
+        raise CodecError("truncated payload while reading the index fingerprint")
+    return t, m, int.from_bytes(payload[pos : pos + 4], "little")
+
+
+def ensure_index(payload: bytes, values: np.ndarray, index: ChunkIndex | None) -> ChunkIndex | None:
+    """The index a payload needs for decoding against ``values`` (the
+    receiver's current full tensor): ``index`` itself when it is the one the
+    payload names (or the payload needs none), else one built from ``values``
+    with the payload's threshold (one pass: first use, after a keyframe or a
+    mismatch). A receiver calls this before ``decode_chunk_into``."""
+    hdr = parse_header(payload)
+    want = _payload_index(payload, hdr)
+    if want is None:
+        return index
+    if (
+        index is not None
+        and (index.dtype, index.start, index.count) == (hdr.dtype, hdr.start, hdr.count)
+        and (index.threshold, index.positions.shape[0], index.fingerprint) == want
+    ):
+        return index
+    if values.shape[0] != hdr.total:
+        raise CodecError(f"payload is for a tensor of {hdr.total} elements, values has {values.shape[0]}")
+    _, emask = _EXP_FIELD[hdr.dtype]
+    if want[0] > emask + 1:
+        raise CodecError(f"payload names index threshold {want[0]}, {hdr.dtype} has {emask + 1} classes")
+    return build_index(values, hdr.dtype, hdr.start, hdr.count, want[0])
+
+
+def _encode_delta_v3(
+    n_sl: np.ndarray, o_sl: np.ndarray, pos: np.ndarray, dtype: str, ctx: tuple | None, index: ChunkIndex
+) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """Version-3 delta body of a chunk whose changes are at ``pos`` over
+    ``index`` (the index of ``o_sl``) and against ``ctx`` (from
+    _context_arrays) or without; also the changes' old and new bits."""
+    shift, emask = _EXP_FIELD[dtype]
+    ctx_pos, ctx_neg = (ctx[0], ctx[2]) if ctx is not None else (_NO_INT, _NO_BOOL)
+    use_idx = index.positions.shape[0] > 0
+    st, n_out, k_out, rows, mrows, words, nbits, olds, news = _encode_v3(
+        n_sl, o_sl, pos, ctx_pos, ctx_neg, use_idx, index.positions, index.classes, index.class_counts, index.threshold,
+        shift, emask, 1 << (_BITS[dtype] - 1), (1 << _BITS[dtype]) - 1,
+    )  # fmt: skip
+    if st != 0:
+        raise CodecError(
+            f"position index of chunk [{index.start}, {index.start + index.count}) does not describe old (stale index): pass the index of the old version"
+        )
+    used = use_idx and int(n_out) < pos.shape[0]  # no change in the index: the receiver needs none
+    ctx_head = (ctx[0].shape[0], ctx[3]) if ctx is not None else None
+    idx_head = (index.threshold, index.positions.shape[0], index.fingerprint) if used else None
+    return _delta3_body(ctx_head, idx_head, int(n_out), int(k_out), rows, mrows, words, int(nbits)), olds, news
 
 
 def _encode_delta_v1(n_sl: np.ndarray, o_sl: np.ndarray, dtype: str) -> tuple[bytes, int]:
@@ -186,18 +354,24 @@ def encode_chunk(
     count: int,
     *,
     context: ChunkChanges | None = None,
+    index: ChunkIndex | None = None,
     format_version: int = _VERSION,
     name: str = "",
 ) -> EncodedChunk:
     """Encode new[start:start+count] against old as one chunk (a delta, or a
     keyframe when most of the chunk changed and that is smaller).
 
-    ``context``: for format version 2, the changes of the previous delta of
+    ``context``: for format versions 2 and 3, the changes of the previous delta of
     this chunk range (the ``changes`` of the chunk encoded for the previous
     version, which is also what ``decode_chunk_into`` returned to every
     receiver); None or empty writes a delta that needs no context. The
     returned chunk's ``changes`` are the context for the next version (None
-    for a keyframe chunk)."""
+    for a keyframe chunk).
+
+    ``index``: for format version 3, the position index of ``old``'s chunk
+    (the ``index`` of the chunk encoded for the previous version; None builds
+    one from ``old`` with :func:`index_threshold`, a pass). The returned
+    chunk's ``index`` is the one for the next version."""
     _check_dtype(dtype)
     _check_array(new, dtype, "new")
     _check_array(old, dtype, "old")
@@ -205,12 +379,15 @@ def encode_chunk(
         raise CodecError(f"new has {new.shape[0]} elements but old has {old.shape[0]}")
     if format_version not in FORMAT_VERSIONS:
         raise CodecError(f"format_version must be one of {FORMAT_VERSIONS}, got {format_version}")
+    if index is not None and format_version != _VERSION_3:
+        raise CodecError(f"format version {format_version} has no position index; pass format_version=3")
     n_sl = np.ascontiguousarray(new[start : start + count])
     o_sl = np.ascontiguousarray(old[start : start + count])
     changes = None
+    new_index = None
     if format_version == _VERSION:
         if context is not None:
-            raise CodecError("format version 1 has no context; pass format_version=2")
+            raise CodecError("format version 1 has no context; pass format_version=2 or 3")
         body, ne = _encode_delta_v1(n_sl, o_sl, dtype)
     else:
         ctx = _context_arrays(context, dtype, start, count)
@@ -218,23 +395,30 @@ def encode_chunk(
         if n64 is None or o64 is None:
             n64 = o64 = None
         pos = _diff_positions(n_sl, o_sl, n64, o64)
-        body, olds, news = _encode_delta_v2(n_sl, o_sl, pos, dtype, None)
-        if ctx is not None:
-            # The context does not pay for itself on every chunk (e.g. random
-            # changes: its table costs more than it saves); coding is O(changes),
-            # so try both and keep the smaller.
-            with_ctx = _encode_delta_v2(n_sl, o_sl, pos, dtype, ctx)[0]
-            if len(with_ctx) < len(body):
-                body = with_ctx
+        if format_version == _VERSION_3:
+            if index is None:
+                index = build_index(old, dtype, start, count)
+            _check_index(index, dtype, start, count)
+            body, olds, news = _encode_delta_v3(n_sl, o_sl, pos, dtype, ctx, index)
+            new_index = _index_after(index, pos, olds, news)
+        else:
+            body, olds, news = _encode_delta_v2(n_sl, o_sl, pos, dtype, None)
+            if ctx is not None:
+                # The context does not pay for itself on every chunk (e.g. random
+                # changes: its table costs more than it saves); coding is O(changes),
+                # so try both and keep the smaller.
+                with_ctx = _encode_delta_v2(n_sl, o_sl, pos, dtype, ctx)[0]
+                if len(with_ctx) < len(body):
+                    body = with_ctx
         ne = pos.shape[0]
-        changes = ChunkChanges(pos + start, olds, news)
+        changes = ChunkChanges(pos + start, olds, news, new_index)
     if ne > _TRY_KEYFRAME_FRACTION * count:
         key_body = _keyframe_body(n_sl, dtype)
         if len(key_body) < len(body):
             payload = _header_bytes(MODE_KEYFRAME, dtype, start, count, new.shape[0], key_body, format_version)
-            return EncodedChunk(name, start, count, payload + key_body, None)
+            return EncodedChunk(name, start, count, payload + key_body, None, new_index)
     payload = _header_bytes(MODE_DELTA, dtype, start, count, new.shape[0], body, format_version) + body
-    return EncodedChunk(name, start, count, payload, changes)
+    return EncodedChunk(name, start, count, payload, changes, new_index)
 
 
 def encode_delta_chunk(
@@ -245,12 +429,13 @@ def encode_delta_chunk(
     count: int,
     *,
     context: ChunkChanges | None = None,
+    index: ChunkIndex | None = None,
     format_version: int = _VERSION,
 ) -> bytes:
     """Encode new[start:start+count] against old; falls back to a keyframe
     payload when most of the chunk changed and the keyframe is smaller. See
-    :func:`encode_chunk` (which also returns the chunk's changes)."""
-    return encode_chunk(new, old, dtype, start, count, context=context, format_version=format_version).payload
+    :func:`encode_chunk` (which also returns the chunk's changes and index)."""
+    return encode_chunk(new, old, dtype, start, count, context=context, index=index, format_version=format_version).payload
 
 
 def encode_tensor(
@@ -261,6 +446,7 @@ def encode_tensor(
     *,
     chunk_elems: int = 1 << 22,
     context: Sequence[ChunkChanges | None] | None = None,
+    index: Sequence[ChunkIndex | None] | None = None,
     format_version: int = _VERSION,
 ) -> list[EncodedChunk]:
     """Encode one tensor (1-D raw-bit view) as independently decodable chunks.
@@ -273,6 +459,11 @@ def encode_tensor(
     same chunk of the previous version's encoding (``[c.changes for c in
     previous_chunks]``, same ``chunk_elems``); None (or a None entry) codes
     without context. Each returned chunk's ``changes`` is the next context.
+
+    ``index`` (format version 3): one entry per chunk, the ``index`` of the
+    same chunk of the previous version's encoding; None (or a None entry)
+    builds it from ``old`` (a pass). Each returned chunk's ``index`` is the
+    next one (for keyframe chunks too).
     """
     _check_dtype(dtype)
     _check_array(new, dtype, "new")
@@ -286,15 +477,19 @@ def encode_tensor(
     starts = range(0, max(total, 1), chunk_elems)
     if context is not None and len(context) != len(starts):
         raise CodecError(f"tensor {name!r}: context has {len(context)} entries for {len(starts)} chunks")
+    if index is not None and len(index) != len(starts):
+        raise CodecError(f"tensor {name!r}: index has {len(index)} entries for {len(starts)} chunks")
     chunks = []
     for j, start in enumerate(starts):
         count = min(chunk_elems, total - start)
         if old is None:
             payload = encode_keyframe_chunk(new, dtype, start, count, format_version=format_version)
-            chunks.append(EncodedChunk(name, start, count, payload))
+            idx = build_index(new, dtype, start, count) if format_version == _VERSION_3 else None
+            chunks.append(EncodedChunk(name, start, count, payload, None, idx))
         else:
             ctx = context[j] if context is not None else None
-            chunks.append(encode_chunk(new, old, dtype, start, count, context=ctx, format_version=format_version, name=name))
+            idx = index[j] if index is not None else None
+            chunks.append(encode_chunk(new, old, dtype, start, count, context=ctx, index=idx, format_version=format_version, name=name))
     return chunks
 
 
@@ -313,7 +508,9 @@ def _stream_words(stream: memoryview) -> np.ndarray:
     return words
 
 
-def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None, *, context: ChunkChanges | None = None) -> ChunkChanges | None:
+def decode_chunk_into(
+    payload: bytes, out: np.ndarray, old: np.ndarray | None, *, context: ChunkChanges | None = None, index: ChunkIndex | None = None
+) -> ChunkChanges | None:
     """Decode one chunk payload into ``out[start:start+count]``.
 
     Returns the changed elements for a delta chunk, None for a keyframe chunk
@@ -329,6 +526,12 @@ def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None, *
     this call returned for the same chunk of the previous version (None if
     that was a keyframe chunk); a missing or different context raises
     CodecError. Ignored by payloads that need none.
+
+    ``index``: for a version-3 delta, the position index of ``old``'s chunk
+    (see :func:`ensure_index`); a payload coded over an index refuses a
+    missing or different one with CodecError before writing anything. When
+    given, the returned changes carry the updated index (``.index``) for
+    the next version.
     """
     hdr = parse_header(payload)
     _check_array(out, hdr.dtype, "out")
@@ -348,6 +551,8 @@ def decode_chunk_into(payload: bytes, out: np.ndarray, old: np.ndarray | None, *
         raise CodecError(f"payload is for a tensor of {hdr.total} elements, old has {old.shape[0]}")
     if hdr.version == _VERSION_2:
         return _decode_delta2(hdr, body, out, old, context)
+    if hdr.version == _VERSION_3:
+        return _decode_delta3(hdr, body, out, old, context, index)
     classes, k_gap, k_mag, nev, pos = _parse_delta_table(body, hdr.dtype)
     if int(nev.sum()) > hdr.count:
         raise CodecError(f"delta claims {int(nev.sum())} changes in a chunk of {hdr.count}")
@@ -420,15 +625,76 @@ def _decode_delta2(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.
     raise CodecError(f"{msg} (chunk start {lo})")
 
 
+def _decode_delta3(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.ndarray, context: ChunkChanges | None, index: ChunkIndex | None) -> ChunkChanges:
+    """Decode a version-3 delta chunk (see decode_chunk_into): one kernel call
+    that also updates the index."""
+    lo, hi = hdr.start, hdr.start + hdr.count
+    raw = DTYPES[hdr.dtype]
+    if context is None or context.positions.shape[0] == 0:
+        has_ctx, ctx_pos, ctx_old, ctx_new = False, _NO_INT, old[:0], old[:0]
+    else:
+        if not isinstance(context, ChunkChanges):
+            raise CodecError(f"context must be the ChunkChanges of the previous delta, got {type(context).__name__}")
+        if context.old.dtype != raw or context.new.dtype != raw:
+            raise CodecError(f"context bits have dtype {context.old.dtype}, {hdr.dtype} needs {np.dtype(raw)}")
+        if not context.positions.shape == context.old.shape == context.new.shape:
+            raise CodecError("context positions, old and new bits differ in length")
+        has_ctx = True
+        ctx_pos = np.ascontiguousarray(context.positions, dtype=np.int64)
+        ctx_old, ctx_new = np.ascontiguousarray(context.old), np.ascontiguousarray(context.new)
+    if index is None:
+        has_idx, ipos, icls, icounts, ih, ifp, it = False, _NO_INT, _NO_U8, _NO_COUNTS, np.uint64(0), 0, 0
+    else:
+        _check_index(index, hdr.dtype, lo, hdr.count)
+        has_idx, ipos, icls, icounts = True, index.positions, index.classes, index.class_counts
+        ih, ifp, it = np.uint64(index.entry_hash), index.fingerprint, index.threshold
+    if out is old:
+        dst = src = out[lo:hi]  # in place: reads and writes only the changed elements
+    else:
+        dst, src = _base_into(out[lo:hi], old[lo:hi])
+    shift, emask = _EXP_FIELD[hdr.dtype]
+    rc, ctx_count, cfp, t, icount, pfp, positions, olds, news, npos, ncls, ncounts, nh = _decode_chunk3(
+        np.frombuffer(body, dtype=np.uint8), src, dst, lo, hdr.count, has_ctx, ctx_pos, ctx_old, ctx_new,
+        has_idx, ipos, icls, icounts, ih, ifp, it, shift, emask, 1 << (_BITS[hdr.dtype] - 1), (1 << _BITS[hdr.dtype]) - 1,
+    )  # fmt: skip
+    if rc == 0:
+        new_index = None
+        if index is not None:
+            same = npos is index.positions and ncls is index.classes and ncounts is index.class_counts
+            new_index = index if same else _make_index(hdr.dtype, lo, hdr.count, index.threshold, npos, ncls, ncounts, nh)
+        return ChunkChanges(positions, olds, news, new_index)
+    if rc == -20:
+        raise CodecError(f"delta chunk [{lo}, {hi}) is coded against the previous delta's changes of this chunk (context), and none was given")
+    if rc == -21:
+        raise CodecError(f"context positions are not ascending inside this chunk [{lo}, {hi}): pass the changes of the previous delta for this chunk range")
+    if rc == -22:
+        raise CodecError(
+            f"delta chunk [{lo}, {hi}) was coded against a different context ({ctx_count} changes, "
+            f"fingerprint {ctx_count and cfp:08x}; given {context.positions.shape[0]} changes): pass the "
+            "changes of the previous version's delta for this chunk"
+        )
+    if rc == -23:
+        raise CodecError(f"delta chunk [{lo}, {hi}) is coded over a position index (threshold {t}) and none was given: see ensure_index")
+    if rc == -24:
+        raise CodecError(
+            f"delta chunk [{lo}, {hi}) was coded over a different position index (threshold {t}, {icount} entries, "
+            f"fingerprint {pfp:08x}; given threshold {index.threshold}, {index.positions.shape[0]} entries, "
+            f"fingerprint {index.fingerprint:08x}): pass the index of the previous version (see ensure_index)"
+        )
+    msg = _HEAD3_ERRORS.get(rc) or _V3_ERRORS.get(rc, f"delta decode error {rc}")
+    raise CodecError(f"{msg} (chunk start {lo})")
+
+
 def decode_tensor(
     chunks: list[EncodedChunk] | list[bytes],
     old: np.ndarray | None,
     dtype: str,
     *,
     context: Sequence[ChunkChanges | None] | None = None,
+    index: Sequence[ChunkIndex | None] | None = None,
 ) -> np.ndarray:
     """Convenience: decode all chunks of one tensor into a new array
-    (``context``: one entry per chunk, as for :func:`encode_tensor`)."""
+    (``context``, ``index``: one entry per chunk, as for :func:`encode_tensor`)."""
     _check_dtype(dtype)
     payloads = [c.payload if isinstance(c, EncodedChunk) else c for c in chunks]
     if not payloads:
@@ -437,6 +703,8 @@ def decode_tensor(
     out = np.empty(total, dtype=DTYPES[dtype])
     if context is not None and len(context) != len(payloads):
         raise CodecError(f"context has {len(context)} entries for {len(payloads)} chunks")
+    if index is not None and len(index) != len(payloads):
+        raise CodecError(f"index has {len(index)} entries for {len(payloads)} chunks")
     for j, p in enumerate(payloads):
-        decode_chunk_into(p, out, old, context=context[j] if context is not None else None)
+        decode_chunk_into(p, out, old, context=context[j] if context is not None else None, index=index[j] if index is not None else None)
     return out

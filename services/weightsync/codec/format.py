@@ -210,7 +210,8 @@ DTYPES: dict[str, type] = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.uint
 _MAGIC = b"MW"
 _VERSION = 1  # what the version-1 encoder writes
 _VERSION_2 = 2
-_VERSIONS = (1, 2)  # what this codec reads
+_VERSION_3 = 3
+_VERSIONS = (1, 2, 3)  # what this codec reads
 MODE_KEYFRAME = 0
 MODE_DELTA = 1
 _DTYPE_CODES = {"bf16": 0, "fp16": 1, "fp32": 2}
@@ -233,7 +234,9 @@ _NGROUPS = 258  # binary symbol groups: 0..255 again flags per exponent, then:
 _G_FLIP = 256  # sign flips of repeated changes
 _G_NEWSIGN = 257  # signs of new changes
 _BIN_RAW = 0x80  # binary group code: raw bits (else (majority << 6) | k)
-_FLAG_CONTEXT = 1  # v2 delta flags: coded against a context change list
+_FLAG_CONTEXT = 1  # v2/v3 delta flags: coded against a context change list
+_FLAG_INDEX = 2  # v3 delta flags: positions coded over a position index
+_INDEX_FRACTION = 0.02  # default share of a chunk's elements in its position index
 
 
 class CodecError(ValueError):
@@ -251,6 +254,30 @@ class ChunkChanges:
     positions: np.ndarray  # int64
     old: np.ndarray  # raw bits, the tensor's dtype
     new: np.ndarray
+    # Format 3, decoded or encoded against a position index: the index of the
+    # chunk after these changes (what the next version's delta needs).
+    index: ChunkIndex | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ChunkIndex:
+    """A chunk's position index (format version 3): the ascending
+    chunk-relative positions of the elements whose exponent field is below
+    ``threshold``, with each one's exponent field (its class). A pure function
+    of the chunk's values and the threshold; ``fingerprint`` (32 bits, over
+    the entries, their count and the threshold) is what a payload names.
+    Immutable: updating one (``update_index``) returns a new one that may
+    share arrays with it."""
+
+    dtype: str
+    start: int
+    count: int
+    threshold: int
+    positions: np.ndarray  # int64, ascending, chunk-relative
+    classes: np.ndarray  # uint8, the exponent field of each entry
+    class_counts: np.ndarray  # int64[256], entries per class
+    entry_hash: int  # sum of the entries' 64-bit hashes mod 2**64
+    fingerprint: int
 
 
 @dataclass(frozen=True)
@@ -265,6 +292,9 @@ class EncodedChunk:
     # it; None for a keyframe chunk): the context for the same chunk of the
     # next version.
     changes: ChunkChanges | None = field(default=None, compare=False, repr=False)
+    # Format 3: the position index of this chunk's new values (whatever the
+    # mode), which the next version's encode takes.
+    index: ChunkIndex | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -458,6 +488,43 @@ def _delta2_body(
         head.append(_FLAG_CONTEXT)
         head += _uv_encode(ctx_count) + struct.pack("<I", fingerprint)
     head += _uv_encode(n_new) + bytes((k_new,)) + _uv_encode(len(rows))
+    for g, code, r in rows.tolist():
+        head += _uv_encode(g) + bytes((code,))
+        if code != _BIN_RAW:
+            head += _uv_encode(r)
+    head += _uv_encode(len(mrows))
+    for c, k, center in mrows.tolist():
+        if center < 0:
+            head += bytes((c, k))
+        else:
+            head += bytes((c, k | 0x80)) + _uv_encode(center)
+    stream = words.astype("<u8").tobytes()[: (nbits + 7) // 8]
+    return bytes(head) + stream
+
+
+# --------------------------------------------------------------------------
+# Version-3 delta bodies
+# --------------------------------------------------------------------------
+
+
+def _delta3_body(
+    ctx: tuple[int, int] | None,
+    index: tuple[int, int, int] | None,
+    n_out: int,
+    k_out: int,
+    rows: np.ndarray,
+    mrows: np.ndarray,
+    words: np.ndarray,
+    nbits: int,
+) -> bytes:
+    """A version-3 delta body: ``ctx`` (change count, fingerprint) or None,
+    ``index`` (threshold, entry count, fingerprint) or None."""
+    head = bytearray((( _FLAG_CONTEXT if ctx else 0) | (_FLAG_INDEX if index else 0),))
+    if ctx:
+        head += _uv_encode(ctx[0]) + struct.pack("<I", ctx[1])
+    if index:
+        head += _uv_encode(index[0]) + _uv_encode(index[1]) + struct.pack("<I", index[2])
+    head += _uv_encode(n_out) + bytes((k_out,)) + _uv_encode(len(rows))
     for g, code, r in rows.tolist():
         head += _uv_encode(g) + bytes((code,))
         if code != _BIN_RAW:
