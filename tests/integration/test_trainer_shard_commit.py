@@ -38,7 +38,7 @@ STREAM = "meridian:trajectories"
 GROUPS, PER_STEP = 6, 2
 STEPS = GROUPS // PER_STEP
 SETTINGS = {"lr": 1e-3, "groups_per_step": PER_STEP, "threads": 1, "max_policy_lag": 8, "micro_batch": 2}
-TIMEOUT_S = 420
+TIMEOUT_S = 300
 
 pytestmark = pytest.mark.engine
 
@@ -101,8 +101,7 @@ def test_fsdp_trainer_service_publishes_parts_that_store_like_one_process(tmp_pa
                 "--signing-key", str(tmp_path / "key"), "--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", "1",
                 "--keep-checkpoints", "20", "--part-log", str(part_log), *_flags(SETTINGS),
             ]
-            with open(log, "wb") as fh:
-                proc = await asyncio.create_subprocess_exec(*argv, stdout=fh, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+            proc = await asyncio.create_subprocess_exec(*argv, stdout=log_fh, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
             deadline = time.monotonic() + TIMEOUT_S
             try:
 
@@ -125,7 +124,8 @@ def test_fsdp_trainer_service_publishes_parts_that_store_like_one_process(tmp_pa
             assert await weightsync.latest_version(address) == STEPS
             return {v: dict((await weightsync.manifest(address, v)).trace_context) for v in range(STEPS + 1)}
 
-    traces = asyncio.run(sharded())
+    with open(log, "wb") as log_fh:
+        traces = asyncio.run(sharded())
 
     # The weights of every version: the bf16 view of the masters its checkpoint holds.
     single = Learner(tiny_model, TrainerConfig(model=str(tiny_model), **SETTINGS))  # type: ignore[arg-type]
