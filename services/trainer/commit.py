@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import logging
 import time
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
@@ -198,10 +199,10 @@ class Committer:
         weights, or for a learner that publishes in parts rank 0's part (a collective: every
         rank gathers its own tensors now, in order with the steps; the header, signed
         now, carries ``trace_context``, ``metrics`` and the canary)."""
-        learner = self.learner
         if self._in_parts:
-            return await asyncio.to_thread(learner.prepare_part, version, trace_context, metrics, self.signer, send)  # type: ignore[attr-defined]
-        return await asyncio.to_thread(learner.policy_weights)
+            parts_learner = typing.cast(PartsLearner, self.learner)
+            return await asyncio.to_thread(parts_learner.prepare_part, version, trace_context, metrics, self.signer, send)
+        return await asyncio.to_thread(self.learner.policy_weights)
 
     async def _canary(self, outgoing: Outgoing) -> weightsync_pb2.Canary:
         """The canary of ``outgoing`` (a part's header already carries it)."""

@@ -222,11 +222,15 @@ class Learner:
     def canary(self, weights: dict[str, RawTensor]) -> weightsync_pb2.Canary:
         """The canary for a version: log-probs of the fixed sequences from a forward pass
         on exactly ``weights`` (the bf16 tensors being published, not the fp32 masters).
-        Not for a sharded learner: running given whole weights needs the whole model on
-        one rank; it computes its canary with :meth:`shard_canary`."""
-        if self.sharded:
-            raise RuntimeError("a sharded learner computes the canary of its own weights with shard_canary(), a collective every rank joins")
-        return canary.build(self.canary_ids, canary_logprobs(self.module, weights, self.canary_ids))
+        A learner sharded over several ranks computes the canary of its own weights with
+        :meth:`shard_canary` instead (running given whole weights would need them on
+        every rank, or the whole model on one)."""
+        if not self.sharded:
+            return canary.build(self.canary_ids, canary_logprobs(self.module, weights, self.canary_ids))
+        if self.world > 1:
+            raise RuntimeError("a learner sharded over several ranks computes the canary of its own weights with shard_canary(), a collective every rank joins")
+        # One rank: its shard of each tensor is the whole tensor.
+        return self._twin_canary({name: to_torch(t) for name, t in weights.items()})
 
     def shard_canary(self) -> weightsync_pb2.Canary:
         """The canary of the current policy (the bf16 view of the masters, as
@@ -237,12 +241,18 @@ class Learner:
         process with the same bf16 weights: the same kernels see the same tensors (the
         twin's parameters are bf16 like the published ones; its buffers, e.g. the rotary
         frequencies, are the model's own)."""
+        from torch.distributed.tensor import DTensor
+
+        # Local shard to local shard: the twin is laid out like the model over the same ranks.
+        return self._twin_canary({name: p.to_local() if isinstance(p, DTensor) else p for name, p in self.module.named_parameters()})
+
+    def _twin_canary(self, local: dict[str, torch.Tensor]) -> weightsync_pb2.Canary:
+        """The canary of the twin holding ``local`` (this rank's shard of each parameter,
+        any float dtype: rounded to bf16 as policy_weights rounds). A collective."""
         twin = self._bf16_twin()
-        ours = dict(self.module.named_parameters())
         with torch.no_grad():
             for name, q in twin.named_parameters():
-                # Local shard to local shard: both are laid out alike over the same ranks.
-                q.to_local().copy_(ours[name].to_local())  # type: ignore[attr-defined]  # fp32 -> bf16, as policy_weights rounds
+                q.to_local().copy_(local[name])  # type: ignore[attr-defined]
         try:
             return canary.build(self.canary_ids, canary_logprobs(twin, None, self.canary_ids))
         finally:

@@ -12,6 +12,7 @@ real Redis stream, publishing every version in parts to a real weightsync origin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -56,20 +57,37 @@ def _store_files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
-    """The pid of torchrun's worker of ``rank`` (its environment says RANK), if running."""
+def _workers(torchrun_pid: int) -> dict[int, int]:
+    """torchrun's running workers: {rank: pid} (each worker's environment names its RANK)."""
     try:
         children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
     except OSError:
-        return None
+        return {}
+    out = {}
     for pid in map(int, children):
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env:
-            return pid
-    return None
+        if b"RANK" in env:
+            out[int(env[b"RANK"])] = pid
+    return out
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    """Ends a torchrun that did not stop by itself, and its workers: they run in sessions of
+    their own, so killing torchrun's process group would leave them behind."""
+    workers = _workers(proc.pid)
+    proc.terminate()  # torchrun passes SIGTERM on to the workers and waits for them
+    try:
+        await asyncio.wait_for(proc.wait(), 60)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+    for pid in workers.values():
+        with contextlib.suppress(OSError):  # gone already (and its pid not taken since: checked)
+            if b"services.trainer.distributed" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
 
 
 async def _wait(what: str, check, proc: asyncio.subprocess.Process, log: Path, deadline: float) -> None:  # type: ignore[no-untyped-def]
@@ -101,7 +119,7 @@ def test_fsdp_trainer_service_publishes_parts_that_store_like_one_process(tmp_pa
                 "--signing-key", str(tmp_path / "key"), "--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", "1",
                 "--keep-checkpoints", "20", "--part-log", str(part_log), *_flags(SETTINGS),
             ]
-            proc = await asyncio.create_subprocess_exec(*argv, stdout=log_fh, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+            proc = await asyncio.create_subprocess_exec(*argv, stdout=log_fh, stderr=asyncio.subprocess.STDOUT)
             deadline = time.monotonic() + TIMEOUT_S
             try:
 
@@ -112,14 +130,13 @@ def test_fsdp_trainer_service_publishes_parts_that_store_like_one_process(tmp_pa
                 await _wait(f"version {STEPS} and its checkpoint", settled, proc, log, deadline)
                 # A clean stop: SIGTERM to rank 0, which drains its publish and tells the
                 # other rank to stop; that rank finishes its part sender first.
-                rank0 = _rank_pid(proc.pid, 0)
+                rank0 = _workers(proc.pid).get(0)
                 assert rank0 is not None, "rank 0 is not running"
                 os.kill(rank0, signal.SIGTERM)
                 rc = await asyncio.wait_for(proc.wait(), 120)
             finally:
                 if proc.returncode is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    await proc.wait()
+                    await _stop(proc)
             assert rc == 0, log.read_text(errors="replace")[-4000:]
             assert await weightsync.latest_version(address) == STEPS
             return {v: dict((await weightsync.manifest(address, v)).trace_context) for v in range(STEPS + 1)}
