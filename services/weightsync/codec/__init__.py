@@ -192,11 +192,13 @@ def index_threshold(values: np.ndarray, dtype: str, *, fraction: float = _INDEX_
     return int(np.searchsorted(cum, fraction * values.shape[0], side="right"))
 
 
-def _make_index(dtype: str, start: int, count: int, t: int, pos: np.ndarray, cls: np.ndarray, counts: np.ndarray, h) -> ChunkIndex:
+def _make_index(dtype: str, start: int, count: int, t: int, pos: np.ndarray, cls: np.ndarray, counts: np.ndarray, h, fp: int | None = None) -> ChunkIndex:
     for a in (pos, cls, counts):
         a.flags.writeable = False  # shared between successive indexes
     h = int(h)
-    return ChunkIndex(dtype, start, count, t, pos, cls, counts, h, int(_index_fingerprint(np.uint64(h), pos.shape[0], t)))
+    if fp is None:
+        fp = int(_index_fingerprint(np.uint64(h), pos.shape[0], t))
+    return ChunkIndex(dtype, start, count, t, pos, cls, counts, h, int(fp))
 
 
 def build_index(values: np.ndarray, dtype: str, start: int, count: int, threshold: int | None = None, *, fraction: float = _INDEX_FRACTION) -> ChunkIndex:
@@ -229,14 +231,16 @@ def _check_index(index: ChunkIndex, dtype: str, start: int, count: int) -> None:
 
 def _index_after(index: ChunkIndex, rel: np.ndarray, old: np.ndarray, new: np.ndarray) -> ChunkIndex:
     shift, emask = _EXP_FIELD[index.dtype]
-    st, pos, cls, counts, h = _update_index(index.positions, index.classes, index.class_counts, np.uint64(index.entry_hash), index.threshold, rel, old, new, shift, emask)
+    st, pos, cls, counts, h, fp = _update_index(
+        index.positions, index.classes, index.class_counts, np.uint64(index.entry_hash), index.threshold, rel, old, new, shift, emask
+    )
     if st != 0:
         raise CodecError(
             f"position index of chunk [{index.start}, {index.start + index.count}) does not describe the old values of these changes (stale index or wrong base)"
         )
     if pos is index.positions and cls is index.classes and counts is index.class_counts:
         return index
-    return _make_index(index.dtype, index.start, index.count, index.threshold, pos, cls, counts, h)
+    return _make_index(index.dtype, index.start, index.count, index.threshold, pos, cls, counts, h, fp)
 
 
 def update_index(index: ChunkIndex, changes: ChunkChanges) -> ChunkIndex:
@@ -653,7 +657,7 @@ def _decode_delta3(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.
     else:
         dst, src = _base_into(out[lo:hi], old[lo:hi])
     shift, emask = _EXP_FIELD[hdr.dtype]
-    rc, ctx_count, cfp, t, icount, pfp, positions, olds, news, npos, ncls, ncounts, nh = _decode_chunk3(
+    rc, ctx_count, cfp, t, icount, pfp, positions, olds, news, npos, ncls, ncounts, nh, nfp = _decode_chunk3(
         np.frombuffer(body, dtype=np.uint8), src, dst, lo, hdr.count, has_ctx, ctx_pos, ctx_old, ctx_new,
         has_idx, ipos, icls, icounts, ih, ifp, it, shift, emask, 1 << (_BITS[hdr.dtype] - 1), (1 << _BITS[hdr.dtype]) - 1,
     )  # fmt: skip
@@ -661,7 +665,7 @@ def _decode_delta3(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.
         new_index = None
         if index is not None:
             same = npos is index.positions and ncls is index.classes and ncounts is index.class_counts
-            new_index = index if same else _make_index(hdr.dtype, lo, hdr.count, index.threshold, npos, ncls, ncounts, nh)
+            new_index = index if same else _make_index(hdr.dtype, lo, hdr.count, index.threshold, npos, ncls, ncounts, nh, nfp)
         return ChunkChanges(positions, olds, news, new_index)
     if rc == -20:
         raise CodecError(f"delta chunk [{lo}, {hi}) is coded against the previous delta's changes of this chunk (context), and none was given")

@@ -103,60 +103,74 @@ def _build_index(vals, shift, emask, t):
 
 
 @njit(cache=True, nogil=True)
-def _update_index(ipos, icls, icounts, ih, t, rel, old, new, shift, emask):
-    """The index after the changes (chunk-relative ascending positions ``rel``,
-    old and new bits): elements whose class changed are updated, those that
-    crossed the threshold enter or leave. O(index + changes), no pass over the
-    chunk. Returns (status, positions, classes, counts, hash); status -1 when
-    the index does not describe the old bits (an element of the index with
-    another class, or a small element missing from it). Unchanged arrays are
-    returned as they are (not copied)."""
+def _find_slots(ipos, icls, t, rel, old, shift, emask):
+    """For each change (chunk-relative ascending positions ``rel``, old bits)
+    its index slot, or -1 outside the index: a merge walk, O(index + changes).
+    Status -1 when the index does not describe the old bits (an entry with
+    another class, or a small element missing from it)."""
     m = ipos.shape[0]
     ne = rel.shape[0]
-    counts = icounts.copy()
-    h = ih
     slot = np.empty(ne, dtype=np.int64)
-    cnew = np.empty(ne, dtype=np.int64)
-    n_ins = 0
-    n_del = 0
-    n_mod = 0
     j = 0
     for e in range(ne):
         p = rel[e]
         while j < m and ipos[j] < p:
             j += 1
         co = (np.int64(old[e]) >> shift) & emask
-        cn = (np.int64(new[e]) >> shift) & emask
-        cnew[e] = cn
         if j < m and ipos[j] == p:
             if np.int64(icls[j]) != co:
-                return -1, ipos, icls, icounts, ih
+                return -1, slot
             slot[e] = j
-            if cn != co:
-                counts[co] -= 1
-                h -= _entry_hash(p, co)
-                if cn < t:
-                    counts[cn] += 1
-                    h += _entry_hash(p, cn)
-                    n_mod += 1
-                else:
-                    n_del += 1
         else:
             if co < t:
-                return -1, ipos, icls, icounts, ih
+                return -1, slot
             slot[e] = -1
-            if cn < t:
-                counts[cn] += 1
-                h += _entry_hash(p, cn)
-                n_ins += 1
+    return 0, slot
+
+
+@njit(cache=True, nogil=True)
+def _apply_slots(ipos, icls, icounts, ih, t, rel, old, new, slot, shift, emask):
+    """The index after the changes, given each change's slot (_find_slots):
+    elements whose class changed are updated, those that crossed the
+    threshold enter or leave. O(changes) when none crossed (plus a copy of
+    the classes if one changed class), O(index + changes) otherwise. Returns
+    (positions, classes, counts, hash); unchanged arrays are returned as they
+    are (not copied)."""
+    m = ipos.shape[0]
+    ne = rel.shape[0]
+    counts = icounts.copy()  # 256 entries
+    h = ih
+    cnew = np.empty(ne, dtype=np.int64)
+    n_ins = 0
+    n_del = 0
+    n_mod = 0
+    for e in range(ne):
+        p = rel[e]
+        co = (np.int64(old[e]) >> shift) & emask
+        cn = (np.int64(new[e]) >> shift) & emask
+        cnew[e] = cn
+        if co == cn or (co >= t and cn >= t):
+            continue
+        if co < t:
+            counts[co] -= 1
+            h -= _entry_hash(p, co)
+        if cn < t:
+            counts[cn] += 1
+            h += _entry_hash(p, cn)
+        if co < t and cn < t:
+            n_mod += 1
+        elif co < t:
+            n_del += 1
+        else:
+            n_ins += 1
     if n_ins == 0 and n_del == 0:
         if n_mod == 0:
-            return 0, ipos, icls, icounts, ih
+            return ipos, icls, icounts, ih
         cls = icls.copy()  # same entries, some classes differ
         for e in range(ne):
             if slot[e] >= 0:
                 cls[slot[e]] = cnew[e]
-        return 0, ipos, cls, counts, h
+        return ipos, cls, counts, h
     npos = np.empty(m + n_ins - n_del, dtype=np.int64)
     ncls = np.empty(m + n_ins - n_del, dtype=np.uint8)
     k = 0
@@ -181,7 +195,17 @@ def _update_index(ipos, icls, icounts, ih, t, rel, old, new, shift, emask):
         ncls[k] = icls[j]
         k += 1
         j += 1
-    return 0, npos, ncls, counts, h
+    return npos, ncls, counts, h
+
+
+@njit(cache=True, nogil=True)
+def _update_index(ipos, icls, icounts, ih, t, rel, old, new, shift, emask):
+    """_find_slots then _apply_slots: (status, positions, classes, counts, hash, fingerprint)."""
+    st, slot = _find_slots(ipos, icls, t, rel, old, shift, emask)
+    if st != 0:
+        return st, ipos, icls, icounts, ih, np.int64(0)
+    npos, ncls, ncounts, nh = _apply_slots(ipos, icls, icounts, ih, t, rel, old, new, slot, shift, emask)
+    return 0, npos, ncls, ncounts, nh, _index_fingerprint(nh, npos.shape[0], t)
 
 
 # --------------------------------------------------------------------------
@@ -469,12 +493,109 @@ def _read_group(words, bp, nbits, dst, n, code, r):
     return _read_runs(words, bp, nbits, dst, n, code, r)
 
 
+_BIG = np.int64(1) << 62  # a countdown that never ends
+
+
+@njit(cache=True, nogil=True)
+def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
+    """Read the class groups (classes below t with a row in ``code``) and walk
+    the index once: per class a countdown to its next minority symbol (runs
+    codes) or a bit pointer (raw groups). Returns (status, bit position after
+    the groups, number of flagged entries, their positions, slots and
+    classes); status -1: truncated, -2: the codes do not fit the index."""
+    mode = np.zeros(256, dtype=np.int64)  # 0: no row, 1: runs of 0, 2: runs of 1, 3: raw
+    rem = np.full(256, _BIG, dtype=np.int64)
+    rptr = np.zeros(256, dtype=np.int64)
+    rend = np.zeros(256, dtype=np.int64)
+    nruns = 0
+    cap = 0
+    for c in range(min(t, 256)):
+        if code[c] >= 0:
+            if icounts[c] == 0:
+                return -2, 0, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
+            cap += icounts[c]
+            if code[c] != _BIN_RAW:
+                nruns += rmin[c]
+    runs = np.empty(nruns, dtype=np.int64)
+    bp = 0
+    q = 0
+    for c in range(min(t, 256)):
+        if code[c] < 0:
+            continue
+        n = icounts[c]
+        if code[c] == _BIN_RAW:
+            mode[c] = 3
+            rptr[c] = bp  # raw: the bit pointer
+            rend[c] = bp + n
+            bp += n
+            if bp > nbits:
+                return -1, 0, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
+            continue
+        mode[c] = 2 if (code[c] >> 6) == 1 else 1
+        k = code[c] & 63
+        used = 0
+        rptr[c] = q
+        for _ in range(rmin[c]):
+            run, bp = _get_rice(words, bp, k)
+            used += run + 1
+            if bp > nbits or used > n:
+                return -1 if bp > nbits else -2, 0, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
+            runs[q] = run
+            q += 1
+        rend[c] = q
+        if rptr[c] < q:
+            rem[c] = runs[rptr[c]]
+            rptr[c] += 1
+    in_pos = np.empty(cap, dtype=np.int64)  # untouched pages of np.empty cost nothing
+    in_slot = np.empty(cap, dtype=np.int64)
+    in_cls = np.empty(cap, dtype=np.int64)
+    q = 0
+    if cap > 0:
+        for j in range(ipos.shape[0]):
+            c = np.int64(icls[j])
+            md = mode[c]
+            if md == 0:
+                continue
+            hit = False
+            if md == 3:
+                b = rptr[c]
+                if b >= rend[c]:
+                    return -2, bp, 0, in_pos, in_slot, in_cls
+                rptr[c] = b + 1
+                hit = ((words[b >> 6] >> np.uint64(b & 63)) & np.uint64(1)) != 0
+            else:
+                r = rem[c]
+                if r == 0:  # the minority symbol; then the next run
+                    hit = md == 1
+                    p = rptr[c]
+                    if p < rend[c]:
+                        rem[c] = runs[p]
+                        rptr[c] = p + 1
+                    else:
+                        rem[c] = _BIG
+                else:
+                    rem[c] = r - 1
+                    hit = md == 2
+            if hit:
+                if q >= cap:
+                    return -2, bp, 0, in_pos, in_slot, in_cls
+                in_pos[q] = ipos[j]
+                in_slot[q] = j
+                in_cls[q] = c
+                q += 1
+        for c in range(min(t, 256)):  # every minority symbol and raw bit was met
+            if (mode[c] == 3 and rptr[c] != rend[c]) or ((mode[c] == 1 or mode[c] == 2) and (rptr[c] != rend[c] or rem[c] < _BIG // 2)):
+                return -2, bp, 0, in_pos, in_slot, in_cls
+    return 0, bp, q, in_pos[:q], in_slot[:q], in_cls[:q]
+
+
 @njit(cache=True, nogil=True)
 def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t, rows, mrows, n_out, k_out, words, nbits, shift, emask, sign_bit, full):
     """Decode a version-3 delta stream and apply it to out, which holds old.
     Reads the index, and old/out only at changed positions. Returns (status,
-    chunk-relative positions, old bits, new bits); status < 0: see _V3_ERRORS,
-    and out is as it was (what was written is put back)."""
+    chunk-relative positions, old bits, new bits, each change's index slot or
+    -1); status < 0: see _V3_ERRORS, and out is as it was (what was written
+    is put back)."""
     no_pos = np.empty(0, dtype=np.int64)
     no_bits = np.empty(0, dtype=old.dtype)
     code = np.full(_NGROUPS, -1, dtype=np.int64)  # -1: no row (default symbol)
@@ -482,80 +603,44 @@ def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t,
     for q in range(rows.shape[0]):
         code[rows[q, 0]] = rows[q, 1]
         rmin[rows[q, 0]] = rows[q, 2]
-    # 1. Changed flags of the index entries, per class with a row.
-    goff = np.full(256, -1, dtype=np.int64)
-    total = 0
-    for c in range(256):
-        if c < t and code[c] >= 0:
-            if icounts[c] == 0:
-                return -2, no_pos, no_bits, no_bits
-            goff[c] = total
-            total += icounts[c]
-    flagbuf = np.empty(total, dtype=np.int64)
-    bp = 0
-    for c in range(256):
-        if goff[c] >= 0:
-            bp = _read_group(words, bp, nbits, flagbuf[goff[c] :], icounts[c], code[c], rmin[c])
-            if bp < 0:
-                return -1, no_pos, no_bits, no_bits
-    # 2. Walk the index: the flagged entries, ascending (skipped when no class
-    # has a row: then every change is outside the index).
-    n_in = 0
-    for c in range(256):
-        if goff[c] >= 0:
-            for q in range(icounts[c]):
-                n_in += flagbuf[goff[c] + q]
-    in_pos = np.empty(n_in, dtype=np.int64)
-    in_cls = np.empty(n_in, dtype=np.int64)
-    if n_in > 0:
-        gptr = goff.copy()
-        gend = np.zeros(256, dtype=np.int64)
-        for c in range(256):
-            if goff[c] >= 0:
-                gend[c] = goff[c] + icounts[c]
-        q = 0
-        for j in range(ipos.shape[0]):
-            c = np.int64(icls[j])
-            g = gptr[c]
-            if g >= 0:
-                if g >= gend[c]:
-                    return -2, no_pos, no_bits, no_bits  # index counts disagree with its entries
-                if flagbuf[g] and q < n_in:
-                    in_pos[q] = ipos[j]
-                    in_cls[q] = c
-                    q += 1
-                gptr[c] = g + 1
-        if q != n_in:
-            return -2, no_pos, no_bits, no_bits  # index counts disagree with its entries
-    # 3. Changes outside the index, from their gaps.
+    # 1. The class groups' codes: runs are expanded (O(minority symbols)),
+    # raw groups only located; then one walk of the index finds the flagged
+    # entries, ascending.
+    st, bp, n_in, in_pos, in_slot, in_cls = _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits)
+    if st != 0:
+        return st, no_pos, no_bits, no_bits, in_slot
+    # 2. Changes outside the index, from their gaps.
     out_pos = np.empty(n_out, dtype=np.int64)
     last = -1
     for e in range(n_out):
         gap, bp = _get_rice(words, bp, k_out)
         if bp > nbits:
-            return -1, no_pos, no_bits, no_bits
+            return -1, no_pos, no_bits, no_bits, no_pos
         last = last + gap + 1
         if last >= count:
-            return -2, no_pos, no_bits, no_bits
+            return -2, no_pos, no_bits, no_bits, no_pos
         out_pos[e] = last
-    # 4. Merge (ascending), remembering which came from the index.
+    # 3. Merge (ascending), remembering which came from the index.
     ne = n_in + n_out
     pos = np.empty(ne, dtype=np.int64)
     pcls = np.empty(ne, dtype=np.int64)  # index class, -1 outside
+    pslot = np.empty(ne, dtype=np.int64)  # index slot, -1 outside
     a = 0
     b = 0
     for e in range(ne):
         if b >= n_out or (a < n_in and in_pos[a] < out_pos[b]):
             pos[e] = in_pos[a]
             pcls[e] = in_cls[a]
+            pslot[e] = in_slot[a]
             a += 1
         else:
             if a < n_in and in_pos[a] == out_pos[b]:
-                return -2, no_pos, no_bits, no_bits  # an outside change at an index entry
+                return -2, no_pos, no_bits, no_bits, no_pos  # an outside change at an index entry
             pos[e] = out_pos[b]
             pcls[e] = -1
+            pslot[e] = -1
             b += 1
-    # 5. Signs: flips of repeats (in the context list), signs of new changes.
+    # 4. Signs: flips of repeats (in the context list), signs of new changes.
     m_ctx = ctx_pos.shape[0]
     rep_of = np.full(ne, -1, dtype=np.int64)
     n_rep = 0
@@ -574,7 +659,7 @@ def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t,
             dst = flips if g == _G_FLIP else nsign
             bp = _read_group(words, bp, nbits, dst, dst.shape[0], code[g], rmin[g])
             if bp < 0:
-                return -1, no_pos, no_bits, no_bits
+                return -1, no_pos, no_bits, no_bits, no_pos
     neg = np.empty(ne, dtype=np.int64)
     a = 0
     b = 0
@@ -585,7 +670,7 @@ def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t,
         else:
             neg[e] = 1 if nsign[b] != 0 else 0
             b += 1
-    # 6. The old values (a loop of its own: independent loads, so the cache
+    # 5. The old values (a loop of its own: independent loads, so the cache
     # misses overlap), checked against the index: an index change must have
     # the entry's class, an outside one a class at or above the threshold.
     olds = np.empty(ne, dtype=old.dtype)
@@ -595,8 +680,8 @@ def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t,
         for e in range(ne):
             c = (np.int64(olds[e]) >> shift) & emask
             if (pcls[e] >= 0 and c != pcls[e]) or (pcls[e] < 0 and c < t):
-                return -5, no_pos, no_bits, no_bits
-    # 7. Magnitudes (change order), new values, writes; a bad value puts back
+                return -5, no_pos, no_bits, no_bits, no_pos
+    # 6. Magnitudes (change order), new values, writes; a bad value puts back
     # what was written.
     mk = np.full(256, -1, dtype=np.int64)
     mc = np.full(256, -1, dtype=np.int64)
@@ -636,8 +721,8 @@ def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t,
     if rc != 0:
         for e in range(done):
             out[pos[e]] = olds[e]
-        return rc, no_pos, no_bits, no_bits
-    return 0, pos, olds, news
+        return rc, no_pos, no_bits, no_bits, no_pos
+    return 0, pos, olds, news, pslot
 
 
 @njit(cache=True, nogil=True)
@@ -648,46 +733,50 @@ def _decode_chunk3(body, src, dst, start, count, has_ctx, ctx_pos, ctx_old, ctx_
 
     Returns (status, what the payload names: context count and fingerprint,
     index threshold, count and fingerprint; absolute positions, old bits, new
-    bits; the updated index: positions, classes, counts, hash). status < 0:
+    bits; the updated index: positions, classes, counts, hash, fingerprint). status < 0:
     see _HEAD3_ERRORS / _V3_ERRORS; nothing is written unless status is 0."""
     no_pos = np.empty(0, dtype=np.int64)
     no_bits = np.empty(0, dtype=src.dtype)
     st, flags, ctx_count, cfp, t, icount, pfp, n_out, k_out, rows, mrows, off = _parse_head3(body, count, emask)
     if st != 0:
-        return st, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih
+        return st, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
     rel = np.empty(0, dtype=np.int64)
     grp = np.empty(0, dtype=np.int64)
     neg = np.empty(0, dtype=np.bool_)
     if flags & _FLAG_CONTEXT:
         if not has_ctx:
-            return -20, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih
+            return -20, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
         st, rel, grp, neg, got = _context_features(ctx_pos, ctx_old, ctx_new, start, count, shift, emask, sign_bit, full)
         if st != 0:
-            return -21, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih
+            return -21, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
         if rel.shape[0] != ctx_count or got != cfp:
-            return -22, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih
+            return -22, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
     if flags & _FLAG_INDEX:
         if not has_idx:
-            return -23, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih
+            return -23, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
         if it != t or ipos.shape[0] != icount or ifp != pfp:
-            return -24, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih
+            return -24, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
     nb = body.shape[0] - off
     words = np.zeros((nb + _PAD + 7) // 8, dtype=np.uint64)
     for i in range(nb):  # little-endian words, whatever the host
         words[i >> 3] |= np.uint64(body[off + i]) << np.uint64(8 * (i & 7))
-    rc, pos, olds, news = _decode_v3(src, dst, count, flags, rel, neg, ipos, icls, icounts, t, rows, mrows, n_out, k_out, words, 8 * nb, shift, emask, sign_bit, full)
+    rc, pos, olds, news, slot = _decode_v3(src, dst, count, flags, rel, neg, ipos, icls, icounts, t, rows, mrows, n_out, k_out, words, 8 * nb, shift, emask, sign_bit, full)
     if rc != 0:
-        return rc, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih
-    npos, ncls, ncounts, nh = ipos, icls, icounts, ih
+        return rc, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
+    npos, ncls, ncounts, nh, nfp = ipos, icls, icounts, ih, ifp
     if has_idx:
-        st, npos, ncls, ncounts, nh = _update_index(ipos, icls, icounts, ih, it, pos, olds, news, shift, emask)
-        if st != 0:  # the index does not describe the base: undo the writes
-            for e in range(pos.shape[0]):
-                dst[pos[e]] = olds[e]
-            return -5, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih
+        if not flags & _FLAG_INDEX:  # coded without the index: find the slots
+            st, slot = _find_slots(ipos, icls, it, pos, olds, shift, emask)
+            if st != 0:  # the index does not describe the base: undo the writes
+                for e in range(pos.shape[0]):
+                    dst[pos[e]] = olds[e]
+                return -5, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
+        npos, ncls, ncounts, nh = _apply_slots(ipos, icls, icounts, ih, it, pos, olds, news, slot, shift, emask)
+        if nh != ih or npos.shape[0] != ipos.shape[0]:
+            nfp = _index_fingerprint(nh, npos.shape[0], it)
     for e in range(pos.shape[0]):
         pos[e] += start
-    return 0, ctx_count, cfp, t, icount, pfp, pos, olds, news, npos, ncls, ncounts, nh
+    return 0, ctx_count, cfp, t, icount, pfp, pos, olds, news, npos, ncls, ncounts, nh, nfp
 
 
 _HEAD3_ERRORS = {
