@@ -4,7 +4,7 @@ part sent by a real :class:`PartSender`. Each version's parts are prepared insid
 commit (before the next step: they are collectives on a real trainer), never by gathering
 the whole policy; the origin stores what one process publishing the same weights stores;
 groups are acked only once their version is stored; transient failures are retried; a
-version with a stale part is never stored."""
+version with a stale part is never stored; a refusal stops the trainer."""
 from __future__ import annotations
 
 import asyncio
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from opentelemetry import trace
 
-from meridian.tensors import RawTensor
+from meridian.tensors import RawTensor, weights_hash
 from meridian.trajectory_transport import InMemoryGroupTransport, MemoryStreams, TransportConfig
 from meridian.v1 import common_pb2, trainer_pb2, weightsync_pb2
-from services.trainer.commit import PUBLISH_RETRY_S, REFUSALS, CommitConfig, Committer, Progress
+from services.trainer.commit import PUBLISH_RETRY_S, REFUSALS, CommitConfig, CommitRefused, Committer, Progress
 from services.trainer.consumer import ConsumerConfig, GroupConsumer
 from services.trainer.learner_protocol import StepResult
 from services.trainer.shard_publish import PartSender, PreparedPart
@@ -225,5 +225,28 @@ def test_parts_are_retried_while_the_origin_restarts(tmp_path: Path) -> None:
                 assert await rank0.transport.pending() == 0
         finally:
             await asyncio.to_thread(rank0.learner.sender.close)
+
+    asyncio.run(body())
+
+
+def test_other_weights_under_a_held_version_stop_the_trainer(tmp_path: Path) -> None:
+    """A replay whose parts differ from the version the origin holds is refused: CommitRefused."""
+
+    async def body() -> None:
+        async with serving(_origin(tmp_path / "ws")) as address:
+            await weightsync.publish(address, 0, weights_of(0), canary=CANARY)
+            await weightsync.publish(address, 1, weights_of(7), canary=CANARY)  # another history's version 1
+            rank0 = Rank0(address, TwoRanks(address))
+            try:
+                await rank0.transport.publish_group(_group("g0"))
+                await rank0.consumer.start()
+                await rank0.committer.sync_initial_version(True)  # as after a resume at version 0
+                await rank0.train_and_commit()
+                with pytest.raises(CommitRefused, match="version 1"):
+                    await asyncio.wait_for(rank0.committer.flush(), 30)
+            finally:
+                await asyncio.to_thread(rank0.learner.sender.close)
+            assert (await weightsync.manifest(address, 1)).weights_hash == weights_hash(weights_of(7))
+            assert list(rank0.consumer.unacked()) == ["g0"]
 
     asyncio.run(body())
