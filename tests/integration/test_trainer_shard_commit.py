@@ -92,7 +92,10 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
 
 async def _wait(what: str, check, proc: asyncio.subprocess.Process, log: Path, deadline: float) -> None:  # type: ignore[no-untyped-def]
     while not await check():
-        assert proc.returncode is None, f"the trainer exited ({proc.returncode}) before {what}:\n{log.read_text(errors='replace')[-4000:]}"
+        text = log.read_text(errors="replace")
+        assert proc.returncode is None, f"the trainer exited ({proc.returncode}) before {what}:\n{text[-4000:]}"
+        # A version the origin refused or never stored will not come: fail now, not at the deadline.
+        assert "was not published" not in text and "CommitRefused" not in text, f"a version was not published:\n{text[-4000:]}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text(errors='replace')[-4000:]}"
         await asyncio.sleep(0.5)
 
