@@ -499,12 +499,19 @@ _BIG = np.int64(1) << 62  # a countdown that never ends
 @njit(cache=True, nogil=True)
 def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
     """Read the class groups (classes below t with a row in ``code``) and walk
-    the index once: per class a countdown to its next minority symbol (runs
-    codes) or a bit pointer (raw groups). Returns (status, bit position after
-    the groups, number of flagged entries, their positions, slots and
-    classes); status -1: truncated, -2: the codes do not fit the index."""
-    mode = np.zeros(256, dtype=np.int64)  # 0: no row, 1: runs of 0, 2: runs of 1, 3: raw
-    rem = np.full(256, _BIG, dtype=np.int64)
+    the index once. Every group becomes runs first (a raw group: the runs of
+    0 before each 1, O(its bits)), so that each entry costs the same few
+    branch-free operations: per class a countdown to its next minority
+    symbol; the entry is flagged when the countdown is at 0 xor the class's
+    majority is 1. (Classes interleave at random along the index: a branch
+    per entry on its class's code mispredicts often, which cost 3x.)
+
+    Returns (status, bit position after the groups, number of flagged
+    entries, their positions, slots and classes); status -1: truncated, -2:
+    the codes do not fit the index."""
+    e0 = np.empty(0, np.int64)
+    dense = np.zeros(256, dtype=np.int64)  # 1: majority symbol 1 (flag unless at a minority)
+    rem = np.full(256, _BIG, dtype=np.int64)  # classes without a row: never flagged
     rptr = np.zeros(256, dtype=np.int64)
     rend = np.zeros(256, dtype=np.int64)
     nruns = 0
@@ -512,10 +519,9 @@ def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
     for c in range(min(t, 256)):
         if code[c] >= 0:
             if icounts[c] == 0:
-                return -2, 0, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
+                return -2, 0, 0, e0, e0, e0
             cap += icounts[c]
-            if code[c] != _BIN_RAW:
-                nruns += rmin[c]
+            nruns += icounts[c] if code[c] == _BIN_RAW else rmin[c]
     runs = np.empty(nruns, dtype=np.int64)
     bp = 0
     q = 0
@@ -523,70 +529,63 @@ def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
         if code[c] < 0:
             continue
         n = icounts[c]
-        if code[c] == _BIN_RAW:
-            mode[c] = 3
-            rptr[c] = bp  # raw: the bit pointer
-            rend[c] = bp + n
-            bp += n
-            if bp > nbits:
-                return -1, 0, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
-            continue
-        mode[c] = 2 if (code[c] >> 6) == 1 else 1
-        k = code[c] & 63
-        used = 0
         rptr[c] = q
-        for _ in range(rmin[c]):
-            run, bp = _get_rice(words, bp, k)
-            used += run + 1
-            if bp > nbits or used > n:
-                return -1 if bp > nbits else -2, 0, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
-            runs[q] = run
-            q += 1
+        if code[c] == _BIN_RAW:
+            if bp + n > nbits:
+                return -1, 0, 0, e0, e0, e0
+            run = 0
+            for i in range(n):
+                if (words[(bp + i) >> 6] >> np.uint64((bp + i) & 63)) & np.uint64(1):
+                    runs[q] = run
+                    q += 1
+                    run = 0
+                else:
+                    run += 1
+            bp += n
+        else:
+            dense[c] = 1 if (code[c] >> 6) == 1 else 0
+            k = code[c] & 63
+            used = 0
+            for _ in range(rmin[c]):
+                run, bp = _get_rice(words, bp, k)
+                used += run + 1
+                if bp > nbits or used > n:
+                    return -1 if bp > nbits else -2, 0, 0, e0, e0, e0
+                runs[q] = run
+                q += 1
         rend[c] = q
         if rptr[c] < q:
             rem[c] = runs[rptr[c]]
             rptr[c] += 1
-    in_pos = np.empty(cap, dtype=np.int64)  # untouched pages of np.empty cost nothing
-    in_slot = np.empty(cap, dtype=np.int64)
-    in_cls = np.empty(cap, dtype=np.int64)
+    in_slot = np.empty(cap + 1, dtype=np.int64)  # one spare: written before the count moves
     q = 0
     if cap > 0:
-        for j in range(ipos.shape[0]):
+        m = ipos.shape[0]
+        for j in range(m):
             c = np.int64(icls[j])
-            md = mode[c]
-            if md == 0:
-                continue
-            hit = False
-            if md == 3:
-                b = rptr[c]
-                if b >= rend[c]:
-                    return -2, bp, 0, in_pos, in_slot, in_cls
-                rptr[c] = b + 1
-                hit = ((words[b >> 6] >> np.uint64(b & 63)) & np.uint64(1)) != 0
-            else:
-                r = rem[c]
-                if r == 0:  # the minority symbol; then the next run
-                    hit = md == 1
-                    p = rptr[c]
-                    if p < rend[c]:
-                        rem[c] = runs[p]
-                        rptr[c] = p + 1
-                    else:
-                        rem[c] = _BIG
+            r = rem[c]
+            in_slot[q] = j
+            q += (r == 0) ^ dense[c]
+            if r == 0:  # a minority symbol (rare): load the next run
+                p = rptr[c]
+                if p < rend[c]:
+                    rem[c] = runs[p]
+                    rptr[c] = p + 1
                 else:
-                    rem[c] = r - 1
-                    hit = md == 2
-            if hit:
-                if q >= cap:
-                    return -2, bp, 0, in_pos, in_slot, in_cls
-                in_pos[q] = ipos[j]
-                in_slot[q] = j
-                in_cls[q] = c
-                q += 1
-        for c in range(min(t, 256)):  # every minority symbol and raw bit was met
-            if (mode[c] == 3 and rptr[c] != rend[c]) or ((mode[c] == 1 or mode[c] == 2) and (rptr[c] != rend[c] or rem[c] < _BIG // 2)):
-                return -2, bp, 0, in_pos, in_slot, in_cls
-    return 0, bp, q, in_pos[:q], in_slot[:q], in_cls[:q]
+                    rem[c] = _BIG
+            else:
+                rem[c] = r - 1
+            if q > cap:
+                return -2, bp, 0, e0, e0, e0
+        for c in range(min(t, 256)):  # every minority symbol was met
+            if code[c] >= 0 and (rptr[c] != rend[c] or rem[c] < _BIG // 2):
+                return -2, bp, 0, e0, e0, e0
+    in_pos = np.empty(q, dtype=np.int64)
+    in_cls = np.empty(q, dtype=np.int64)
+    for e in range(q):
+        in_pos[e] = ipos[in_slot[e]]
+        in_cls[e] = icls[in_slot[e]]
+    return 0, bp, q, in_pos, in_slot[:q], in_cls
 
 
 @njit(cache=True, nogil=True)
