@@ -134,6 +134,7 @@ class _PendingVersion:
     base: dict[str, RawTensor] | None
     encode: bool  # False: a republish of a held version, checked, not encoded
     names: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # registered parts
+    part_hashes: dict[int, str] = dataclasses.field(default_factory=dict)  # each registered part's part_hash
     done: set[int] = dataclasses.field(default_factory=set)  # parts received and encoded
     tensors: dict[str, RawTensor] = dataclasses.field(default_factory=dict)
     payloads: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
@@ -360,6 +361,12 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         parts.check_part_header(header)
         pending = self._join_part(header)
         index = header.part_index
+        if index in pending.done:
+            # The same part again, already in (its sender's stream broke while it waited for
+            # the version): the bytes were checked against this part hash the first time.
+            async for _ in request_iterator:
+                pass
+            return await asyncio.shield(pending.result)
         assembly = _Assembly(self.publish_budget)
         try:
             try:
@@ -385,8 +392,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
     def _join_part(self, header: pb.PublishHeader) -> _PendingVersion:
         """Registers a part's header with the version being assembled (starting one, and its
         timeout, at the first part); refuses a part of another version while one is pending
-        (FAILED_PRECONDITION), a part seen already (ALREADY_EXISTS), and a part that
-        disagrees with the others (INVALID_ARGUMENT; the version is aborted)."""
+        (FAILED_PRECONDITION), a part index seen already unless it is the same part, in
+        already (ALREADY_EXISTS), and a part that disagrees with the others
+        (INVALID_ARGUMENT; the version is aborted)."""
         v, i, n = header.version, header.part_index, header.part_count
         pending = self._pending
         if pending is None:
@@ -403,7 +411,11 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 "the origin takes the parts of one version at a time"
             )
         if i in pending.names:
-            raise AlreadyExists(f"version {v} part {i} arrived twice")
+            same = i in pending.done and header.part_hash == pending.part_hashes[i] and parts.version_fields(header) == pending.fields
+            if same:
+                return pending
+            state = "is still arriving" if i not in pending.done else "is in with other contents"
+            raise AlreadyExists(f"version {v} part {i} arrived twice (the first {state})")
         problem = ""
         if n != pending.count:
             problem = f"part {i} says {n} parts, the first part said {pending.count}"
@@ -419,6 +431,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             self._abort(pending, Aborted(f"version {v} aborted: {problem}"))
             raise error
         pending.names[i] = list(header.part_tensors)
+        pending.part_hashes[i] = header.part_hash
         return pending
 
     def _abort(self, pending: _PendingVersion, error: MeridianError) -> None:

@@ -165,17 +165,25 @@ def test_duplicate_foreign_and_inconsistent_parts_are_refused(tmp_path: Path) ->
         async with serving(WeightSyncService(_config(tmp_path / "o", part_timeout_s=2.0))) as address:
             header = _header(0, weights)
             split = _split(weights, 2)
-            first = asyncio.create_task(weightsync.publish_part(address, header, 0, 2, split[0]))
+            broken = asyncio.create_task(weightsync.publish_part(address, header, 0, 2, split[0]))
             await asyncio.sleep(0.3)
+            # Its sender's stream breaks while the part waits for the others: sent again, the
+            # same part joins the version instead of being refused as a duplicate.
+            broken.cancel()
+            first = asyncio.create_task(weightsync.publish_part(address, header, 0, 2, split[0]))
+            again = asyncio.create_task(weightsync.publish_part(address, header, 0, 2, split[0]))
+            await asyncio.sleep(0.3)
+            # The same index with other contents is refused.
+            changed = {**split[0], "extra": RawTensor("bf16", (2,), np.zeros(2, np.uint16))}
             with pytest.raises(grpc.aio.AioRpcError) as dup:
-                await weightsync.publish_part(address, header, 0, 2, split[0])
-            assert dup.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                await weightsync.publish_part(address, header, 0, 2, changed)
+            assert dup.value.code() == grpc.StatusCode.ALREADY_EXISTS and "other contents" in dup.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as foreign:
                 await weightsync.publish_part(address, _header(1, other), 1, 2, _split(other, 2)[1])
             assert foreign.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "version 0 is being assembled" in foreign.value.details()
             # The pending version is untouched by either: its second part completes it.
             await weightsync.publish_part(address, header, 1, 2, split[1])
-            assert (await first).version == 0
+            assert (await first).version == 0 and (await again).version == 0
 
             # A part whose version fields differ (another weights hash) aborts the version.
             header1 = _header(1, other)
