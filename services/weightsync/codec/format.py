@@ -2,9 +2,10 @@
 
 This module writes and parses everything around the delta bit stream; the
 numba kernels that write and read the stream itself are in kernels.py
-(format version 1) and context_kernels.py (format version 2), the public API in the
-package's __init__. Both versions decode; the encoders write version 1 unless
-asked for 2 (see "Format version 2" for why and when).
+(format version 1), context_kernels.py (format version 2) and index_kernels.py
+(format version 3), the public API in the package's __init__. All versions
+decode; the encoders write version 1 unless asked for 2 or 3 (see "Format
+version 2" and "Format version 3" for why and when).
 
 A new policy version is sent as chunks, each coding a contiguous run of one
 tensor's elements either as a *keyframe* (self-contained) or as a *delta*
@@ -156,7 +157,7 @@ AdamW lr 1e-6, 5 steps after 3 warm-up steps; % of the full bf16 size;
   0.482 (median 0.210). Version 2 wins where most changes repeat (steps 2
   and 4), loses on the synchronised crossings (steps 3 and 5) and without
   context. Hence the encoders' default stays version 1 until callers keep
-  contexts; getting both targets needs an exponent-aware position code that
+  contexts (and, for version 3, indexes); getting both targets needs an exponent-aware position code that
   needs no pass over the tensor, e.g. a receiver-maintained sorted index of
   the small-magnitude elements per chunk (2 % of this model's elements;
   updated from each change list) whose per-exponent streams version 1's
@@ -165,8 +166,10 @@ AdamW lr 1e-6, 5 steps after 3 warm-up steps; % of the full bf16 size;
   exponent, plus version 2's sign and magnitude codes): 0.183, 0.125,
   0.129, 0.121, 0.211 (median 0.129); run-length codes for the exponents
   where nearly every element changes would take positions from 1 bit per
-  change towards their entropy. ``python -m benchmarks.codec`` measures
-  both versions on these steps.
+  change towards their entropy. Version 3 (below) is that design, with the
+  run-length codes: 0.159, 0.108, 0.110, 0.105, 0.253
+  (median 0.110). ``python -m benchmarks.codec``
+  (``meridian bench codec``) measures the three versions on these steps.
 
 Version-2 delta body::
 
@@ -194,6 +197,102 @@ give the change list the decoder returns. The fingerprint is FNV-1a over
 folded to 32 bits: O(changes) to compute, and the decoder checks it before
 writing anything. The version-2 header is the version-1 header with version
 byte 2; keyframe bodies are the same in both versions.
+
+Format version 3: exponent-aware positions in O(index + changes)
+----------------------------------------------------------------
+Version 1's position code is cheap because it knows every old exponent, and
+costs a pass because it learns them by reading the whole chunk; version 2
+needs no pass but loses the exponent. Version 3 keeps, on both sides, a
+*position index* per chunk: the ascending chunk-relative positions of the
+elements whose exponent field is below a threshold ``T``, each with its
+exponent field (its *class*). Of this model's elements 1.6 % are in it, and
+all but a handful of each step's changes (tiny weights move, large ones do
+not: see "Why the delta coding looks the way it does").
+
+* The index is a pure function of the chunk's values and ``T``
+  (``build_index``: one pass, once -- at first use, after a keyframe). After
+  that both sides keep it current from each change list
+  (``update_index``, or the decoder does it in the same call): a changed
+  element whose class changed is updated, one that crossed ``T`` enters or
+  leaves; O(changes) when none crossed, else a merge, O(index + changes);
+  never a pass over the tensor.
+* ``T``, the threshold rule: the largest ``t`` such that at most 2 % of the
+  chunk's elements have an exponent field below ``t`` (``index_threshold``,
+  from the class histogram of the values the index is first built from; 0
+  when the zero class alone is more). The encoder picks it when it builds its
+  index; the payload names it, so a receiver builds the same index from its
+  own copy of the same values (``ensure_index``). An index keeps its ``T``
+  for its lifetime: re-choosing it would mean a pass.
+* Fingerprint: the sum (mod 2**64) of a 64-bit mix of ``position << 8 |
+  class`` over the entries -- order-free, so updating it costs O(changes) --
+  mixed with the entry count and ``T``, folded to 32 bits. The payload names
+  ``T``, the entry count and the fingerprint; a decoder refuses a missing or
+  different index with CodecError before writing anything, and also checks
+  at every changed position that the old value has the class the index says
+  (an index change) or a class >= ``T`` (any other change).
+
+What is coded, per chunk:
+
+* *Index changes*: per class, the binary sequence "changed?" over the
+  index entries of that class in position order, coded like version 2's
+  binary groups (raw bits, or the Rice-coded runs of the majority symbol
+  before each minority symbol). Sparse classes get version 1's gap code
+  (runs of "unchanged"); classes where nearly every element changes -- the
+  tiny weights of an early RL step -- get runs of "changed", a small
+  fraction of a bit per change. Classes without a row have no change.
+* *Other changes* (class >= ``T``: rare): gaps over the chunk's positions,
+  one Rice parameter, no context.
+* *Signs* (against the previous delta's change list, as in version 2: a
+  repeat codes a flip, a new change its sign) and *magnitudes* (version 2's
+  per-class plain or median-centred codes) -- which dominate the size now.
+
+The decoder reads the index arrays, not the tensor, to find positions: one
+walk of the index with a countdown per class (runs codes) or a bit pointer
+(raw groups), O(index) with a few operations per entry, plus O(changes) for
+the rest; it reads and writes ``old``/``out`` only at the changed positions
+(tests/unit/test_weightsync_codec_v3.py plants garbage in every other
+element, index entries included). A chunk whose changes all fall outside
+the index is coded without it (the receiver then needs none).
+
+Measured (``meridian bench codec``, the recorded steps above, chunks of 2 Mi
+elements, first step without context; apply = model bytes / time to apply a
+delta in place, one thread, on a shared 2-core machine at load 2-7):
+
+* size, % of full bf16 per step: 0.159, 0.108, 0.110, 0.105, 0.253, median
+  0.110 (version 1: 0.181, version 2: 0.210). 0.3-1.3 % of a step's changes
+  fall outside the index, except at step 5 (17 %): a wave of synchronised
+  crossings reaches the class just above ``T``. A 4 % index takes that step
+  to 0.187 (median 0.110 either way) and doubles the walk, hence 2 %.
+* apply 5.9 GB/s (version 2: 8.1, version 1: 1.5), far from the 20 GB/s
+  aim. CPU per step (step 2: 636 k changes, 2.09 M index entries, 285
+  chunks): ~50 ms, of which the index walk ~12 ms, the context check
+  ~7 ms, and ~30 ms work per change (gather, codes, writes, index update;
+  version 2 pays about the same per change); the Python side of 285
+  ``decode_chunk_into`` calls is small next to it. The walk was ~20 ms with
+  a branch per entry on its class's code (classes interleave at random:
+  mispredictions), hence the branch-free countdown.
+* encode 1.35 GB/s (version 1: 1.2; no pass to learn exponents: a compare
+  pass and the index); ``build_index`` once: 0.16 s for the whole model.
+
+Version-3 delta body::
+
+    u8     flags            bit 0: signs coded against a context,
+                            bit 1: positions coded over an index
+    [uv    context change count, u32 context fingerprint]   if bit 0
+    [uv    T, uv index entry count, u32 index fingerprint]  if bit 1
+    uv     n_out            changes outside the index
+    u8     k_out            Rice parameter of their gaps
+    uv     binary group rows, as in version 2:
+             groups 0..T-1: changed flags of the index entries of class g
+             (no row: none changed), 256: sign flips of repeats, 257: signs
+             of new changes (no row: all 0)
+    uv     magnitude rows, as in version 2
+    bits   class groups (ascending), outside gaps (first = the position
+           itself), flip group, new-sign group, magnitudes in change order;
+           zero padding.
+
+The version-3 header is the version-1 header with version byte 3; keyframe
+bodies are the same in all versions.
 """
 
 from __future__ import annotations
