@@ -120,6 +120,9 @@ class Committer:
         # Loaded here: a missing or malformed key stops the trainer at start, not at its first publish.
         self.signer = load_signer(config.signing_key)
         self._publishing: asyncio.Task[None] | None = None
+        # The version whose publish gave up (weightsync down for every retry), and when: an
+        # idle trainer sends it again, or nothing would ever serve it.
+        self._unpublished: tuple[int, float] | None = None
         self._checkpointing: asyncio.Task[None] | None = None
         self._since_checkpoint = 0  # publishing steps not covered by a checkpoint
         self.last_step_at = time.monotonic()
@@ -275,7 +278,10 @@ class Committer:
             # Weightsync unreachable for every retry: the next version goes out as a delta
             # on what it holds; without checkpoints these groups stay pending and replay.
             log.exception("version %d was not published", version)
+            self._unpublished = (version, time.monotonic())
             return
+        if self._unpublished is not None and self._unpublished[0] <= version:
+            self._unpublished = None
         metrics.published = True
         metrics.publish_seconds = time.monotonic() - started
         metrics.weightsync_raw_bytes = reply.raw_bytes
@@ -343,8 +349,25 @@ class Committer:
         so that a quiet trainer leaves nothing to replay; raises a refused publish."""
         if self._publishing is not None and self._publishing.done():
             self._publishing.result()
+            await self._republish()
         if self._since_checkpoint and time.monotonic() - self.last_step_at >= self.config.checkpoint_idle_s:
             await self.checkpoint()
+
+    async def _republish(self) -> None:
+        """Sends the learner's version again when its publish gave up and no newer step came
+        (a later step's publish carries it otherwise), at most every ``checkpoint_idle_s``."""
+        if self._unpublished is None:
+            return
+        version, failed_at = self._unpublished
+        if version != self.learner.version or time.monotonic() - failed_at < self.config.checkpoint_idle_s:
+            return
+        self._unpublished = None
+        log.info("publishing version %d again (its publish gave up)", version)
+        # Gathered here, in order with the steps, like a commit's (a collective in parts).
+        outgoing = await self._outgoing(version, {}, {})
+        probe = await self._canary(outgoing)
+        acks = self.consumer.unacked() if self._root() is None else None
+        self._publishing = asyncio.create_task(self._publish(version, outgoing, probe, {}, {}, pb.StepMetrics(), acks))
 
     async def flush(self) -> None:
         """Waits for the publish and the checkpoint in flight (ordered shutdown)."""

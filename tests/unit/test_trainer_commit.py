@@ -173,3 +173,35 @@ def test_checkpoints_copy_the_state_the_next_step_changes(tmp_path: Path) -> Non
         assert state["step"] == 1
 
     asyncio.run(body())
+
+
+def test_an_idle_trainer_publishes_again_a_version_whose_publish_gave_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weightsync down for every retry of the last step's publish: without a next step
+    nothing would ever send that version, so the idle trainer does."""
+    import dataclasses
+
+    from meridian.stack import free_port
+    from meridian.tensors import weights_hash
+    from services.trainer import commit
+
+    monkeypatch.setattr(commit, "PUBLISH_RETRY_S", (0.05,))
+
+    async def body() -> None:
+        streams = MemoryStreams()
+        async with serving(WeightSyncService(WeightSyncConfig(role="origin", data_dir=str(tmp_path / "ws")))) as address:
+            t = Trainer(streams, address, tmp_path / "ckpt", CountingLearner(), checkpoint_every=1)
+            await t.transport.publish_group(_group("g1"))
+            await t.start()
+            live = t.committer.config
+            t.committer.config = dataclasses.replace(live, weightsync=f"127.0.0.1:{free_port()}")  # down
+            await t.train_one()  # its publish gives up; the trainer goes on
+            assert await weightsync.latest_version(address) == 0
+            t.committer.config = dataclasses.replace(live, checkpoint_idle_s=0.0)  # back up
+            await t.committer.idle()
+            await t.committer.flush()
+            assert await weightsync.latest_version(address) == 1
+            assert (await weightsync.manifest(address, 1)).weights_hash == weights_hash(t.learner.policy_weights())
+            await t.committer.idle()  # once out, not sent again
+            assert t.committer._publishing is not None and t.committer._publishing.done()
+
+    asyncio.run(body())
