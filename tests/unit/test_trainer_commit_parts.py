@@ -16,7 +16,7 @@ import pytest
 from opentelemetry import trace
 
 from meridian.tensors import RawTensor, weights_hash
-from meridian.trajectory_transport import InMemoryGroupTransport, MemoryStreams, TransportConfig
+from meridian.trajectory_transport import InMemoryGroupTransport, MemoryStreams
 from meridian.v1 import common_pb2, trainer_pb2, weightsync_pb2
 from services.trainer.commit import PUBLISH_RETRY_S, REFUSALS, CommitConfig, CommitRefused, Committer, Progress
 from services.trainer.consumer import ConsumerConfig, GroupConsumer
@@ -28,8 +28,8 @@ from services.weightsync.config import WeightSyncConfig
 from services.weightsync.server import WeightSyncService
 from services.weightsync.signing import Signer, generate_signing_key
 from tests.conftest import free_port, serving
+from tests.unit.test_trainer_commit import TRANSPORT, _group
 
-TRANSPORT = TransportConfig(url="memory://", stream="test:trajectories")
 CANARY = weightsync_pb2.Canary(sequences=[weightsync_pb2.CanarySequence(token_ids=[1, 2, 3], logprobs=[0.0, -1.5, -0.25])])
 SHAPES = {"embed": (64, 16), "layer.0": (16, 16), "layer.1": (16, 16), "norm": (16,)}
 
@@ -96,16 +96,6 @@ class TwoRanks:
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.version, self.step_count = state["version"], state["step"]
-
-
-def _group(name: str) -> list[common_pb2.Trajectory]:
-    return [
-        common_pb2.Trajectory(
-            trajectory_id=f"{name}-{k}", task_id="t", group_id=name, group_size=2, prompt_token_ids=[1], completion_token_ids=[2],
-            logprobs=[-0.5], loss_mask=[1], policy_versions=[0], reward=float(k),
-        )
-        for k in range(2)
-    ]
 
 
 class Rank0:
