@@ -334,10 +334,9 @@ def test_format_3_garbage_body_with_valid_checksum_never_crashes(blob, dtype_cod
     ctx = None
     if with_context:
         ctx = codec.ChunkChanges(np.arange(0, n, 7, dtype=np.int64), old[::7] ^ raw(1), old[::7])
-        from services.weightsync.codec.context_kernels import _fingerprint
-
+        fingerprint = codec._context3_arrays(ctx, dtype, 0, n)[2]
         flags |= 1
-        head += codec.format._uv_encode(ctx.positions.size) + struct.pack("<I", int(_fingerprint(ctx.positions, ctx.old, ctx.new)))
+        head += codec.format._uv_encode(ctx.positions.size) + struct.pack("<I", fingerprint)
     if with_index:
         flags |= 2
         head += codec.format._uv_encode(idx.threshold) + codec.format._uv_encode(idx.positions.size) + struct.pack("<I", idx.fingerprint)

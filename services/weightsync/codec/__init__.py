@@ -54,6 +54,7 @@ from services.weightsync.codec.index_kernels import (
     _V3_ERRORS,
     _build_index,
     _class_histogram,
+    _context3,
     _decode_chunk3,
     _encode_v3,
     _index_fingerprint,
@@ -307,9 +308,9 @@ def _encode_delta_v3(
 ) -> tuple[bytes, np.ndarray, np.ndarray]:
     """Version-3 delta body of a chunk whose changes are at ``pos`` over
     ``index`` (the index of ``o_sl``) and against ``ctx`` (from
-    _context_arrays) or without; also the changes' old and new bits."""
+    _context3_arrays) or without; also the changes' old and new bits."""
     shift, emask = _EXP_FIELD[dtype]
-    ctx_pos, ctx_neg = (ctx[0], ctx[2]) if ctx is not None else (_NO_INT, _NO_BOOL)
+    ctx_pos, ctx_neg = (ctx[0], ctx[1]) if ctx is not None else (_NO_INT, _NO_BOOL)
     use_idx = index.positions.shape[0] > 0
     st, n_out, k_out, rows, mrows, words, nbits, olds, news = _encode_v3(
         n_sl, o_sl, pos, ctx_pos, ctx_neg, use_idx, index.positions, index.classes, index.class_counts, index.threshold,
@@ -320,9 +321,35 @@ def _encode_delta_v3(
             f"position index of chunk [{index.start}, {index.start + index.count}) does not describe old (stale index): pass the index of the old version"
         )
     used = use_idx and int(n_out) < pos.shape[0]  # no change in the index: the receiver needs none
-    ctx_head = (ctx[0].shape[0], ctx[3]) if ctx is not None else None
+    ctx_head = (ctx[0].shape[0], ctx[2]) if ctx is not None else None
     idx_head = (index.threshold, index.positions.shape[0], index.fingerprint) if used else None
     return _delta3_body(ctx_head, idx_head, int(n_out), int(k_out), rows, mrows, words, int(nbits)), olds, news
+
+
+def _context3_arrays(context: ChunkChanges | None, dtype: str, start: int, count: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """A context change list as the version-3 kernels take it (chunk-relative
+    positions, step signs, version-3 fingerprint), or None when there is none
+    or it is empty."""
+    if context is None:
+        return None
+    if not isinstance(context, ChunkChanges):
+        raise CodecError(f"context must be the ChunkChanges of the previous delta, got {type(context).__name__}")
+    if context.positions.shape[0] == 0:
+        return None
+    raw = DTYPES[dtype]
+    if context.old.dtype != raw or context.new.dtype != raw:
+        raise CodecError(f"context bits have dtype {context.old.dtype}/{context.new.dtype}, {dtype} needs {np.dtype(raw)}")
+    if not context.positions.shape == context.old.shape == context.new.shape:
+        raise CodecError("context positions, old and new bits differ in length")
+    st, rel, neg, fingerprint = _context3(
+        np.ascontiguousarray(context.positions, dtype=np.int64), np.ascontiguousarray(context.old), np.ascontiguousarray(context.new),
+        start, count, 1 << (_BITS[dtype] - 1), (1 << _BITS[dtype]) - 1,
+    )  # fmt: skip
+    if st != 0:
+        raise CodecError(
+            f"context positions are not ascending inside this chunk [{start}, {start + count}): pass the changes of the previous delta for the same chunk range"
+        )
+    return rel, neg, int(fingerprint)
 
 
 def _encode_delta_v1(n_sl: np.ndarray, o_sl: np.ndarray, dtype: str) -> tuple[bytes, int]:
@@ -394,7 +421,7 @@ def encode_chunk(
             raise CodecError("format version 1 has no context; pass format_version=2 or 3")
         body, ne = _encode_delta_v1(n_sl, o_sl, dtype)
     else:
-        ctx = _context_arrays(context, dtype, start, count)
+        ctx = _context_arrays(context, dtype, start, count) if format_version == _VERSION_2 else None
         n64, o64 = _words16(n_sl), _words16(o_sl)
         if n64 is None or o64 is None:
             n64 = o64 = None
@@ -403,7 +430,7 @@ def encode_chunk(
             if index is None:
                 index = build_index(old, dtype, start, count)
             _check_index(index, dtype, start, count)
-            body, olds, news = _encode_delta_v3(n_sl, o_sl, pos, dtype, ctx, index)
+            body, olds, news = _encode_delta_v3(n_sl, o_sl, pos, dtype, _context3_arrays(context, dtype, start, count), index)
             new_index = _index_after(index, pos, olds, news)
         else:
             body, olds, news = _encode_delta_v2(n_sl, o_sl, pos, dtype, None)

@@ -245,6 +245,10 @@ What is coded, per chunk:
 * *Signs* (against the previous delta's change list, as in version 2: a
   repeat codes a flip, a new change its sign) and *magnitudes* (version 2's
   per-class plain or median-centred codes) -- which dominate the size now.
+  The context's fingerprint differs from version 2's: the sum (mod 2**64)
+  of a 64-bit mix of each change's (chunk-relative position, old bits, new
+  bits), mixed with the count and folded to 32 bits -- no dependency from
+  one change to the next, so checking a context costs less.
 
 The decoder reads the index arrays, not the tensor, to find positions: one
 walk of the index with a countdown per class (runs codes) or a bit pointer

@@ -20,7 +20,7 @@ from numba import njit
 
 from services.weightsync.codec import context_kernels as _k2
 from services.weightsync.codec import kernels as _k1
-from services.weightsync.codec.context_kernels import _bin_cost, _context_features, _put_bins, _read_bins, _read_runs, _rice_total, _uv, _zigzag
+from services.weightsync.codec.context_kernels import _bin_cost, _put_bins, _read_bins, _read_runs, _rice_total, _uv, _zigzag
 from services.weightsync.codec.format import _BIN_RAW, _FLAG_CONTEXT, _FLAG_INDEX, _G_FLIP, _G_NEWSIGN, _NGROUPS, _PAD, _QMAX, _RAW_BITS
 from services.weightsync.codec.kernels import _best_k, _get_rice, _ordered_key, _put_rice
 
@@ -29,8 +29,8 @@ if (_NGROUPS, _G_FLIP, _G_NEWSIGN, _BIN_RAW, _FLAG_CONTEXT, _FLAG_INDEX, _QMAX, 
     raise ImportError("codec format constants changed: update index_kernels.py too (numba cache)")
 
 _SHARED_1 = ("_ordered_key", "_rice_cost", "_best_k", "_put", "_put_rice", "_ctz", "_peek", "_get_rice")
-_SHARED_2 = ("_fingerprint", "_context_features", "_zigzag", "_rice_total", "_bin_cost", "_put_bins", "_read_bins", "_read_runs", "_uv")
-_SHARED_DIGEST = "ab4ee703b749a6fc"
+_SHARED_2 = ("_zigzag", "_rice_total", "_bin_cost", "_put_bins", "_read_bins", "_read_runs", "_uv")
+_SHARED_DIGEST = "fe505be1963657cf"
 
 
 def _shared_digest() -> str:
@@ -206,6 +206,33 @@ def _update_index(ipos, icls, icounts, ih, t, rel, old, new, shift, emask):
         return st, ipos, icls, icounts, ih, np.int64(0)
     npos, ncls, ncounts, nh = _apply_slots(ipos, icls, icounts, ih, t, rel, old, new, slot, shift, emask)
     return 0, npos, ncls, ncounts, nh, _index_fingerprint(nh, npos.shape[0], t)
+
+
+@njit(cache=True, nogil=True)
+def _context3(pos, old, new, start, count, sign_bit, full):
+    """A context change list (absolute positions) as version 3 uses it:
+    chunk-relative positions, each change's step sign, and the list's
+    fingerprint -- unlike version 2's FNV chain an order-free sum of mixed
+    (position, old bits, new bits) terms with the count, so the loop carries
+    no dependency from one change to the next. Status -1 when the positions
+    are not strictly ascending inside [start, start + count)."""
+    m = pos.shape[0]
+    rel = np.empty(m, dtype=np.int64)
+    neg = np.empty(m, dtype=np.bool_)
+    h = np.uint64(0)
+    last = -1
+    for j in range(m):
+        p = pos[j] - start
+        if p <= last or p >= count:
+            return -1, rel, neg, np.int64(0)
+        last = p
+        rel[j] = p
+        o = np.int64(old[j])
+        n = np.int64(new[j])
+        neg[j] = _ordered_key(n, sign_bit, full) < _ordered_key(o, sign_bit, full)
+        h += _mix(_mix(np.uint64(p)) ^ ((np.uint64(o) << np.uint64(32)) | np.uint64(n)))
+    x = _mix(h + _mix(np.uint64(m)))
+    return 0, rel, neg, np.int64((x ^ (x >> np.uint64(32))) & np.uint64(0xFFFFFFFF))
 
 
 # --------------------------------------------------------------------------
@@ -557,12 +584,15 @@ def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
         if rptr[c] < q:
             rem[c] = runs[rptr[c]]
             rptr[c] += 1
-    in_slot = np.empty(cap + 1, dtype=np.int64)  # one spare: written before the count moves
+    m = ipos.shape[0]
+    # Room for every entry plus one (a slot is written before the count
+    # moves), so no bound check is needed in the loop; untouched pages of
+    # np.empty cost nothing.
+    in_slot = np.empty(m + 1, dtype=np.int64)
     q = 0
     if cap > 0:
-        m = ipos.shape[0]
         for j in range(m):
-            c = np.int64(icls[j])
+            c = icls[j]  # unsigned: no negative-index wraparound in the lookups
             r = rem[c]
             in_slot[q] = j
             q += (r == 0) ^ dense[c]
@@ -575,8 +605,8 @@ def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
                     rem[c] = _BIG
             else:
                 rem[c] = r - 1
-            if q > cap:
-                return -2, bp, 0, e0, e0, e0
+        if q > cap:
+            return -2, bp, 0, e0, e0, e0
         for c in range(min(t, 256)):  # every minority symbol was met
             if code[c] >= 0 and (rptr[c] != rend[c] or rem[c] < _BIG // 2):
                 return -2, bp, 0, e0, e0, e0
@@ -740,12 +770,11 @@ def _decode_chunk3(body, src, dst, start, count, has_ctx, ctx_pos, ctx_old, ctx_
     if st != 0:
         return st, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
     rel = np.empty(0, dtype=np.int64)
-    grp = np.empty(0, dtype=np.int64)
     neg = np.empty(0, dtype=np.bool_)
     if flags & _FLAG_CONTEXT:
         if not has_ctx:
             return -20, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
-        st, rel, grp, neg, got = _context_features(ctx_pos, ctx_old, ctx_new, start, count, shift, emask, sign_bit, full)
+        st, rel, neg, got = _context3(ctx_pos, ctx_old, ctx_new, start, count, sign_bit, full)
         if st != 0:
             return -21, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
         if rel.shape[0] != ctx_count or got != cfp:
