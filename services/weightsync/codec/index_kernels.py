@@ -534,8 +534,8 @@ def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
     per entry on its class's code mispredicts often, which cost 3x.)
 
     Returns (status, bit position after the groups, number of flagged
-    entries, their positions, slots and classes); status -1: truncated, -2:
-    the codes do not fit the index."""
+    entries, their index slots); status -1: truncated, -2: the codes do not
+    fit the index."""
     e0 = np.empty(0, np.int64)
     dense = np.zeros(256, dtype=np.int64)  # 1: majority symbol 1 (flag unless at a minority)
     rem = np.full(256, _BIG, dtype=np.int64)  # classes without a row: never flagged
@@ -546,7 +546,7 @@ def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
     for c in range(min(t, 256)):
         if code[c] >= 0:
             if icounts[c] == 0:
-                return -2, 0, 0, e0, e0, e0
+                return -2, 0, 0, e0
             cap += icounts[c]
             nruns += icounts[c] if code[c] == _BIN_RAW else rmin[c]
     runs = np.empty(nruns, dtype=np.int64)
@@ -559,7 +559,7 @@ def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
         rptr[c] = q
         if code[c] == _BIN_RAW:
             if bp + n > nbits:
-                return -1, 0, 0, e0, e0, e0
+                return -1, 0, 0, e0
             run = 0
             for i in range(n):
                 if (words[(bp + i) >> 6] >> np.uint64((bp + i) & 63)) & np.uint64(1):
@@ -577,7 +577,7 @@ def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
                 run, bp = _get_rice(words, bp, k)
                 used += run + 1
                 if bp > nbits or used > n:
-                    return -1 if bp > nbits else -2, 0, 0, e0, e0, e0
+                    return -1 if bp > nbits else -2, 0, 0, e0
                 runs[q] = run
                 q += 1
         rend[c] = q
@@ -606,16 +606,11 @@ def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
             else:
                 rem[c] = r - 1
         if q > cap:
-            return -2, bp, 0, e0, e0, e0
+            return -2, bp, 0, e0
         for c in range(min(t, 256)):  # every minority symbol was met
             if code[c] >= 0 and (rptr[c] != rend[c] or rem[c] < _BIG // 2):
-                return -2, bp, 0, e0, e0, e0
-    in_pos = np.empty(q, dtype=np.int64)
-    in_cls = np.empty(q, dtype=np.int64)
-    for e in range(q):
-        in_pos[e] = ipos[in_slot[e]]
-        in_cls[e] = icls[in_slot[e]]
-    return 0, bp, q, in_pos, in_slot[:q], in_cls
+                return -2, bp, 0, e0
+    return 0, bp, q, in_slot[:q]
 
 
 @njit(cache=True, nogil=True)
@@ -635,7 +630,7 @@ def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t,
     # 1. The class groups' codes: runs are expanded (O(minority symbols)),
     # raw groups only located; then one walk of the index finds the flagged
     # entries, ascending.
-    st, bp, n_in, in_pos, in_slot, in_cls = _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits)
+    st, bp, n_in, in_slot = _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits)
     if st != 0:
         return st, no_pos, no_bits, no_bits, in_slot
     # 2. Changes outside the index, from their gaps.
@@ -649,38 +644,37 @@ def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t,
         if last >= count:
             return -2, no_pos, no_bits, no_bits, no_pos
         out_pos[e] = last
-    # 3. Merge (ascending), remembering which came from the index.
+    # 3. Merge (ascending), remembering which came from the index, and find
+    # the repeats of the context's changes (their previous sign: 0/1, else -1).
     ne = n_in + n_out
     pos = np.empty(ne, dtype=np.int64)
-    pcls = np.empty(ne, dtype=np.int64)  # index class, -1 outside
     pslot = np.empty(ne, dtype=np.int64)  # index slot, -1 outside
+    prev = np.empty(ne, dtype=np.int8)
+    m_ctx = ctx_pos.shape[0]
+    n_rep = 0
+    jj = 0
     a = 0
     b = 0
     for e in range(ne):
-        if b >= n_out or (a < n_in and in_pos[a] < out_pos[b]):
-            pos[e] = in_pos[a]
-            pcls[e] = in_cls[a]
+        if b >= n_out or (a < n_in and ipos[in_slot[a]] < out_pos[b]):
+            p = ipos[in_slot[a]]
             pslot[e] = in_slot[a]
             a += 1
         else:
-            if a < n_in and in_pos[a] == out_pos[b]:
+            p = out_pos[b]
+            if a < n_in and ipos[in_slot[a]] == p:
                 return -2, no_pos, no_bits, no_bits, no_pos  # an outside change at an index entry
-            pos[e] = out_pos[b]
-            pcls[e] = -1
             pslot[e] = -1
             b += 1
-    # 4. Signs: flips of repeats (in the context list), signs of new changes.
-    m_ctx = ctx_pos.shape[0]
-    rep_of = np.full(ne, -1, dtype=np.int64)
-    n_rep = 0
-    jj = 0
-    for e in range(ne):
-        p = pos[e]
+        pos[e] = p
         while jj < m_ctx and ctx_pos[jj] < p:
             jj += 1
         if jj < m_ctx and ctx_pos[jj] == p:
-            rep_of[e] = jj
+            prev[e] = 1 if ctx_neg[jj] else 0
             n_rep += 1
+        else:
+            prev[e] = -1
+    # 4. Signs: flips of repeats (in the context list), signs of new changes.
     flips = np.zeros(n_rep, dtype=np.int64)
     nsign = np.zeros(ne - n_rep, dtype=np.int64)
     for g in range(_G_FLIP, _NGROUPS):
@@ -689,12 +683,12 @@ def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t,
             bp = _read_group(words, bp, nbits, dst, dst.shape[0], code[g], rmin[g])
             if bp < 0:
                 return -1, no_pos, no_bits, no_bits, no_pos
-    neg = np.empty(ne, dtype=np.int64)
+    neg = np.empty(ne, dtype=np.int8)
     a = 0
     b = 0
     for e in range(ne):
-        if rep_of[e] >= 0:
-            neg[e] = 1 if ctx_neg[rep_of[e]] != (flips[a] != 0) else 0
+        if prev[e] >= 0:
+            neg[e] = prev[e] ^ (1 if flips[a] != 0 else 0)
             a += 1
         else:
             neg[e] = 1 if nsign[b] != 0 else 0
@@ -708,7 +702,7 @@ def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t,
     if flags & _FLAG_INDEX:
         for e in range(ne):
             c = (np.int64(olds[e]) >> shift) & emask
-            if (pcls[e] >= 0 and c != pcls[e]) or (pcls[e] < 0 and c < t):
+            if (pslot[e] >= 0 and c != np.int64(icls[pslot[e]])) or (pslot[e] < 0 and c < t):
                 return -5, no_pos, no_bits, no_bits, no_pos
     # 6. Magnitudes (change order), new values, writes; a bad value puts back
     # what was written.
@@ -737,7 +731,7 @@ def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t,
                 break
             step = v + 1
         key = o ^ (sign_bit ^ (other * ((o & sign_bit) != 0)))
-        key += step - 2 * step * neg[e]
+        key += step - 2 * step * np.int64(neg[e])
         if key < 0 or key > full:
             rc = -3
             done = e
