@@ -301,8 +301,11 @@ class Job:
         seconds = time.monotonic() - self.started
         trained = sum(m.trajectories for m in trainer.recent_steps if m.step > start_step and m.stepped)
         detail = f"reward {last.reward_mean:.3f}, lag {last.policy_lag_mean:.2f}, stale dropped {last.dropped_stale}" if last else ""
+        done = trainer.step - start_step
+        # Past the steps asked for: groups sampled before the job stopped sampling, trained.
+        count = f"{done}/{self.config.steps}" if done <= self.config.steps else f"{done} ({self.config.steps} asked; groups already sampled)"
         print(
-            f"step {trainer.step - start_step}/{self.config.steps} (version {trainer.policy_version}): "
+            f"step {count} (version {trainer.policy_version}): "
             f"{trained / seconds:.2f} trained samples/s, {detail}, rollout serves version {served} [{seconds:.0f} s]",
             file=sys.stderr,
             flush=True,
