@@ -274,6 +274,7 @@ def test_wrong_or_missing_index_raises_before_writing():
     cls[:] = (cls.astype(np.int64) + 1) % idx.threshold
     refused("index", codec.ChunkIndex(**{**idx.__dict__, "classes": cls}))
     refused("different context", idx, codec.ChunkChanges(ctx.positions[:-1], ctx.old[:-1], ctx.new[:-1]))
+    refused("different context", idx, codec.ChunkChanges(ctx.positions, ctx.new, ctx.old))  # same count, signs reversed
     # ensure_index rebuilds from the weights when the index does not fit.
     for wrong in (None, steps[0][1].index, tampered):
         got = ensure_index(payload, buf, wrong)
