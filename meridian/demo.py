@@ -27,6 +27,7 @@ EVAL_TASKS = (
     "python/is_prime,python/is_anagram,python/second_largest,python/balanced_brackets"
 )
 BOOTSTRAP_RESAMPLES = 10_000
+EVAL_SANDBOXES_PER_REQUEST = 128
 CURVE_TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 K = TypeVar("K")
 
@@ -53,16 +54,23 @@ async def _held_out(rollout: Any, config: DemoConfig, samples: int, tasks: list[
     """``samples`` samples of every held-out task, or of ``tasks`` (not trained on: publish off)."""
     from meridian.v1 import rollout_pb2
 
-    reply = await rollout.RunEpisodes(
-        rollout_pb2.RunEpisodesRequest(
-            task_ids=tasks if tasks is not None else task_ids(config.eval_tasks),
-            group_size=samples,
-            publish=False,
-            sampling=rollout_pb2.SamplingParams(max_tokens=config.max_tokens, temperature=config.eval_temperature),
-        ),
-        timeout=config.step_timeout_s,
-    )
-    return list(reply.trajectories)
+    ids = tasks if tasks is not None else task_ids(config.eval_tasks)
+    # A request takes a sandbox per sample at once: batches of tasks keep each one well under
+    # envsandbox's live-sandbox cap (8 tasks x 32 samples hit it), one after the other.
+    per_request = max(1, EVAL_SANDBOXES_PER_REQUEST // samples)
+    out: list[Any] = []
+    for start in range(0, len(ids), per_request):
+        reply = await rollout.RunEpisodes(
+            rollout_pb2.RunEpisodesRequest(
+                task_ids=ids[start : start + per_request],
+                group_size=samples,
+                publish=False,
+                sampling=rollout_pb2.SamplingParams(max_tokens=config.max_tokens, temperature=config.eval_temperature),
+            ),
+            timeout=config.step_timeout_s,
+        )
+        out.extend(reply.trajectories)
+    return out
 
 
 async def evaluate(rollout_address: str, config: DemoConfig) -> dict[str, Any]:

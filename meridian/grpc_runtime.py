@@ -112,13 +112,17 @@ def channel_options(max_message_mb: int = 64) -> list[tuple[str, Any]]:
 # ---------------------------------------------------------------- error boundary
 
 
+#: A dependency's answers that mean the same to our caller (retry later), passed on as they are.
+_PASSED_ON = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, errors.MeridianError):
         return grpc.StatusCode[exc.status], str(exc)
-    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _PASSED_ON:
         # A service this call needs (envsandbox behind rollout, the origin behind a relay) is
-        # down or restarting: the caller may retry, so it must not read INTERNAL.
-        return grpc.StatusCode.UNAVAILABLE, f"a service this call depends on is unavailable: {exc.details()}"
+        # down, restarting or full: the caller may retry later, so it must not read INTERNAL.
+        return exc.code(), f"a service this call depends on answered {exc.code().name}: {exc.details()}"
     ref = uuid.uuid4().hex[:12]
     log.exception("unhandled error (ref=%s)", ref, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error (ref={ref}); see the service log"

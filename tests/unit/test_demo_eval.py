@@ -80,3 +80,29 @@ def test_report_plots_the_steps_and_the_held_out_curve(tmp_path) -> None:  # typ
 def test_extra_trainer_flags_come_last_so_they_win() -> None:
     args = TrainConfig(lr=3e-5, trainer_flags="--threads 1 --attention 'eager'").trainer_args()
     assert args[:2] == ["--lr", "3e-05"] and args[-4:] == ["--threads", "1", "--attention", "eager"]
+
+
+def test_held_out_requests_stay_under_the_sandboxes_one_request_may_take() -> None:
+    """8 tasks x 32 samples in one request needed 256 sandboxes at once, past envsandbox's
+    live-sandbox cap: the evaluation asks in batches of tasks, and loses none."""
+    import asyncio
+
+    from meridian import demo
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.requests: list[tuple[list[str], int]] = []
+
+        async def RunEpisodes(self, request, **_):  # type: ignore[no-untyped-def]
+            self.requests.append((list(request.task_ids), request.group_size))
+            return type("Reply", (), {"trajectories": [common_pb2.Trajectory(task_id=t) for t in request.task_ids for _ in range(request.group_size)]})
+
+    tasks = [f"python/t{i}" for i in range(8)]
+    config = DemoConfig(eval_tasks=",".join(tasks), eval_samples=32)
+    rollout = Recorder()
+    got = asyncio.run(demo._held_out(rollout, config, 32))
+    assert all(len(ids) * n <= demo.EVAL_SANDBOXES_PER_REQUEST for ids, n in rollout.requests)
+    assert [t for ids, _ in rollout.requests for t in ids] == tasks and len(got) == 8 * 32
+    rollout.requests.clear()
+    asyncio.run(demo._held_out(rollout, config, 16))  # the default 8 x 16: one request, as before
+    assert len(rollout.requests) == 1
