@@ -614,23 +614,40 @@ def _base_into(dst: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return dst, src
 
 
+def _decoder_context(hdr: ChunkHeader, old: np.ndarray, context: ChunkChanges | None) -> tuple[bool, np.ndarray, np.ndarray, np.ndarray]:
+    """(has context, positions, old bits, new bits) of the previous delta's changes, checked."""
+    raw = DTYPES[hdr.dtype]
+    if context is None or context.positions.shape[0] == 0:
+        return False, _NO_INT, old[:0], old[:0]
+    if not isinstance(context, ChunkChanges):
+        raise CodecError(f"context must be the ChunkChanges of the previous delta, got {type(context).__name__}")
+    if context.old.dtype != raw or context.new.dtype != raw:
+        raise CodecError(f"context bits have dtype {context.old.dtype}, {hdr.dtype} needs {np.dtype(raw)}")
+    if not context.positions.shape == context.old.shape == context.new.shape:
+        raise CodecError("context positions, old and new bits differ in length")
+    return True, np.ascontiguousarray(context.positions, dtype=np.int64), np.ascontiguousarray(context.old), np.ascontiguousarray(context.new)
+
+
+def _raise_context_error(rc: int, lo: int, hi: int, ctx_count: int, fingerprint: int, context: ChunkChanges | None) -> None:
+    """Raises the CodecError of a context failure code (-20..-22) of formats 2 and 3."""
+    if rc == -20:
+        raise CodecError(f"delta chunk [{lo}, {hi}) is coded against the previous delta's changes of this chunk (context), and none was given")
+    if rc == -21:
+        raise CodecError(f"context positions are not ascending inside this chunk [{lo}, {hi}): pass the changes of the previous delta for the same chunk range")
+    if rc == -22:
+        given = context.positions.shape[0] if context is not None else 0
+        raise CodecError(
+            f"delta chunk [{lo}, {hi}) was coded against a different context ({ctx_count} changes, "
+            f"fingerprint {ctx_count and fingerprint:08x}; given {given} changes): pass the "
+            "changes of the previous version's delta for this chunk"
+        )
+
+
 def _decode_delta2(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.ndarray, context: ChunkChanges | None) -> ChunkChanges:
     """Decode a version-2 delta chunk (see decode_chunk_into): one kernel call,
     since per-call overhead is a real share of applying a sparse version."""
     lo, hi = hdr.start, hdr.start + hdr.count
-    raw = DTYPES[hdr.dtype]
-    if context is None or context.positions.shape[0] == 0:
-        has_ctx, ctx_pos, ctx_old, ctx_new = False, _NO_INT, old[:0], old[:0]
-    else:
-        if not isinstance(context, ChunkChanges):
-            raise CodecError(f"context must be the ChunkChanges of the previous delta, got {type(context).__name__}")
-        if context.old.dtype != raw or context.new.dtype != raw:
-            raise CodecError(f"context bits have dtype {context.old.dtype}, {hdr.dtype} needs {np.dtype(raw)}")
-        if not context.positions.shape == context.old.shape == context.new.shape:
-            raise CodecError("context positions, old and new bits differ in length")
-        has_ctx = True
-        ctx_pos = np.ascontiguousarray(context.positions, dtype=np.int64)
-        ctx_old, ctx_new = np.ascontiguousarray(context.old), np.ascontiguousarray(context.new)
+    has_ctx, ctx_pos, ctx_old, ctx_new = _decoder_context(hdr, old, context)
     if out is old:
         dst = src = out[lo:hi]  # in place: reads and writes only the changed elements
     else:
@@ -642,16 +659,7 @@ def _decode_delta2(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.
     )  # fmt: skip
     if rc == 0:
         return ChunkChanges(positions, olds, news)
-    if rc == -20:
-        raise CodecError(f"delta chunk [{lo}, {hi}) is coded against the previous delta's changes of this chunk (context), and none was given")
-    if rc == -21:
-        raise CodecError(f"context positions are not ascending inside this chunk [{lo}, {hi}): pass the changes of the previous delta for the same chunk range")
-    if rc == -22:
-        raise CodecError(
-            f"delta chunk [{lo}, {hi}) was coded against a different context ({ctx_count} changes, "
-            f"fingerprint {ctx_count and fingerprint:08x}; given {context.positions.shape[0]} changes): pass the "
-            "changes of the previous version's delta for this chunk"
-        )
+    _raise_context_error(rc, lo, hi, ctx_count, fingerprint, context)
     msg = _HEAD_ERRORS.get(rc) or _V2_ERRORS.get(rc, f"delta decode error {rc}")
     raise CodecError(f"{msg} (chunk start {lo})")
 
@@ -660,19 +668,7 @@ def _decode_delta3(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.
     """Decode a version-3 delta chunk (see decode_chunk_into): one kernel call
     that also updates the index."""
     lo, hi = hdr.start, hdr.start + hdr.count
-    raw = DTYPES[hdr.dtype]
-    if context is None or context.positions.shape[0] == 0:
-        has_ctx, ctx_pos, ctx_old, ctx_new = False, _NO_INT, old[:0], old[:0]
-    else:
-        if not isinstance(context, ChunkChanges):
-            raise CodecError(f"context must be the ChunkChanges of the previous delta, got {type(context).__name__}")
-        if context.old.dtype != raw or context.new.dtype != raw:
-            raise CodecError(f"context bits have dtype {context.old.dtype}, {hdr.dtype} needs {np.dtype(raw)}")
-        if not context.positions.shape == context.old.shape == context.new.shape:
-            raise CodecError("context positions, old and new bits differ in length")
-        has_ctx = True
-        ctx_pos = np.ascontiguousarray(context.positions, dtype=np.int64)
-        ctx_old, ctx_new = np.ascontiguousarray(context.old), np.ascontiguousarray(context.new)
+    has_ctx, ctx_pos, ctx_old, ctx_new = _decoder_context(hdr, old, context)
     if index is None:
         has_idx, ipos, icls, icounts, ih, ifp, it = False, _NO_INT, _NO_U8, _NO_COUNTS, np.uint64(0), 0, 0
     else:
@@ -694,16 +690,7 @@ def _decode_delta3(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.
             same = npos is index.positions and ncls is index.classes and ncounts is index.class_counts
             new_index = index if same else _make_index(hdr.dtype, lo, hdr.count, index.threshold, npos, ncls, ncounts, nh, nfp)
         return ChunkChanges(positions, olds, news, new_index)
-    if rc == -20:
-        raise CodecError(f"delta chunk [{lo}, {hi}) is coded against the previous delta's changes of this chunk (context), and none was given")
-    if rc == -21:
-        raise CodecError(f"context positions are not ascending inside this chunk [{lo}, {hi}): pass the changes of the previous delta for this chunk range")
-    if rc == -22:
-        raise CodecError(
-            f"delta chunk [{lo}, {hi}) was coded against a different context ({ctx_count} changes, "
-            f"fingerprint {ctx_count and cfp:08x}; given {context.positions.shape[0]} changes): pass the "
-            "changes of the previous version's delta for this chunk"
-        )
+    _raise_context_error(rc, lo, hi, ctx_count, cfp, context)
     if rc == -23:
         raise CodecError(f"delta chunk [{lo}, {hi}) is coded over a position index (threshold {t}) and none was given: see ensure_index")
     if rc == -24:
