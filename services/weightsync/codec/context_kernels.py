@@ -159,6 +159,52 @@ def _put_bins(words, acc, state, bits, n, code):
 
 
 @njit(cache=True, nogil=True)
+def _mag_rows(cls, steps, ne):
+    """Magnitude table of formats 2 and 3: per old-exponent class with a change
+    of more than one step, [class, k, centre] with centre -1 for plain
+    Rice(|steps| - 1), else Rice of the zigzag distance to the class median."""
+    ccount = np.zeros(256, dtype=np.int64)
+    for e in range(ne):
+        ccount[cls[e]] += 1
+    coff = np.zeros(257, dtype=np.int64)
+    for c in range(256):
+        coff[c + 1] = coff[c] + ccount[c]
+    mags = np.empty(ne, dtype=np.int64)
+    cfill = coff[:-1].copy()
+    for e in range(ne):
+        c = cls[e]
+        mags[cfill[c]] = abs(steps[e]) - 1
+        cfill[c] += 1
+    # Per class either Rice(|steps| - 1) or, when the steps bunch around a typical size
+    # (tiny weights move by ~lr / grid spacing steps each time), Rice of the zigzag
+    # distance to the class median, which costs less.
+    mrows = np.empty((256, 3), dtype=np.int64)
+    nm = 0
+    for c in range(256):
+        if ccount[c] == 0:
+            continue
+        seg = mags[coff[c] : coff[c + 1]]
+        if seg.max() == 0:
+            continue
+        n = ccount[c]
+        kp = _best_k(seg, n, 32)
+        center = np.int64(np.median(seg))
+        zz = np.empty(n, dtype=np.int64)
+        for q in range(n):
+            zz[q] = _zigzag(seg[q] - center)
+        kc = _best_k(zz, n, 32)
+        mrows[nm, 0] = c
+        if center > 0 and _rice_total(zz, kc) + 24 < _rice_total(seg, kp):
+            mrows[nm, 1] = kc
+            mrows[nm, 2] = center
+        else:
+            mrows[nm, 1] = kp
+            mrows[nm, 2] = -1
+        nm += 1
+    return mrows[:nm].copy()
+
+
+@njit(cache=True, nogil=True)
 def _encode_v2(new, old, pos, ctx_pos, ctx_grp, ctx_neg, shift, emask, sign_bit, full):
     """Code a chunk's changes (positions pos, from _diff_positions) against the
     context (empty arrays: none).
@@ -245,44 +291,8 @@ def _encode_v2(new, old, pos, ctx_pos, ctx_grp, ctx_neg, shift, emask, sign_bit,
         nrows += 1
     k_new = _best_k(new_gaps, n_new, _RAW_BITS)
     # Magnitudes |steps| - 1 per old exponent class; classes left out are all +-1.
-    ccount = np.zeros(256, dtype=np.int64)
-    for e in range(ne):
-        ccount[cls[e]] += 1
-    coff = np.zeros(257, dtype=np.int64)
-    for c in range(256):
-        coff[c + 1] = coff[c] + ccount[c]
-    mags = np.empty(ne, dtype=np.int64)
-    cfill = coff[:-1].copy()
-    for e in range(ne):
-        c = cls[e]
-        mags[cfill[c]] = abs(steps[e]) - 1
-        cfill[c] += 1
-    # Per class either Rice(|steps| - 1) or, when the steps bunch around a
-    # typical size (tiny weights move by ~lr / grid spacing steps each time),
-    # Rice of the zigzag distance to the class median, which costs less.
-    mrows = np.empty((256, 3), dtype=np.int64)
-    nm = 0
-    for c in range(256):
-        if ccount[c] == 0:
-            continue
-        seg = mags[coff[c] : coff[c + 1]]
-        if seg.max() == 0:
-            continue
-        n = ccount[c]
-        kp = _best_k(seg, n, 32)
-        center = np.int64(np.median(seg))
-        zz = np.empty(n, dtype=np.int64)
-        for t in range(n):
-            zz[t] = _zigzag(seg[t] - center)
-        kc = _best_k(zz, n, 32)
-        mrows[nm, 0] = c
-        if center > 0 and _rice_total(zz, kc) + 24 < _rice_total(seg, kp):
-            mrows[nm, 1] = kc
-            mrows[nm, 2] = center
-        else:
-            mrows[nm, 1] = kp
-            mrows[nm, 2] = -1
-        nm += 1
+    mrows = _mag_rows(cls, steps, ne)
+    nm = mrows.shape[0]
     # Worst case: 64 bits per Rice code (gaps, magnitudes, runs), one per bit.
     cap = (goff[_NGROUPS] * 64 + ne * 128) // 64 + 4
     words = np.zeros(cap, dtype=np.uint64)

@@ -20,7 +20,7 @@ from numba import njit
 
 from services.weightsync.codec import context_kernels as _k2
 from services.weightsync.codec import kernels as _k1
-from services.weightsync.codec.context_kernels import _bin_cost, _put_bins, _read_bins, _read_runs, _rice_total, _uv, _zigzag
+from services.weightsync.codec.context_kernels import _bin_cost, _mag_rows, _put_bins, _read_bins, _read_runs, _uv, _zigzag
 from services.weightsync.codec.format import _BIN_RAW, _FLAG_CONTEXT, _FLAG_INDEX, _G_FLIP, _G_NEWSIGN, _NGROUPS, _PAD, _QMAX, _RAW_BITS
 from services.weightsync.codec.kernels import _best_k, _get_rice, _ordered_key, _put_rice
 
@@ -29,8 +29,8 @@ if (_NGROUPS, _G_FLIP, _G_NEWSIGN, _BIN_RAW, _FLAG_CONTEXT, _FLAG_INDEX, _QMAX, 
     raise ImportError("codec format constants changed: update index_kernels.py too (numba cache)")
 
 _SHARED_1 = ("_ordered_key", "_rice_cost", "_best_k", "_put", "_put_rice", "_ctz", "_peek", "_get_rice")
-_SHARED_2 = ("_zigzag", "_rice_total", "_bin_cost", "_put_bins", "_read_bins", "_read_runs", "_uv")
-_SHARED_DIGEST = "fe505be1963657cf"
+_SHARED_2 = ("_zigzag", "_rice_total", "_bin_cost", "_put_bins", "_read_bins", "_read_runs", "_uv", "_mag_rows")
+_SHARED_DIGEST = "af8707c04f8948ba"
 
 
 def _shared_digest() -> str:
@@ -238,49 +238,6 @@ def _context3(pos, old, new, start, count, sign_bit, full):
 # --------------------------------------------------------------------------
 # Encoder
 # --------------------------------------------------------------------------
-
-
-@njit(cache=True, nogil=True)
-def _mag_rows(cls, steps, ne):
-    """Magnitude table (as in format 2): per old-exponent class with a change
-    of more than one step, [class, k, centre] with centre -1 for plain
-    Rice(|steps| - 1), else Rice of the zigzag distance to the class median."""
-    ccount = np.zeros(256, dtype=np.int64)
-    for e in range(ne):
-        ccount[cls[e]] += 1
-    coff = np.zeros(257, dtype=np.int64)
-    for c in range(256):
-        coff[c + 1] = coff[c] + ccount[c]
-    mags = np.empty(ne, dtype=np.int64)
-    cfill = coff[:-1].copy()
-    for e in range(ne):
-        c = cls[e]
-        mags[cfill[c]] = abs(steps[e]) - 1
-        cfill[c] += 1
-    mrows = np.empty((256, 3), dtype=np.int64)
-    nm = 0
-    for c in range(256):
-        if ccount[c] == 0:
-            continue
-        seg = mags[coff[c] : coff[c + 1]]
-        if seg.max() == 0:
-            continue
-        n = ccount[c]
-        kp = _best_k(seg, n, 32)
-        center = np.int64(np.median(seg))
-        zz = np.empty(n, dtype=np.int64)
-        for q in range(n):
-            zz[q] = _zigzag(seg[q] - center)
-        kc = _best_k(zz, n, 32)
-        mrows[nm, 0] = c
-        if center > 0 and _rice_total(zz, kc) + 24 < _rice_total(seg, kp):
-            mrows[nm, 1] = kc
-            mrows[nm, 2] = center
-        else:
-            mrows[nm, 1] = kp
-            mrows[nm, 2] = -1
-        nm += 1
-    return mrows[:nm].copy()
 
 
 @njit(cache=True, nogil=True)
