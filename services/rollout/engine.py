@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,6 +26,9 @@ log = logging.getLogger(__name__)
 #: How requests in flight meet a weight update: "finish" lets them complete on the old
 #: weights (new ones wait); "pause" freezes them and continues them on the new weights.
 UPDATE_POLICIES = ("finish", "pause")
+
+#: VLLM_RPC_BASE_PATH as the user set it (None: each engine makes a folder of its own).
+_USER_RPC_PATH = os.environ.get("VLLM_RPC_BASE_PATH")
 
 PRIORITY_PRODUCTION = 0
 PRIORITY_RL = 1
@@ -95,6 +100,7 @@ class Engine:
         self.version = 0
         self._llm = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.ipc_dir = ""  # this engine's folder for vLLM's socket files (see start)
         self.update_lock = asyncio.Lock()
         self.scheduler = RlScheduler(admission or AdmissionConfig())
         self.tokens_generated = {PRIORITY_PRODUCTION: 0, PRIORITY_RL: 0}
@@ -125,6 +131,12 @@ class Engine:
             scheduling_policy="priority",
             worker_extension_cls="services.rollout.vllm_worker.WeightUpdateExtension",
         )
+        # vLLM binds its processes' sockets as files in VLLM_RPC_BASE_PATH (the temp folder
+        # by default) and never removes them: thousands were left after a day of tests. This
+        # engine gets a folder of its own, removed at shutdown (a user's setting is kept).
+        if _USER_RPC_PATH is None:
+            self.ipc_dir = tempfile.mkdtemp(prefix="meridian-vllm-")
+            os.environ["VLLM_RPC_BASE_PATH"] = self.ipc_dir
         self._llm = AsyncLLM.from_engine_args(args)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         await self._llm.update_weight_version(str(self.version))
@@ -133,6 +145,9 @@ class Engine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = ""
 
     @property
     def vocab_size(self) -> int:

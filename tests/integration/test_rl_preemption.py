@@ -85,12 +85,16 @@ def test_a_trajectory_assembled_across_preemptions_is_exact(tiny_model: Path, mo
         assert engine.tokenizer is not None
         prompt = list(engine.tokenizer("Write a function that adds two numbers.")["input_ids"])
         deltas, scored, boundary = await _scenario(engine, prompt)
+        # vLLM's socket files are in the engine's own folder, not loose in the temp folder.
+        assert engine.ipc_dir and any(Path(engine.ipc_dir).iterdir())
         return deltas, scored[len(prompt):], boundary
 
     try:
         deltas, scored, boundary = asyncio.run(body())
     finally:
+        ipc_dir = engine.ipc_dir
         engine.shutdown()
+    assert not Path(ipc_dir).exists()
 
     tokens = [t for d in deltas for t in d.token_ids]
     logprobs = [lp for d in deltas for lp in d.logprobs]
