@@ -134,10 +134,16 @@ class Engine:
         # vLLM binds its processes' sockets as files in VLLM_RPC_BASE_PATH (the temp folder
         # by default) and never removes them: thousands were left after a day of tests. This
         # engine gets a folder of its own, removed at shutdown (a user's setting is kept).
+        # Set only while vLLM starts its processes (it picks the paths then): left in the
+        # environment, it would send later engines and child processes to a removed folder.
         if _USER_RPC_PATH is None:
             self.ipc_dir = tempfile.mkdtemp(prefix="meridian-vllm-")
             os.environ["VLLM_RPC_BASE_PATH"] = self.ipc_dir
-        self._llm = AsyncLLM.from_engine_args(args)
+        try:
+            self._llm = AsyncLLM.from_engine_args(args)
+        finally:
+            if _USER_RPC_PATH is None:
+                os.environ.pop("VLLM_RPC_BASE_PATH", None)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         await self._llm.update_weight_version(str(self.version))
 
