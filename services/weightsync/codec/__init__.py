@@ -150,10 +150,10 @@ _NO_U8 = np.empty(0, np.uint8)
 _NO_COUNTS = np.zeros(256, np.int64)
 
 
-def _context_arrays(context: ChunkChanges | None, dtype: str, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
-    """A context change list as the kernels take it (chunk-relative positions,
-    exponent group, step sign, fingerprint), or None when there is no context
-    or it is empty (both code the chunk without one)."""
+def _checked_context(context: ChunkChanges | None, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The previous delta's changes (positions, old bits, new bits) as contiguous arrays,
+    checked against ``dtype``; None when there is no context or it is empty (the chunk is
+    then coded, or decoded, without one)."""
     if context is None:
         return None
     if not isinstance(context, ChunkChanges):
@@ -165,9 +165,17 @@ def _context_arrays(context: ChunkChanges | None, dtype: str, start: int, count:
         raise CodecError(f"context bits have dtype {context.old.dtype}/{context.new.dtype}, {dtype} needs {np.dtype(raw)}")
     if not context.positions.shape == context.old.shape == context.new.shape:
         raise CodecError("context positions, old and new bits differ in length")
-    pos = np.ascontiguousarray(context.positions, dtype=np.int64)
-    old = np.ascontiguousarray(context.old)
-    new = np.ascontiguousarray(context.new)
+    return np.ascontiguousarray(context.positions, dtype=np.int64), np.ascontiguousarray(context.old), np.ascontiguousarray(context.new)
+
+
+def _context_arrays(context: ChunkChanges | None, dtype: str, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """A context change list as the kernels take it (chunk-relative positions,
+    exponent group, step sign, fingerprint), or None when there is no context
+    or it is empty (both code the chunk without one)."""
+    checked = _checked_context(context, dtype)
+    if checked is None:
+        return None
+    pos, old, new = checked
     shift, emask = _EXP_FIELD[dtype]
     st, rel, grp, neg, fingerprint = _context_features(pos, old, new, start, count, shift, emask, 1 << (_BITS[dtype] - 1), (1 << _BITS[dtype]) - 1)
     if st != 0:
@@ -330,19 +338,11 @@ def _context3_arrays(context: ChunkChanges | None, dtype: str, start: int, count
     """A context change list as the version-3 kernels take it (chunk-relative
     positions, step signs, version-3 fingerprint), or None when there is none
     or it is empty."""
-    if context is None:
+    checked = _checked_context(context, dtype)
+    if checked is None:
         return None
-    if not isinstance(context, ChunkChanges):
-        raise CodecError(f"context must be the ChunkChanges of the previous delta, got {type(context).__name__}")
-    if context.positions.shape[0] == 0:
-        return None
-    raw = DTYPES[dtype]
-    if context.old.dtype != raw or context.new.dtype != raw:
-        raise CodecError(f"context bits have dtype {context.old.dtype}/{context.new.dtype}, {dtype} needs {np.dtype(raw)}")
-    if not context.positions.shape == context.old.shape == context.new.shape:
-        raise CodecError("context positions, old and new bits differ in length")
     st, rel, neg, fingerprint = _context3(
-        np.ascontiguousarray(context.positions, dtype=np.int64), np.ascontiguousarray(context.old), np.ascontiguousarray(context.new),
+        *checked,
         start, count, 1 << (_BITS[dtype] - 1), (1 << _BITS[dtype]) - 1,
     )  # fmt: skip
     if st != 0:
@@ -616,16 +616,10 @@ def _base_into(dst: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 def _decoder_context(hdr: ChunkHeader, old: np.ndarray, context: ChunkChanges | None) -> tuple[bool, np.ndarray, np.ndarray, np.ndarray]:
     """(has context, positions, old bits, new bits) of the previous delta's changes, checked."""
-    raw = DTYPES[hdr.dtype]
-    if context is None or context.positions.shape[0] == 0:
+    checked = _checked_context(context, hdr.dtype)
+    if checked is None:
         return False, _NO_INT, old[:0], old[:0]
-    if not isinstance(context, ChunkChanges):
-        raise CodecError(f"context must be the ChunkChanges of the previous delta, got {type(context).__name__}")
-    if context.old.dtype != raw or context.new.dtype != raw:
-        raise CodecError(f"context bits have dtype {context.old.dtype}, {hdr.dtype} needs {np.dtype(raw)}")
-    if not context.positions.shape == context.old.shape == context.new.shape:
-        raise CodecError("context positions, old and new bits differ in length")
-    return True, np.ascontiguousarray(context.positions, dtype=np.int64), np.ascontiguousarray(context.old), np.ascontiguousarray(context.new)
+    return (True, *checked)
 
 
 def _raise_context_error(rc: int, lo: int, hi: int, ctx_count: int, fingerprint: int, context: ChunkChanges | None) -> None:
