@@ -210,62 +210,78 @@ def compacted_figures(steps: int, use_cache: bool, log: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------- codec figures
 
 
-def _decode_all(encoded: dict[str, list[Any]], old: dict[str, RawTensor], threads: int) -> tuple[dict[str, np.ndarray], float]:
+def _decode_all(jobs: list[tuple[str, bytes, Any]], old: dict[str, RawTensor], threads: int) -> tuple[dict[str, np.ndarray], float]:
+    """Decodes every (tensor, payload, index of its base chunk) into fresh buffers."""
     from services.weightsync import codec
 
-    outs = {k: np.empty_like(old[k].bits) for k in encoded}
+    outs = {k: np.empty_like(old[k].bits) for k, _, _ in jobs}
     for arr in outs.values():
         arr.fill(0)  # fault the pages in: allocation is not decode work
-    jobs = [(k, c.payload) for k in sorted(encoded) for c in encoded[k]]
+
+    def one(job: tuple[str, bytes, Any]) -> None:
+        codec.decode_chunk_into(job[1], outs[job[0]], old[job[0]].bits, index=job[2])
+
     t0 = time.perf_counter()
     if threads == 1:
-        for k, payload in jobs:
-            codec.decode_chunk_into(payload, outs[k], old[k].bits)
+        for job in jobs:
+            one(job)
     else:
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(lambda job: codec.decode_chunk_into(job[1], outs[job[0]], old[job[0]].bits), jobs))
+            list(pool.map(one, jobs))
     return outs, time.perf_counter() - t0
 
 
-def _manifest_for(version: int, new: dict[str, RawTensor], encoded: dict[str, list[Any]]) -> Any:
-    """The Encoded form of chunks already encoded (same as store.encode_version would build)."""
-    import hashlib
+def _chunk_jobs(enc: Any, old: dict[str, RawTensor], indexes: dict[str, list[Any]]) -> list[tuple[str, bytes, Any]]:
+    """Each chunk of ``enc`` with the position index of its base chunk a receiver holds
+    (``indexes``: the encoder's, which every receiver's equals; built where missing)."""
+    from services.weightsync import codec
 
-    from meridian.v1 import weightsync_pb2 as pb
-    from services.weightsync.versions import CODEC_NAME, Encoded
-    from meridian.tensors import weights_hash
+    jobs, seen = [], {}
+    for ref, payload in zip(enc.manifest.chunks, enc.chunks):
+        j = seen[ref.tensor] = seen.get(ref.tensor, -1) + 1
+        held = indexes.get(ref.tensor, [])
+        jobs.append((ref.tensor, payload, codec.ensure_index(payload, old[ref.tensor].bits, held[j] if j < len(held) else None)))
+    return jobs
 
-    manifest = pb.Manifest(version=version, base_version=version - 1, weights_hash=weights_hash(new), codec=CODEC_NAME)
-    chunks = []
-    for name in sorted(new):
-        manifest.tensors.append(new[name].meta(name))
-        manifest.raw_bytes += new[name].nbytes
-        for c in encoded[name]:
-            manifest.chunks.append(pb.ChunkRef(index=len(chunks), tensor=name, size=len(c.payload), sha256=hashlib.sha256(c.payload).hexdigest()))
-            chunks.append(c.payload)
-    manifest.encoded_bytes = sum(len(c) for c in chunks)
-    return Encoded(manifest, chunks)
+
+def _indexes_of(weights: dict[str, RawTensor]) -> dict[str, list[Any]]:
+    """The position indexes the service's encoder builds for ``weights`` when it has none."""
+    from services.weightsync import codec
+
+    elems = CHUNK_ELEMS
+    return {
+        k: [codec.build_index(t.bits, t.dtype, s, min(elems, t.bits.size - s)) for s in range(0, max(t.bits.size, 1), elems)]
+        for k, t in weights.items() if t.bits.size
+    }
 
 
 def _apply_in_place(
     enc: Any, held: dict[str, RawTensor], version: int, want: dict[str, RawTensor], repeats: int
 ) -> tuple[float, float, bool]:
     """Median wall and thread-CPU seconds of applying ``enc`` in place on one thread, as an
-    in-place subscriber does (decode + undo log + incremental hash check); the undo log
-    puts the base back between repeats. True when every apply gave ``want`` bit for bit
-    and every revert gave the base back."""
+    in-place subscriber does (decode + undo log + incremental hash check + position index
+    upkeep); the undo log puts the base back between repeats. True when every apply gave
+    ``want`` bit for bit and every revert gave the base back."""
     from services.weightsync.receiver import Decoder
 
     base = {k: t.bits.copy() for k, t in held.items()}
     decoder = Decoder(held, version - 1, in_place=True)
     decoder.prepare()  # the one-time full hash of what a subscriber starts from
-    walls, cpus, exact = [], [], True
-    for _ in range(repeats):
-        w0, c0 = time.perf_counter(), time.thread_time()
+
+    def apply() -> None:
         decoder.begin(enc.manifest)
         for i, payload in enumerate(enc.chunks):
             decoder.add_chunk(i, payload, verified=True)
         decoder.finish()
+
+    # Untimed: the one-time position-index build a subscriber pays at its first delta.
+    apply()
+    exact = _same_bits(decoder.weights, want)
+    decoder.revert_last()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        apply()
         walls.append(time.perf_counter() - w0)
         cpus.append(time.thread_time() - c0)
         exact = exact and _same_bits(decoder.weights, want)
@@ -275,33 +291,41 @@ def _apply_in_place(
 
 
 def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[list[dict[str, Any]], bool]:
-    """Per-step sizes and speeds; True when every step decoded bit-exactly."""
+    """Per-step sizes and speeds of what the service sends (``versions.encode_tensors``:
+    codec format 3 over the position indexes the previous step left, as the origin keeps
+    them); True when every step decoded bit-exactly."""
     import zstandard
 
+    from meridian.tensors import weights_hash
     from services.weightsync import codec
+    from services.weightsync.versions import assemble_version, encode_tensors
 
     cctx = zstandard.ZstdCompressor(level=3)
     steps, exact = [], True
     warm = {k: versions[0][k] for k in list(versions[0])[:2]}
-    for k, t in warm.items():  # JIT compile / cache load outside the timed region
-        enc = codec.encode_tensor(k, versions[1][k].bits, t.bits, t.dtype, chunk_elems=CHUNK_ELEMS)
-        _decode_all({k: enc}, warm, 1)
+    # JIT compile / cache load outside the timed region.
+    warm_enc = encode_tensors({k: versions[1][k] for k in warm}, warm, CHUNK_ELEMS * 2)
+    _decode_all([(k, p, codec.ensure_index(p, warm[k].bits, None)) for k in warm_enc.payloads for p in warm_enc.payloads[k][:1]], warm, 1)
+    indexes = _indexes_of(versions[0])
     for old, new in zip(versions, versions[1:]):
         names = sorted(new)
         raw = sum(new[k].nbytes for k in names)
+        version = len(steps) + 1
         t0 = time.perf_counter()
-        encoded = {k: codec.encode_tensor(k, new[k].bits, old[k].bits, new[k].dtype, chunk_elems=CHUNK_ELEMS) for k in names}
+        tensors = encode_tensors(new, old, CHUNK_ELEMS * 2, indexes)
         t_enc = time.perf_counter() - t0
-        outs, t_dec = _decode_all(encoded, old, 1)
-        outs_mt, t_dec_mt = _decode_all(encoded, old, threads)
+        enc = assemble_version(version, new, tensors.payloads, version - 1, weights_hash(new))
+        jobs = _chunk_jobs(enc, old, indexes)
+        indexes = tensors.indexes
+        outs, t_dec = _decode_all(jobs, old, 1)
+        outs_mt, t_dec_mt = _decode_all(jobs, old, threads)
         exact = exact and all(np.array_equal(outs[k], new[k].bits) and np.array_equal(outs_mt[k], new[k].bits) for k in names)
         held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in old.items()}
-        version = len(steps) + 1
-        t_apply, c_apply, applied = _apply_in_place(_manifest_for(version, new, encoded), held, version, new, APPLY_REPEATS)
+        t_apply, c_apply, applied = _apply_in_place(enc, held, version, new, APPLY_REPEATS)
         exact = exact and applied
         steps.append({
             "changed_fraction": sum(int(np.count_nonzero(new[k].bits != old[k].bits)) for k in names) / sum(new[k].bits.size for k in names),
-            "ours_bytes": sum(len(c.payload) for k in names for c in encoded[k]),
+            "ours_bytes": enc.size,
             "full_bf16_bytes": raw,
             "zstd_full_bytes": sum(len(cctx.compress(new[k].bits.tobytes())) for k in names),
             "xor_zstd_bytes": sum(len(cctx.compress((new[k].bits ^ old[k].bits).tobytes())) for k in names),
@@ -445,7 +469,7 @@ def main(argv: list[str]) -> int:
         "parts": sorted(parts),
         "definitions": {
             "decode_gbps": "raw bf16 bytes of the model / wall seconds to apply one delta in place on one thread "
-                           f"(decode + undo log + incremental weights-hash check), median of {APPLY_REPEATS}",
+                           f"(decode + undo log + incremental weights-hash check + position-index upkeep), median of {APPLY_REPEATS}",
             "decode_gbps_cpu": "the same, over the decoding thread's CPU seconds (robust to a shared machine)",
             "decode_copy_gbps": "raw bytes / wall seconds to decode one delta into fresh buffers on one thread (no hash)",
             "decode_copy_gbps_threads": "decode_copy_gbps on decode_threads threads",
@@ -453,7 +477,8 @@ def main(argv: list[str]) -> int:
                                     "over encoded bytes / bandwidth + one-way latency; median over versions",
             "chunks_vs_bound": "the same up to the subscriber holding every chunk verified (transport, without the decode tail)",
             "compacted_pct_of_full": "per k: one delta from v(latest - k) to the latest, % of the full bf16 size",
-            "apply_gbps": "decode_gbps (format 1, what the service sends); `meridian bench codec` measures format 2's",
+            "apply_gbps": "decode_gbps (codec format 3 over carried position indexes, what the service sends); "
+                          "`meridian bench codec` measures each format's bare codec",
             "simulation": "frontier_figures of `meridian simulate weightsync` with this run's codec figures: "
                           "t_1t_4regions_10gbit_s for the code as it is, ..._pipelined for the pipelined design",
         },

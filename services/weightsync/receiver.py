@@ -15,7 +15,7 @@ from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, Weights, ele
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import codec
 from services.weightsync.signing import SignatureRefused, Verifier
-from services.weightsync.versions import CODEC_NAME, Encoded
+from services.weightsync.versions import READABLE_CODECS, Encoded
 
 _MASK64 = (1 << 64) - 1
 
@@ -74,6 +74,8 @@ class Decoder:
 
     The full-weights hash is checked without a full pass: the decoder keeps each
     tensor's additive element-hash sums and moves them by the changed elements only.
+    Likewise each chunk's position index (codec format 3), built from the held weights
+    the first time a delta needs it and then kept current from the decoded changes.
 
     With a ``verifier`` each manifest's signature is checked before the version starts,
     and the decoded weights against the signed content digest (one full pass) before the
@@ -89,6 +91,11 @@ class Decoder:
         self.last_undo: UndoLog | None = None
         self._base_state: tuple[int, dict[str, elementhash.Sums] | None] | None = None
         self._sums: dict[str, elementhash.Sums] | None = None
+        # (tensor, chunk start) -> position index of the held weights' chunk; the version
+        # being received fills _next_indexes, which replace them when it finishes.
+        self._indexes: dict[tuple[str, int], codec.ChunkIndex] = {}
+        self._next_indexes: dict[tuple[str, int], codec.ChunkIndex] = {}
+        self._base_indexes: dict[tuple[str, int], codec.ChunkIndex] = {}
         self._pending: dict[str, RawTensor] = {}
         self._manifest: pb.Manifest | None = None
         self._seen: set[int] = set()
@@ -106,8 +113,8 @@ class Decoder:
                 raise SignatureRefused(f"version {manifest.version} refused: not newer than the held version {self.version} (a replayed version)")
         if manifest.base_version >= 0 and manifest.base_version != self.version:
             raise FailedPrecondition(f"version {manifest.version} is a delta on {manifest.base_version}, but {self.version} is held")
-        if manifest.codec != CODEC_NAME:
-            raise FailedPrecondition(f"version {manifest.version} uses codec {manifest.codec!r}; this decoder reads {CODEC_NAME!r}")
+        if manifest.codec not in READABLE_CODECS:
+            raise FailedPrecondition(f"version {manifest.version} uses codec {manifest.codec!r}; this decoder reads {READABLE_CODECS}")
         self.abort()
         delta = manifest.base_version >= 0
         if delta:
@@ -132,7 +139,7 @@ class Decoder:
         if undo is not None:
             undo.replaced.update({n: t for n, t in self.weights.items() if n not in pending})
         self._manifest, self._pending, self._undo = manifest, pending, undo
-        self._seen, self._moves = set(), []
+        self._seen, self._moves, self._next_indexes = set(), [], {}
 
     def prepare(self) -> None:
         """Computes the held weights' element-hash sums if not known yet: one full pass,
@@ -186,7 +193,16 @@ class Decoder:
                 before = elementhash.range_sums(base.bits, lo, hi)
                 if self._undo is not None and out is base:
                     self._undo.ranges.append((ref.tensor, lo, base.bits[lo:hi].copy()))
-            changes = codec.decode_chunk_into(payload, out.bits, base.bits if base is not None else None)
+            key = (ref.tensor, lo)
+            held = self._indexes.get(key) if base is not None else None
+            chunk_index = codec.ensure_index(payload, base.bits, held) if base is not None and not rewrite else None
+            if chunk_index is not None and chunk_index is not held:
+                self._indexes[key] = chunk_index  # built from the held weights: kept even if this version aborts
+            changes = codec.decode_chunk_into(payload, out.bits, base.bits if base is not None else None, index=chunk_index)
+            if changes is not None:
+                after = changes.index if changes.index is not None or chunk_index is None else codec.update_index(chunk_index, changes)
+                if after is not None:
+                    self._next_indexes[key] = after  # one key per chunk: safe from decode threads
         except codec.CodecError as exc:
             raise DataLoss(f"chunk {index} of version {manifest.version} ({ref.tensor}): {exc}") from exc
         if changes is not None:
@@ -225,7 +241,9 @@ class Decoder:
                 self.abort()
                 raise
         self._base_state = (self.version, self._sums) if self._undo is not None else None
+        self._base_indexes = self._indexes if self._undo is not None else {}
         self.weights, self.version, self._sums = self._pending, manifest.version, sums
+        self._indexes, self._next_indexes = self._next_indexes, {}
         self.last_undo = self._undo
         self._pending, self._manifest, self._undo, self._moves = {}, None, None, []
         return self.version
@@ -237,8 +255,8 @@ class Decoder:
             raise FailedPrecondition("no finished in-place version to revert")
         version, sums = self._base_state
         self.last_undo.revert(self.weights)
-        self.version, self._sums = version, sums
-        self.last_undo, self._base_state = None, None
+        self.version, self._sums, self._indexes = version, sums, self._base_indexes
+        self.last_undo, self._base_state, self._base_indexes = None, None, {}
         return version
 
     def abort(self) -> None:
@@ -247,7 +265,7 @@ class Decoder:
         if self._undo is not None:
             self._undo.revert(self._pending)
         self._pending, self._manifest, self._undo, self._moves = {}, None, None, []
-        self._seen = set()
+        self._seen, self._next_indexes = set(), {}
 
     def _require_manifest(self) -> pb.Manifest:
         if self._manifest is None:

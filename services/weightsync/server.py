@@ -27,7 +27,7 @@ from services.weightsync.ratelimit import TokenBucket
 from services.weightsync.signing import SignatureRefused, Verifier, load_verifier
 from services.weightsync.store import VersionStore
 from services.weightsync import parts
-from services.weightsync.versions import Encoded, check_tensor_set, encode_tensors
+from services.weightsync.versions import Encoded, EncodedTensors, Indexes, check_tensor_set, encode_tensors
 from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count, hash_of_sums
 
 log = logging.getLogger(__name__)
@@ -132,12 +132,14 @@ class _PendingVersion:
     header: pb.PublishHeader
     base_version: int
     base: dict[str, RawTensor] | None
+    base_indexes: Indexes  # the store's position indexes of ``base``, coded over by every part
     encode: bool  # False: a republish of a held version, checked, not encoded
     names: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # registered parts
     part_hashes: dict[int, str] = dataclasses.field(default_factory=dict)  # each registered part's part_hash
     done: set[int] = dataclasses.field(default_factory=set)  # parts received and encoded
     tensors: dict[str, RawTensor] = dataclasses.field(default_factory=dict)
     payloads: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
+    indexes: Indexes = dataclasses.field(default_factory=dict)  # of the parts' tensors, after this version
     items: list[parts.HashItem] = dataclasses.field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     result: asyncio.Future[tuple[Encoded, bool]] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -146,9 +148,11 @@ class _PendingVersion:
         # An abort nobody is left to hear must not be logged as "never retrieved".
         self.result.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    def arrived(self, index: int, tensors: dict[str, RawTensor], payloads: dict[str, list[bytes]], items: list[parts.HashItem]) -> None:
+    def arrived(self, index: int, tensors: dict[str, RawTensor], encoded: EncodedTensors | None, items: list[parts.HashItem]) -> None:
         self.tensors.update(tensors)
-        self.payloads.update(payloads)
+        if encoded is not None:
+            self.payloads.update(encoded.payloads)
+            self.indexes.update(encoded.indexes)
         self.items.extend(items)
         self.done.add(index)
 
@@ -372,17 +376,17 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             try:
                 await self._receive_pieces(request_iterator, assembly)
                 items = await asyncio.to_thread(parts.check_part_tensors, header, assembly.tensors)
-                payloads: dict[str, list[bytes]] = {}
+                encoded: EncodedTensors | None = None
                 if pending.encode:
                     with tracer.start_as_current_span("weightsync.encode_part", context=telemetry.extract(dict(header.trace_context))) as span:
                         span.set_attribute("meridian.version", header.version)
                         span.set_attribute("meridian.part", index)
-                        payloads = await asyncio.to_thread(encode_tensors, assembly.tensors, pending.base, self.store.chunk_bytes)
+                        encoded = await asyncio.to_thread(encode_tensors, assembly.tensors, pending.base, self.store.chunk_bytes, pending.base_indexes)
             except BaseException as exc:
                 # One bad or broken part spoils the version: the other parts learn why.
                 self._abort(pending, Aborted(f"version {header.version} aborted: part {index} of {pending.count} failed: {exc or type(exc).__name__}"))
                 raise
-            pending.arrived(index, assembly.tensors, payloads, items)
+            pending.arrived(index, assembly.tensors, encoded, items)
             if pending.complete:
                 await self._store_parts(pending)
             return await asyncio.shield(pending.result)
@@ -401,7 +405,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             latest = self.store.latest
             pending = _PendingVersion(
                 version=v, count=n, fields=parts.version_fields(header), header=header, base_version=latest,
-                base=self.store.weights if latest >= 0 else None, encode=v > latest,
+                base=self.store.weights if latest >= 0 else None, base_indexes=self.store.indexes, encode=v > latest,
             )
             pending.timer = asyncio.get_running_loop().call_later(self.config.part_timeout_s, self._expire, pending)
             self._pending = pending
@@ -471,6 +475,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 enc: Encoded = await asyncio.to_thread(
                     self.store.publish_assembled, v, tensors, pending.payloads, pending.base_version, hash_of_sums(pending.items),
                     header.weights_hash, dict(header.trace_context), header.canary, header.signature if header.HasField("signature") else None,
+                    pending.indexes,
                 )
         except BaseException as exc:
             error = exc if isinstance(exc, MeridianError) else Aborted(f"version {v} aborted while storing: {exc}")

@@ -26,12 +26,11 @@ from meridian.errors import Aborted, AlreadyExists, DataLoss, FailedPrecondition
 from meridian.tensors import RawTensor, Weights, weights_hash
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync.receiver import decode_all
-from services.weightsync.versions import CODEC_NAME, Encoded, assemble_version, check_tensor_set, encode_version
+from services.weightsync.versions import CODEC_NAME, READABLE_CODECS, Encoded, Indexes, assemble_version, check_tensor_set, encode_version
 
 log = logging.getLogger(__name__)
 
-#: Chunk codec and weights-hash scheme of a manifest; versions stored under another
-#: name (e.g. by an older origin) are not recovered, and subscribers refuse them.
+#: Compacted deltas kept for late joiners.
 MAX_COMPACTED = 4
 COMPLETE = "COMPLETE"
 
@@ -74,6 +73,10 @@ class VersionStore:
         self.keyframes: dict[int, Encoded] = {}
         self.latest = -1
         self.weights: dict[str, RawTensor] = {}
+        # The position indexes of ``weights`` the last encoding left behind (codec format
+        # 3): the next delta is coded over them without a pass over the model. Empty after
+        # a restart or a version received already encoded (a relay): built when needed.
+        self.indexes: Indexes = {}
         # (version, base) -> compacted delta for late joiners; memory only, a few at most.
         self.compacted: dict[tuple[int, int], Encoded] = {}
         self.compacted_built = 0
@@ -101,7 +104,7 @@ class VersionStore:
         if version <= self.latest:
             return self._republished(version, weights)
         base = self.weights if self.latest >= 0 else None
-        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary, signature)
+        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary, signature, self.indexes)
         if expected_hash and expected_hash != enc.manifest.weights_hash:
             raise DataLoss(f"version {version}: received weights hash {enc.manifest.weights_hash[:12]} != publisher's {expected_hash[:12]}")
         return self.add_encoded(enc, weights)
@@ -117,12 +120,14 @@ class VersionStore:
         trace_context: Mapping[str, str] | None = None,
         canary: pb.Canary | None = None,
         signature: pb.VersionSignature | None = None,
+        next_indexes: Indexes | None = None,
     ) -> Encoded:
         """:meth:`publish` for a version whose tensors were encoded apart (a sharded
-        publish's parts, each against the weights of ``base_version``) and whose weights
-        hash ``digest`` was combined from the parts: the same checks, the same manifest
-        and chunks as :meth:`publish` of the whole ``weights``. Refuses (ABORTED) when the
-        latest version moved past ``base_version`` while the parts were encoding."""
+        publish's parts, each against the weights of ``base_version`` and over
+        :attr:`indexes`) and whose weights hash ``digest`` was combined from the parts: the
+        same checks, the same manifest and chunks as :meth:`publish` of the whole
+        ``weights``; ``next_indexes`` are the parts' indexes after it. Refuses (ABORTED)
+        when the latest version moved past ``base_version`` while the parts were encoding."""
         if not weights:
             raise InvalidArgument(f"version {version} has no tensors")
         if version <= self.latest:
@@ -133,6 +138,7 @@ class VersionStore:
         if expected_hash and expected_hash != digest:
             raise DataLoss(f"version {version}: received weights hash {digest[:12]} != publisher's {expected_hash[:12]}")
         enc = assemble_version(version, weights, payloads, base_version, digest, trace_context, canary, signature)
+        enc.next_indexes = dict(next_indexes or {})
         return self.add_encoded(enc, weights)
 
     def _republished(self, version: int, weights: Weights) -> Encoded:
@@ -159,6 +165,8 @@ class VersionStore:
         if version % self.keyframe_every == 0 and not enc.is_keyframe:
             self.keyframes[version] = self._persist(encode_version(version, weights, None, -1, self.chunk_bytes, *_version_meta(enc.manifest)))
         self.weights, self.latest = dict(weights), version
+        # Kept for the latest version only (they are ~10 % of the model's size).
+        self.indexes, enc.next_indexes = enc.next_indexes, {}
         self.compacted = {k: e for k, e in self.compacted.items() if k[0] == version}
         self._retain()
         return enc
@@ -295,8 +303,8 @@ class VersionStore:
             enc = self._load(folder)
             if enc is None:
                 continue
-            if enc.manifest.codec != CODEC_NAME:
-                log.warning("skipping %s: codec %r, this store reads %r", folder, enc.manifest.codec, CODEC_NAME)
+            if enc.manifest.codec not in READABLE_CODECS:
+                log.warning("skipping %s: codec %r, this store reads %r", folder, enc.manifest.codec, READABLE_CODECS)
                 continue
             (self.keyframes if enc.is_keyframe else self.deltas)[enc.manifest.version] = enc
         if not self.keyframes:

@@ -12,9 +12,22 @@ from meridian.tensors import Weights, weights_hash
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import codec
 
-#: Chunk codec and weights-hash scheme of a manifest; versions stored under another
-#: name (e.g. by an older origin) are not recovered, and subscribers refuse them.
-CODEC_NAME = "meridian-ctx-rice-v1+ehash2"
+#: Chunk codec and weights-hash scheme of the manifests this code writes.
+CODEC_NAME = "meridian-idx-rice-v3+ehash2"
+#: Names a receiver reads: the chunk decoder reads every payload format, so versions of an
+#: origin that wrote format 1 still decode. Versions under any other name (e.g. the older
+#: sha256 weights hash) are not recovered, and subscribers refuse them.
+READABLE_CODECS = (CODEC_NAME, "meridian-ctx-rice-v1+ehash2")
+#: Payload format of delta chunks: 3 codes changed positions over a per-chunk *position
+#: index* of the base (see codec/format.py), which sender and receiver each keep current
+#: from the change lists, so applying a version costs in proportion to its changes. It is
+#: coded without the previous delta as context: that context would depend on the path a
+#: receiver took (a keyframe or compacted delta gives none), the index does not.
+CHUNK_FORMAT = 3
+
+#: Per tensor, the position index of each chunk of one version's weights (None where none
+#: is kept: rebuilt, a pass over that chunk, when a delta needs it).
+Indexes = dict[str, list[codec.ChunkIndex | None]]
 
 
 @dataclasses.dataclass
@@ -23,6 +36,9 @@ class Encoded:
 
     manifest: pb.Manifest
     chunks: list[bytes]
+    #: The position indexes of this version's weights the encoding left behind: what the
+    #: next delta is coded over. Kept by the origin's store for its latest version only.
+    next_indexes: Indexes = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -42,13 +58,19 @@ def encode_version(
     trace_context: Mapping[str, str] | None = None,
     canary: pb.Canary | None = None,
     signature: pb.VersionSignature | None = None,
+    indexes: Indexes | None = None,
 ) -> Encoded:
     """Encodes ``weights`` as a delta against ``base`` (or a keyframe when base is None);
     ``trace_context``, ``canary`` and the publisher's ``signature`` describe the version
-    and go into its manifest as given (the signature covers no part of the encoding)."""
+    and go into its manifest as given (the signature covers no part of the encoding).
+    ``indexes``: the position indexes of ``base`` kept from the encoding that produced it
+    (missing ones are built, a pass over their chunks); the result's ``next_indexes``
+    are those of ``weights``."""
     check_tensor_set(version, weights, base)
-    payloads = encode_tensors(weights, base, chunk_bytes)
-    return assemble_version(version, weights, payloads, base_version if base is not None else -1, weights_hash(weights), trace_context, canary, signature)
+    tensors = encode_tensors(weights, base, chunk_bytes, indexes)
+    enc = assemble_version(version, weights, tensors.payloads, base_version if base is not None else -1, weights_hash(weights), trace_context, canary, signature)
+    enc.next_indexes = tensors.indexes
+    return enc
 
 
 def check_tensor_set(version: int, weights: Weights, base: Weights | None) -> None:
@@ -58,13 +80,22 @@ def check_tensor_set(version: int, weights: Weights, base: Weights | None) -> No
         raise InvalidArgument(f"version {version} changes the tensor set (missing {missing[:3]}, new {extra[:3]})")
 
 
-def encode_tensors(weights: Weights, base: Weights | None, chunk_bytes: int) -> dict[str, list[bytes]]:
+@dataclasses.dataclass
+class EncodedTensors:
+    """The chunk payloads of some tensors of a version, and their position indexes after it."""
+
+    payloads: dict[str, list[bytes]]
+    indexes: Indexes
+
+
+def encode_tensors(weights: Weights, base: Weights | None, chunk_bytes: int, indexes: Indexes | None = None) -> EncodedTensors:
     """The chunk payloads of each tensor of ``weights`` (a delta against ``base``'s tensor
-    of the same name, or a keyframe when base is None). A tensor's payloads depend only on
-    the tensor, its base and ``chunk_bytes``, so disjoint subsets of a version can be
-    encoded apart (one worker per sharded-publish part) and assembled into the same
-    version (:func:`assemble_version`)."""
-    out: dict[str, list[bytes]] = {}
+    of the same name, or a keyframe when base is None), with ``indexes`` as in
+    :func:`encode_version`. A tensor's payloads depend only on the tensor, its base (and
+    its index, itself a function of the base and the threshold it was built with) and
+    ``chunk_bytes``, so disjoint subsets of a version can be encoded apart (one worker per
+    sharded-publish part) and assembled into the same version (:func:`assemble_version`)."""
+    out = EncodedTensors({}, {})
     for name in sorted(weights):
         t = weights[name]
         old = base.get(name) if base is not None else None
@@ -73,9 +104,25 @@ def encode_tensors(weights: Weights, base: Weights | None, chunk_bytes: int) -> 
         if old is not None and (old.dtype, old.shape) != (t.dtype, t.shape):
             raise InvalidArgument(f"tensor {name}: {old.dtype}{list(old.shape)} became {t.dtype}{list(t.shape)}")
         per_chunk = max(1, chunk_bytes // t.bits.itemsize)
-        pieces = codec.encode_tensor(name, t.bits, old.bits if old is not None else None, t.dtype, chunk_elems=per_chunk)
-        out[name] = [piece.payload for piece in pieces]
+        if old is None:
+            # A keyframe's body is the same in every format; format 1 builds no index
+            # (a pass) that only the next delta, if any, would need.
+            pieces = codec.encode_tensor(name, t.bits, None, t.dtype, chunk_elems=per_chunk)
+        else:
+            held = _chunk_indexes(indexes, name, t.bits.shape[0], per_chunk)
+            pieces = codec.encode_tensor(name, t.bits, old.bits, t.dtype, chunk_elems=per_chunk, index=held, format_version=CHUNK_FORMAT)
+            out.indexes[name] = [piece.index for piece in pieces]
+        out.payloads[name] = [piece.payload for piece in pieces]
     return out
+
+
+def _chunk_indexes(indexes: Indexes | None, name: str, numel: int, per_chunk: int) -> list[codec.ChunkIndex | None] | None:
+    """The held indexes of tensor ``name`` if they fit its chunking now, else None (built anew)."""
+    held = (indexes or {}).get(name)
+    chunks = max(1, -(-numel // per_chunk))
+    if held is None or len(held) != chunks or any(i is not None and i.start != j * per_chunk for j, i in enumerate(held)):
+        return None
+    return held
 
 
 def assemble_version(

@@ -1,0 +1,189 @@
+"""The service's chunk format: deltas coded over position indexes (codec format 3) that the
+origin's store and every decoder keep current from version to version, so neither pays a
+pass over the model per version. A pass shows up as a call of ``codec.build_index``: the
+tests count them, which is what fails when an index is dropped, left stale or not restored.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meridian.errors import DataLoss
+from meridian.tensors import RawTensor
+from services.weightsync import codec
+from services.weightsync.receiver import Decoder
+from services.weightsync.store import VersionStore
+from services.weightsync.versions import CHUNK_FORMAT, Encoded, encode_version
+
+Weights = dict[str, RawTensor]
+CHUNK_BYTES = 8 << 10  # 4096 bf16 elements per chunk: several chunks per tensor
+
+
+def _bf16(rng: np.random.Generator, n: int) -> np.ndarray:
+    return (rng.normal(0, 0.02, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _versions(count: int, seed: int = 0) -> list[Weights]:
+    """bf16 versions where each step moves a few percent of the elements by one or two
+    units in the last place (an optimizer step's shape), the small ones included, and a
+    few of them across exponents."""
+    rng = np.random.default_rng(seed)
+    first = {"emb": _bf16(rng, 20_000), "layer.w": _bf16(rng, 12_288), "norm": _bf16(rng, 300)}
+    out = [first]
+    for _ in range(count - 1):
+        nxt = {}
+        for name, bits in out[-1].items():
+            bits = bits.copy()
+            idx = rng.choice(bits.size, size=max(1, bits.size // 25), replace=False)
+            step = rng.choice([-2, -1, 1, 2], idx.size)
+            # A tenth move by a power of two (an exponent step): small elements cross the
+            # index threshold, so indexes change from version to version.
+            step[rng.random(idx.size) < 0.1] *= 128
+            bits[idx] = (bits[idx].astype(np.int32) + step).astype(np.uint16)
+            nxt[name] = bits
+        out.append(nxt)
+    return [{n: RawTensor("bf16", (b.size,), b) for n, b in v.items()} for v in out]
+
+
+def _copy(weights: Weights) -> Weights:
+    return {n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in weights.items()}
+
+
+def _apply(decoder: Decoder, enc: Encoded) -> int:
+    decoder.begin(enc.manifest)
+    for i, payload in enumerate(enc.chunks):
+        decoder.add_chunk(i, payload)
+    return decoder.finish()
+
+
+def _same(a: Weights, b: Weights) -> bool:
+    return set(a) == set(b) and all(np.array_equal(a[n].bits, b[n].bits) for n in a)
+
+
+@pytest.fixture
+def builds(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts passes that build a position index (``codec.build_index`` calls); the
+    chunks built (tensor size, start) go to :data:`BUILT`."""
+    count = [0]
+    real = codec.build_index
+    BUILT.clear()
+
+    def counting(values, dtype, start, count_, *args, **kwargs):
+        count[0] += 1
+        BUILT.append((values.shape[0], start))
+        return real(values, dtype, start, count_, *args, **kwargs)
+
+    monkeypatch.setattr(codec, "build_index", counting)
+    yield count
+
+
+BUILT: list[tuple[int, int]] = []
+
+
+def _delta_chunks(enc: Encoded) -> list[codec.ChunkHeader]:
+    headers = [codec.parse_header(p) for p in enc.chunks]
+    return [h for h in headers if h.mode == codec.MODE_DELTA]
+
+
+def test_the_origin_codes_each_delta_over_the_indexes_the_last_one_left(tmp_path: Path, builds: list[int]) -> None:
+    versions = _versions(5)
+    store = VersionStore(tmp_path, chunk_bytes=CHUNK_BYTES)
+    store.publish(0, versions[0])
+    assert builds[0] == 0  # a keyframe needs no index
+    store.publish(1, versions[1])
+    chunks = len(store.deltas[1].chunks)
+    assert builds[0] == chunks  # the first delta builds each chunk's index once
+    for v in range(2, 5):
+        enc = store.publish(v, versions[v])
+        assert builds[0] == chunks  # later deltas: no pass over the model
+        headers = _delta_chunks(enc)
+        assert headers and all(h.version == CHUNK_FORMAT for h in headers)
+        # Coded over an index (the payload names one: a receiver without it builds it).
+        assert any(codec.ensure_index(p, versions[v - 1][store.deltas[v].manifest.chunks[i].tensor].bits, None) is not None
+                   for i, p in enumerate(enc.chunks))
+        builds[0] = chunks
+    assert store.deltas[4].next_indexes == {}  # only the latest's indexes are kept, by the store
+    for name, held in store.indexes.items():
+        for index in held:
+            rebuilt = codec.build_index(versions[4][name].bits, "bf16", index.start, index.count, index.threshold)
+            assert np.array_equal(rebuilt.positions, index.positions) and rebuilt.fingerprint == index.fingerprint
+
+
+def test_a_follower_builds_its_indexes_once_and_stays_exact(tmp_path: Path, builds: list[int]) -> None:
+    versions = _versions(6, seed=1)
+    encs = [encode_version(0, versions[0], None, -1, CHUNK_BYTES)]
+    indexes = None
+    for v in range(1, 6):
+        enc = encode_version(v, versions[v], versions[v - 1], v - 1, CHUNK_BYTES, indexes=indexes)
+        indexes = enc.next_indexes
+        encs.append(enc)
+    decoder = Decoder(_copy(versions[1]), 1, in_place=True)
+    BUILT.clear()
+    _apply(decoder, encs[2])
+    assert BUILT  # built from the held weights at the first delta that needs them
+    for v in range(3, 6):
+        _apply(decoder, encs[v])
+        assert _same(decoder.weights, versions[v])
+    # Then kept current from the decoded changes: never a chunk's index built twice.
+    assert len(BUILT) == len(set(BUILT))
+
+
+def test_revert_and_abort_give_back_the_indexes_of_the_held_version(builds: list[int]) -> None:
+    versions = _versions(4, seed=2)
+    e1 = encode_version(1, versions[1], versions[0], 0, CHUNK_BYTES)
+    e2 = encode_version(2, versions[2], versions[1], 1, CHUNK_BYTES, indexes=e1.next_indexes)
+    e3 = encode_version(3, versions[3], versions[2], 2, CHUNK_BYTES, indexes=e2.next_indexes)
+    BUILT.clear()  # the encoder's own
+    decoder = Decoder(_copy(versions[0]), 0, in_place=True)
+    _apply(decoder, e1)
+    _apply(decoder, e2)
+    assert decoder.revert_last() == 1 and _same(decoder.weights, versions[1])
+    _apply(decoder, e2)  # over the restored indexes of version 1
+    decoder.begin(e3.manifest)
+    for i in range(len(e3.chunks) // 2):
+        decoder.add_chunk(i, e3.chunks[i])
+    decoder.abort()
+    assert _same(decoder.weights, versions[2])
+    _apply(decoder, e3)
+    assert _same(decoder.weights, versions[3])
+    assert BUILT and len(BUILT) == len(set(BUILT))  # each chunk's index built once, then carried
+
+
+def test_a_restarted_origin_rebuilds_and_its_followers_still_decode(tmp_path: Path) -> None:
+    versions = _versions(5, seed=3)
+    store = VersionStore(tmp_path, chunk_bytes=CHUNK_BYTES, keyframe_every=2)
+    decoder = Decoder(None, -1, in_place=True)
+    for v in range(3):
+        _apply(decoder, store.publish(v, versions[v]))
+    restarted = VersionStore(tmp_path, chunk_bytes=CHUNK_BYTES, keyframe_every=2)
+    assert restarted.latest == 2 and restarted.indexes == {}
+    for v in (3, 4):
+        _apply(decoder, restarted.publish(v, versions[v]))
+        assert _same(decoder.weights, versions[v])
+
+
+def test_a_stale_index_never_gives_wrong_weights(builds: list[int]) -> None:
+    """A decoder whose indexes did not follow a version (a bug the build count alone would
+    only see as slowness) must not decode wrong weights: a payload names its index's
+    fingerprint, so a different index is rebuilt from the held weights, and a chunk coded
+    without one checks the old classes of its changes against the held index and is
+    refused (the version reverted) rather than decoded over a stale one."""
+    versions = _versions(3, seed=4)
+    e1 = encode_version(1, versions[1], versions[0], 0, CHUNK_BYTES)
+    e2 = encode_version(2, versions[2], versions[1], 1, CHUNK_BYTES, indexes=e1.next_indexes)
+    decoder = Decoder(_copy(versions[0]), 0, in_place=True)
+    _apply(decoder, e1)
+    other = _versions(1, seed=99)[0]  # same shapes, other values: another index, same threshold
+    decoder._indexes = {k: codec.build_index(other[k[0]].bits, "bf16", i.start, i.count, i.threshold) for k, i in decoder._indexes.items()}
+    builds[0] = 0
+    try:
+        _apply(decoder, e2)
+    except DataLoss:
+        decoder.abort()  # what a subscriber does with a failed version
+        assert _same(decoder.weights, versions[1]) and decoder.version == 1
+    else:
+        assert _same(decoder.weights, versions[2])
+    assert builds[0] > 0
