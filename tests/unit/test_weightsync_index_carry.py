@@ -29,13 +29,16 @@ def _bf16(rng: np.random.Generator, n: int) -> np.ndarray:
 def _versions(count: int, seed: int = 0) -> list[Weights]:
     """bf16 versions where each step moves a few percent of the elements by one or two
     units in the last place (an optimizer step's shape), the small ones included, and a
-    few of them across exponents."""
+    few of them across exponents; ``norm`` stays as it is every other version."""
     rng = np.random.default_rng(seed)
-    first = {"emb": _bf16(rng, 20_000), "layer.w": _bf16(rng, 12_288), "norm": _bf16(rng, 300)}
+    first = {"emb": _bf16(rng, 20_000), "layer.w": _bf16(rng, 12_288), "norm": _bf16(rng, 4000)}
     out = [first]
-    for _ in range(count - 1):
+    for v in range(1, count):
         nxt = {}
         for name, bits in out[-1].items():
+            if name == "norm" and v % 2 == 0:
+                nxt[name] = bits  # unchanged: its chunk goes out in format 1, the smaller then
+                continue
             bits = bits.copy()
             idx = rng.choice(bits.size, size=max(1, bits.size // 25), replace=False)
             step = rng.choice([-2, -1, 1, 2], idx.size)
@@ -99,8 +102,8 @@ def test_the_origin_codes_each_delta_over_the_indexes_the_last_one_left(tmp_path
     for v in range(2, 5):
         enc = store.publish(v, versions[v])
         assert builds[0] == chunks  # later deltas: no pass over the model
-        headers = _delta_chunks(enc)
-        assert headers and all(h.version == CHUNK_FORMAT for h in headers)
+        formats = {h.version for h in _delta_chunks(enc)}
+        assert formats == ({CHUNK_FORMAT, 1} if v % 2 == 0 else {CHUNK_FORMAT})
         # Coded over an index (the payload names one: a receiver without it builds it).
         assert any(codec.ensure_index(p, versions[v - 1][store.deltas[v].manifest.chunks[i].tensor].bits, None) is not None
                    for i, p in enumerate(enc.chunks))
@@ -187,3 +190,31 @@ def test_a_stale_index_never_gives_wrong_weights(builds: list[int]) -> None:
     else:
         assert _same(decoder.weights, versions[2])
     assert builds[0] > 0
+
+
+def test_an_index_follows_a_chunk_sent_in_format_1(builds: list[int]) -> None:
+    """A chunk that did not change goes out in format 1 (smaller then); the decoder keeps
+    that chunk's index current through it, so the next format-3 delta finds it."""
+    rng = np.random.default_rng(6)
+
+    def moved(bits: np.ndarray) -> np.ndarray:
+        bits = bits.copy()
+        idx = rng.choice(bits.size, bits.size // 7, replace=False)
+        bits[idx] = (bits[idx].astype(np.int32) + rng.choice([-1, 1], idx.size)).astype(np.uint16)
+        return bits
+
+    b0 = _bf16(rng, 4000)
+    b1 = moved(b0)
+    b3 = moved(b1)
+    versions = [{"norm": RawTensor("bf16", (4000,), b)} for b in (b0, b1, b1, b3)]
+    encs, indexes = [], None
+    for v in range(1, 4):
+        encs.append(encode_version(v, versions[v], versions[v - 1], v - 1, CHUNK_BYTES, indexes=indexes))
+        indexes = encs[-1].next_indexes
+    assert [codec.parse_header(e.chunks[0]).version for e in encs] == [CHUNK_FORMAT, 1, CHUNK_FORMAT]
+    decoder = Decoder(_copy(versions[0]), 0, in_place=True)
+    BUILT.clear()
+    for v, enc in enumerate(encs, start=1):
+        _apply(decoder, enc)
+        assert _same(decoder.weights, versions[v])
+    assert BUILT == [(4000, 0)]  # built at version 1 only
