@@ -177,7 +177,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self._tmp = None if config.data_dir else tempfile.TemporaryDirectory(prefix="meridian-weightsync-")
         data_dir = Path(config.data_dir or self._tmp.name)  # type: ignore[union-attr]
         self.store = VersionStore(
-            data_dir, keep=config.keep_versions, chunk_bytes=int(config.chunk_mb * (1 << 20)), keyframe_every=config.keyframe_every
+            data_dir, keep=config.keep_versions, chunk_bytes=int(config.chunk_mb * (1 << 20)), keyframe_every=config.keyframe_every,
+            live_weights=config.role == "relay",
         )
         self._changed = asyncio.Condition()
         # The store is mutated in worker threads (encoding is CPU-bound); every access
@@ -269,6 +270,10 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 # Chunks are passed on before they are decoded; decoding only feeds
                 # this relay's store, so it yields the CPU to forwarding and to others.
                 decode_nice=10,
+                # Only the changed elements are written (O(changes) per version, not a
+                # copy of the model); the store never encodes from these buffers while
+                # they may hold half a version (live_weights).
+                in_place=True,
                 window_bytes=int(self.config.window_mib * (1 << 20)),
                 verifier=self.verifier,
             )

@@ -63,8 +63,13 @@ def _version_meta(manifest: pb.Manifest) -> tuple[dict[str, str], pb.Canary, pb.
 class VersionStore:
     """The versions an origin or relay holds, in memory and on disk."""
 
-    def __init__(self, data_dir: Path, keep: int = 16, chunk_bytes: int = 4 << 20, keyframe_every: int = 8) -> None:
+    def __init__(self, data_dir: Path, keep: int = 16, chunk_bytes: int = 4 << 20, keyframe_every: int = 8, *, live_weights: bool = False) -> None:
+        """``live_weights``: the latest weights are buffers a decoder updates in place (a
+        relay), which may hold half of the next version while a late joiner's compacted
+        delta or keyframe is encoded; the store then rebuilds the latest weights from its
+        own keyframe and deltas for those instead of reading the buffers."""
         self.data_dir = Path(data_dir)
+        self.live_weights = live_weights
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self.chunk_bytes = chunk_bytes
@@ -155,7 +160,8 @@ class VersionStore:
         return held
 
     def add_encoded(self, enc: Encoded, weights: Weights) -> Encoded:
-        """Records an encoded version whose decoded ``weights`` the caller already holds."""
+        """Records an encoded version whose decoded ``weights`` the caller already holds
+        (they must not change during the call: a keyframe may be encoded from them)."""
         version = enc.manifest.version
         self._persist(enc)
         if enc.is_keyframe:
@@ -212,7 +218,7 @@ class VersionStore:
             base = self.weights_at(from_version)
             if base is None:
                 return plan
-            compacted = encode_version(self.latest, self.weights, base, from_version, self.chunk_bytes, *_version_meta(self.manifest(self.latest)))
+            compacted = encode_version(self.latest, self._latest_weights(), base, from_version, self.chunk_bytes, *_version_meta(self.manifest(self.latest)))
             self.compacted[key] = compacted
             self.compacted_built += 1
             while len(self.compacted) > MAX_COMPACTED:
@@ -231,7 +237,7 @@ class VersionStore:
     def weights_at(self, version: int) -> dict[str, RawTensor] | None:
         """Rebuilds the weights of a held ``version`` from the newest keyframe at or before it
         and the deltas after that keyframe; None when the store cannot."""
-        if version == self.latest:
+        if version == self.latest and not self.live_weights:
             return dict(self.weights)
         starts = [k for k in self.keyframes if k <= version]
         for start in sorted(starts, reverse=True):
@@ -245,8 +251,18 @@ class VersionStore:
 
     def keyframe_of_latest(self) -> Encoded:
         if self.latest not in self.keyframes:
-            self.keyframes[self.latest] = encode_version(self.latest, self.weights, None, -1, self.chunk_bytes, *_version_meta(self.manifest(self.latest)))
+            latest = self._latest_weights()
+            self.keyframes[self.latest] = encode_version(self.latest, latest, None, -1, self.chunk_bytes, *_version_meta(self.manifest(self.latest)))
         return self.keyframes[self.latest]
+
+    def _latest_weights(self) -> Mapping[str, RawTensor]:
+        """The latest weights, safe to encode from (see ``live_weights``)."""
+        if not self.live_weights:
+            return self.weights
+        rebuilt = self.weights_at(self.latest)
+        if rebuilt is None:
+            raise FailedPrecondition(f"version {self.latest} cannot be rebuilt from the versions held")
+        return rebuilt
 
     def versions(self) -> list[int]:
         return sorted(set(self.deltas) | set(self.keyframes))

@@ -548,3 +548,31 @@ def test_publish_fsyncs_every_file_and_folder_entry_of_the_version(tmp_path: Pat
         tmp = data_dir / f"{version:010d}" / f"{kind}.tmp"
         expected += [str(tmp / "manifest.pb"), str(tmp / "chunks.bin"), str(tmp / "COMPLETE"), str(tmp), str(tmp.parent), str(data_dir)]
     assert synced == expected
+
+
+def test_a_relay_store_never_encodes_from_buffers_holding_half_a_version(tmp_path: Path) -> None:
+    """A relay applies versions in place to the buffers its store holds as the latest; a
+    late joiner's compacted delta or keyframe built while the next version is half
+    applied must still be the latest version, not the mix in the buffers."""
+    versions = _sparse_versions(7)
+    origin = VersionStore(tmp_path / "origin", chunk_bytes=1024, keyframe_every=100)
+    relay = VersionStore(tmp_path / "relay", chunk_bytes=1024, keyframe_every=100, live_weights=True)
+    decoder = Decoder(None, -1, in_place=True)
+    for v in range(6):
+        enc = origin.publish(v, versions[v])
+        decoder.begin(enc.manifest)
+        for i, payload in enumerate(enc.chunks):
+            decoder.add_chunk(i, payload)
+        decoder.finish()
+        relay.add_encoded(enc, decoder.weights)
+    nxt = origin.publish(6, versions[6])
+    decoder.begin(nxt.manifest)
+    for i in range(len(nxt.chunks) // 2):
+        decoder.add_chunk(i, nxt.chunks[i])
+    assert not all(np.array_equal(relay.weights[n].bits, versions[5][n].bits) for n in versions[5])  # half applied
+    (compacted,) = relay.plan_compacted(1)
+    assert compacted.manifest.base_version == 1
+    _assert_same(decode_all([compacted], versions[1], 1).weights, versions[5])
+    _assert_same(decode_all([relay.keyframe_of_latest()]).weights, versions[5])
+    decoder.abort()
+    _assert_same(relay.weights, versions[5])
