@@ -14,23 +14,26 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import sys
 
 import numpy as np
 from numba import njit
+from numba.cpython.unsafe.numbers import trailing_zeros as _cttz
 
 from services.weightsync.codec import context_kernels as _k2
 from services.weightsync.codec import kernels as _k1
-from services.weightsync.codec.context_kernels import _bin_cost, _mag_rows, _put_bins, _read_bins, _read_runs, _uv, _zigzag
+from services.weightsync.codec.context_kernels import _bin_cost, _mag_rows, _put_bins, _uv, _zigzag
 from services.weightsync.codec.format import _BIN_RAW, _FLAG_CONTEXT, _FLAG_INDEX, _G_FLIP, _G_NEWSIGN, _NGROUPS, _PAD, _QMAX, _RAW_BITS
-from services.weightsync.codec.kernels import _best_k, _get_rice, _ordered_key, _put_rice
+from services.weightsync.codec.kernels import _best_k, _ordered_key, _peek, _put_rice
 
 # See the note in kernels.py: numba freezes these into its cached kernels.
 if (_NGROUPS, _G_FLIP, _G_NEWSIGN, _BIN_RAW, _FLAG_CONTEXT, _FLAG_INDEX, _QMAX, _RAW_BITS, _PAD) != (258, 256, 257, 0x80, 1, 2, 24, 40, 40):
     raise ImportError("codec format constants changed: update index_kernels.py too (numba cache)")
+_LITTLE = sys.byteorder == "little"  # frozen into the cached kernels too; the cache is per machine
 
-_SHARED_1 = ("_ordered_key", "_rice_cost", "_best_k", "_put", "_put_rice", "_ctz", "_peek", "_get_rice")
-_SHARED_2 = ("_zigzag", "_rice_total", "_bin_cost", "_put_bins", "_read_bins", "_read_runs", "_uv", "_mag_rows")
-_SHARED_DIGEST = "af8707c04f8948ba"
+_SHARED_1 = ("_ordered_key", "_rice_cost", "_best_k", "_put", "_put_rice", "_peek")
+_SHARED_2 = ("_zigzag", "_rice_total", "_bin_cost", "_put_bins", "_uv", "_mag_rows")
+_SHARED_DIGEST = "26817f0ec34c4766"
 
 
 def _shared_digest() -> str:
@@ -129,73 +132,107 @@ def _find_slots(ipos, icls, t, rel, old, shift, emask):
 
 
 @njit(cache=True, nogil=True)
-def _apply_slots(ipos, icls, icounts, ih, t, rel, old, new, slot, shift, emask):
-    """The index after the changes, given each change's slot (_find_slots):
-    elements whose class changed are updated, those that crossed the
-    threshold enter or leave. O(changes) when none crossed (plus a copy of
-    the classes if one changed class), O(index + changes) otherwise. Returns
-    (positions, classes, counts, hash); unchanged arrays are returned as they
-    are (not copied)."""
-    m = ipos.shape[0]
+def _index_events(rel, old, new, t, shift, emask):
+    """The changes that touch an index of threshold t (a class change with
+    either class below t), listed without a branch: (their numbers in a
+    buffer of len(rel) + 1, their count). Few of a step's changes do."""
     ne = rel.shape[0]
+    ev = np.empty(ne + 1, dtype=np.int64)
+    nev = 0
+    for e in range(ne):
+        co = (np.int64(old[e]) >> shift) & emask
+        cn = (np.int64(new[e]) >> shift) & emask
+        ev[nev] = e
+        nev += (co != cn) & ((co < t) | (cn < t))
+    return ev, nev
+
+
+@njit(cache=True, nogil=True)
+def _apply_events(ipos, icls, icounts, ih, t, rel, old, new, slot, ev, nev, shift, emask):
+    """The index after the changes, given each change's slot (_find_slots)
+    and the changes that touch it (_index_events): elements whose class
+    changed are updated, those that crossed the threshold enter or leave.
+    O(events) when none crossed (plus a copy of the classes); otherwise the
+    entries between crossings are copied as blocks (O(index) bytes moved, no
+    per-entry work) and the class changes patched after. Returns (positions,
+    classes, counts, hash); unchanged arrays are returned as they are (not
+    copied)."""
+    if nev == 0:
+        return ipos, icls, icounts, ih
+    m = ipos.shape[0]
     counts = icounts.copy()  # 256 entries
     h = ih
-    cnew = np.empty(ne, dtype=np.int64)
     n_ins = 0
     n_del = 0
-    n_mod = 0
-    for e in range(ne):
+    for q in range(nev):
+        e = ev[q]
         p = rel[e]
         co = (np.int64(old[e]) >> shift) & emask
         cn = (np.int64(new[e]) >> shift) & emask
-        cnew[e] = cn
-        if co == cn or (co >= t and cn >= t):
-            continue
         if co < t:
             counts[co] -= 1
             h -= _entry_hash(p, co)
         if cn < t:
             counts[cn] += 1
             h += _entry_hash(p, cn)
-        if co < t and cn < t:
-            n_mod += 1
-        elif co < t:
-            n_del += 1
-        else:
+        if co >= t:
             n_ins += 1
+        elif cn >= t:
+            n_del += 1
     if n_ins == 0 and n_del == 0:
-        if n_mod == 0:
-            return ipos, icls, icounts, ih
         cls = icls.copy()  # same entries, some classes differ
-        for e in range(ne):
-            if slot[e] >= 0:
-                cls[slot[e]] = cnew[e]
+        for q in range(nev):
+            e = ev[q]
+            cls[slot[e]] = (np.int64(new[e]) >> shift) & emask
         return ipos, cls, counts, h
-    npos = np.empty(m + n_ins - n_del, dtype=np.int64)
-    ncls = np.empty(m + n_ins - n_del, dtype=np.uint8)
-    k = 0
-    j = 0
-    for e in range(ne):
-        if slot[e] < 0 and cnew[e] >= t:
-            continue  # stays outside
-        p = rel[e]
-        while j < m and ipos[j] < p:
-            npos[k] = ipos[j]
-            ncls[k] = icls[j]
-            k += 1
-            j += 1
+    n = m + n_ins - n_del
+    npos = np.empty(n, dtype=np.int64)
+    ncls = np.empty(n, dtype=np.uint8)
+    # 1. Copy the entries between crossings as blocks; an entering element
+    # is written at its place, a leaving one skipped.
+    j = 0  # next entry of the old index to copy
+    k = 0  # next entry of the new one to write
+    for q in range(nev):
+        e = ev[q]
+        cn = (np.int64(new[e]) >> shift) & emask
+        s = slot[e]
+        if s >= 0 and cn < t:
+            continue  # a class change: patched below
+        if s < 0:  # enters: copy up to its place
+            s = j + np.searchsorted(ipos[j:], rel[e])
+        for i in range(s - j):  # a plain loop: numba's slice assignment allocates
+            npos[k + i] = ipos[j + i]
+            ncls[k + i] = icls[j + i]
+        k += s - j
         if slot[e] >= 0:
-            j += 1  # the entry itself: rewritten below or dropped
-        if cnew[e] < t:
-            npos[k] = p
-            ncls[k] = cnew[e]
+            j = s + 1  # leaves
+        else:
+            j = s
+            npos[k] = rel[e]
+            ncls[k] = cn
             k += 1
-    while j < m:
-        npos[k] = ipos[j]
-        ncls[k] = icls[j]
-        k += 1
-        j += 1
+    for i in range(m - j):
+        npos[k + i] = ipos[j + i]
+        ncls[k + i] = icls[j + i]
+    # 2. Class changes, at their slots shifted by the crossings before them.
+    d = 0
+    for q in range(nev):
+        e = ev[q]
+        cn = (np.int64(new[e]) >> shift) & emask
+        if slot[e] < 0:
+            d += 1
+        elif cn >= t:
+            d -= 1
+        else:
+            ncls[slot[e] + d] = cn
     return npos, ncls, counts, h
+
+
+@njit(cache=True, nogil=True)
+def _apply_slots(ipos, icls, icounts, ih, t, rel, old, new, slot, shift, emask):
+    """_index_events then _apply_events."""
+    ev, nev = _index_events(rel, old, new, t, shift, emask)
+    return _apply_events(ipos, icls, icounts, ih, t, rel, old, new, slot, ev, nev, shift, emask)
 
 
 @njit(cache=True, nogil=True)
@@ -469,226 +506,268 @@ def _parse_head3(buf, count, emask):
     return 0, flags, ctx_count, cfp, t, icount, ifp, n_out, k_out, rows, mrows, pos
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _rice(words, pos, k):
+    """_get_rice for the parameters format 3 admits (k <= _RAW_BITS): the
+    same (value, new position), with a count-trailing-zeros instruction and
+    no branch on k. A code that is not an escape has q < _QMAX, so
+    q + 1 + k <= 64: it lies in the one 64-bit peek."""
+    w = _peek(words, pos)
+    if (w & np.uint64((1 << _QMAX) - 1)) == 0:  # escape: raw value follows
+        pos += _QMAX
+        v = np.int64(_peek(words, pos) & np.uint64((1 << _RAW_BITS) - 1))
+        return v, pos + _RAW_BITS
+    q = np.int64(_cttz(w))
+    low = np.int64((w >> np.uint64(q + 1)) & ((np.uint64(1) << np.uint64(k)) - np.uint64(1)))
+    return (q << k) | low, pos + q + 1 + k
+
+
 @njit(cache=True, nogil=True)
-def _read_group(words, bp, nbits, dst, n, code, r):
-    """Read a binary group written by _put_bins into dst[:n]; new bit position or -1."""
+def _read_signs(words, bp, nbits, dst, n, code, r):
+    """A binary group (as _read_bins / _read_runs read it, same checks and
+    result) into dst[:n] as int8; no row (code -1): all 0. New bit position
+    or -1."""
+    if code < 0:
+        dst[:n] = 0
+        return bp
     if code == _BIN_RAW:
-        return _read_bins(words, bp, nbits, dst, n, code)
-    return _read_runs(words, bp, nbits, dst, n, code, r)
-
-
-_BIG = np.int64(1) << 62  # a countdown that never ends
+        if bp + n > nbits:
+            return -1
+        for j in range(n):
+            dst[j] = np.int8((words[(bp + j) >> 6] >> np.uint64((bp + j) & 63)) & np.uint64(1))
+        return bp + n
+    major = np.int8(code >> 6)
+    k = code & 63
+    j = 0
+    for _ in range(r):
+        run, bp = _rice(words, bp, k)
+        if bp > nbits or run > n - j - 1:
+            return -1
+        dst[j : j + run] = major
+        j += run
+        dst[j] = 1 - major
+        j += 1
+    dst[j:n] = major
+    return bp
 
 
 @njit(cache=True, nogil=True)
 def _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits):
     """Read the class groups (classes below t with a row in ``code``) and walk
-    the index once. Every group becomes runs first (a raw group: the runs of
-    0 before each 1, O(its bits)), so that each entry costs the same few
-    branch-free operations: per class a countdown to its next minority
-    symbol; the entry is flagged when the countdown is at 0 xor the class's
-    majority is 1. (Classes interleave at random along the index: a branch
-    per entry on its class's code mispredicts often, which cost 3x.)
+    the index once. Every group is first expanded into its flags, one byte
+    per index entry of its class, the classes' flags laid out one after the
+    other (a raw group bit by bit; a runs group as its majority symbol with
+    the minority symbols set: O(its entries) bytes, O(runs) work); classes
+    without a row get zeros. The walk then takes each entry's flag at its
+    class's next place: per entry a counter and a load, no branch. (Classes
+    interleave at random along the index: a branch per entry on its class's
+    code, or on a countdown to its next minority symbol, mispredicts often,
+    and a countdown carries more state from one entry to the next.)
 
     Returns (status, bit position after the groups, number of flagged
-    entries, their index slots); status -1: truncated, -2: the codes do not
-    fit the index."""
+    entries, their index slots, their positions); status -1: truncated, -2:
+    the codes do not fit the index."""
     e0 = np.empty(0, np.int64)
-    dense = np.zeros(256, dtype=np.int64)  # 1: majority symbol 1 (flag unless at a minority)
-    rem = np.full(256, _BIG, dtype=np.int64)  # classes without a row: never flagged
-    rptr = np.zeros(256, dtype=np.int64)
-    rend = np.zeros(256, dtype=np.int64)
-    nruns = 0
+    m = ipos.shape[0]
+    goff = np.zeros(257, dtype=np.int64)
     cap = 0
-    for c in range(min(t, 256)):
-        if code[c] >= 0:
+    for c in range(256):
+        goff[c + 1] = goff[c] + icounts[c]
+        if c < t and code[c] >= 0:
             if icounts[c] == 0:
-                return -2, 0, 0, e0
+                return -2, 0, 0, e0, e0
             cap += icounts[c]
-            nruns += icounts[c] if code[c] == _BIN_RAW else rmin[c]
-    runs = np.empty(nruns, dtype=np.int64)
+    # Slack of m + 1: an index whose counts disagree with its classes reads
+    # past its class's flags but not past the buffer (and is refused below).
+    flags = np.zeros(goff[256] + m + 1, dtype=np.int8)
     bp = 0
-    q = 0
     for c in range(min(t, 256)):
         if code[c] < 0:
             continue
         n = icounts[c]
-        rptr[c] = q
+        g = goff[c]
         if code[c] == _BIN_RAW:
             if bp + n > nbits:
-                return -1, 0, 0, e0
-            run = 0
+                return -1, 0, 0, e0, e0
             for i in range(n):
-                if (words[(bp + i) >> 6] >> np.uint64((bp + i) & 63)) & np.uint64(1):
-                    runs[q] = run
-                    q += 1
-                    run = 0
-                else:
-                    run += 1
+                flags[g + i] = np.int8((words[(bp + i) >> 6] >> np.uint64((bp + i) & 63)) & np.uint64(1))
             bp += n
         else:
-            dense[c] = 1 if (code[c] >> 6) == 1 else 0
+            major = np.int8(1 if (code[c] >> 6) == 1 else 0)
+            flags[g : g + n] = major
             k = code[c] & 63
             used = 0
             for _ in range(rmin[c]):
-                run, bp = _get_rice(words, bp, k)
+                run, bp = _rice(words, bp, k)
                 used += run + 1
                 if bp > nbits or used > n:
-                    return -1 if bp > nbits else -2, 0, 0, e0
-                runs[q] = run
-                q += 1
-        rend[c] = q
-        if rptr[c] < q:
-            rem[c] = runs[rptr[c]]
-            rptr[c] += 1
-    m = ipos.shape[0]
+                    return -1 if bp > nbits else -2, 0, 0, e0, e0
+                flags[g + used - 1] = 1 - major
     # Room for every entry plus one (a slot is written before the count
     # moves), so no bound check is needed in the loop; untouched pages of
     # np.empty cost nothing.
     in_slot = np.empty(m + 1, dtype=np.int64)
+    in_pos = np.empty(m + 1, dtype=np.int64)  # their positions: the index is read in order here
     q = 0
     if cap > 0:
+        nxt = goff[:256].copy()
         for j in range(m):
             c = icls[j]  # unsigned: no negative-index wraparound in the lookups
-            r = rem[c]
+            g = nxt[c]
+            nxt[c] = g + 1
             in_slot[q] = j
-            q += (r == 0) ^ dense[c]
-            if r == 0:  # a minority symbol (rare): load the next run
-                p = rptr[c]
-                if p < rend[c]:
-                    rem[c] = runs[p]
-                    rptr[c] = p + 1
-                else:
-                    rem[c] = _BIG
-            else:
-                rem[c] = r - 1
-        if q > cap:
-            return -2, bp, 0, e0
-        for c in range(min(t, 256)):  # every minority symbol was met
-            if code[c] >= 0 and (rptr[c] != rend[c] or rem[c] < _BIG // 2):
-                return -2, bp, 0, e0
-    return 0, bp, q, in_slot[:q]
+            in_pos[q] = ipos[j]
+            q += flags[g]
+        for c in range(256):  # the index's counts agree with its classes
+            if nxt[c] != goff[c + 1]:
+                return -2, bp, 0, e0, e0
+    return 0, bp, q, in_slot[:q], in_pos[:q]
 
 
 @njit(cache=True, nogil=True)
-def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t, rows, mrows, n_out, k_out, words, nbits, shift, emask, sign_bit, full):
-    """Decode a version-3 delta stream and apply it to out, which holds old.
-    Reads the index, and old/out only at changed positions. Returns (status,
-    chunk-relative positions, old bits, new bits, each change's index slot or
-    -1); status < 0: see _V3_ERRORS, and out is as it was (what was written
-    is put back)."""
-    no_pos = np.empty(0, dtype=np.int64)
-    no_bits = np.empty(0, dtype=old.dtype)
-    code = np.full(_NGROUPS, -1, dtype=np.int64)  # -1: no row (default symbol)
-    rmin = np.zeros(_NGROUPS, dtype=np.int64)
-    for q in range(rows.shape[0]):
-        code[rows[q, 0]] = rows[q, 1]
-        rmin[rows[q, 0]] = rows[q, 2]
-    # 1. The class groups' codes: runs are expanded (O(minority symbols)),
-    # raw groups only located; then one walk of the index finds the flagged
-    # entries, ascending.
-    st, bp, n_in, in_slot = _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits)
-    if st != 0:
-        return st, no_pos, no_bits, no_bits, in_slot
-    # 2. Changes outside the index, from their gaps.
+def _out_positions(words, bp, nbits, n_out, k_out, count):
+    """The changes outside the index, from their gaps: (status, bit position,
+    ascending chunk-relative positions)."""
     out_pos = np.empty(n_out, dtype=np.int64)
     last = -1
     for e in range(n_out):
-        gap, bp = _get_rice(words, bp, k_out)
+        gap, bp = _rice(words, bp, k_out)
         if bp > nbits:
-            return -1, no_pos, no_bits, no_bits, no_pos
+            return -1, bp, out_pos
         last = last + gap + 1
         if last >= count:
-            return -2, no_pos, no_bits, no_bits, no_pos
+            return -2, bp, out_pos
         out_pos[e] = last
-    # 3. Merge (ascending), remembering which came from the index, and find
-    # the repeats of the context's changes (their previous sign: 0/1, else -1).
+    return 0, bp, out_pos
+
+
+@njit(cache=True, nogil=True)
+def _merge_positions(in_slot, in_pos, out_pos):
+    """The flagged index entries (slots, positions) and the outside changes
+    merged ascending: (status, positions, index slot of each or -1); status
+    -2: an outside change at an index entry."""
+    n_in = in_slot.shape[0]
+    n_out = out_pos.shape[0]
+    if n_out == 0:
+        return 0, in_pos, in_slot
     ne = n_in + n_out
     pos = np.empty(ne, dtype=np.int64)
-    pslot = np.empty(ne, dtype=np.int64)  # index slot, -1 outside
-    prev = np.empty(ne, dtype=np.int8)
-    m_ctx = ctx_pos.shape[0]
-    n_rep = 0
-    jj = 0
+    pslot = np.empty(ne, dtype=np.int64)
     a = 0
     b = 0
     for e in range(ne):
-        if b >= n_out or (a < n_in and ipos[in_slot[a]] < out_pos[b]):
-            p = ipos[in_slot[a]]
+        if b >= n_out or (a < n_in and in_pos[a] < out_pos[b]):
+            pos[e] = in_pos[a]
             pslot[e] = in_slot[a]
             a += 1
         else:
             p = out_pos[b]
-            if a < n_in and ipos[in_slot[a]] == p:
-                return -2, no_pos, no_bits, no_bits, no_pos  # an outside change at an index entry
+            if a < n_in and in_pos[a] == p:
+                return -2, pos, pslot
+            pos[e] = p
             pslot[e] = -1
             b += 1
-        pos[e] = p
-        while jj < m_ctx and ctx_pos[jj] < p:
-            jj += 1
-        if jj < m_ctx and ctx_pos[jj] == p:
-            prev[e] = 1 if ctx_neg[jj] else 0
-            n_rep += 1
-        else:
-            prev[e] = -1
-    # 4. Signs: flips of repeats (in the context list), signs of new changes.
-    flips = np.zeros(n_rep, dtype=np.int64)
-    nsign = np.zeros(ne - n_rep, dtype=np.int64)
-    for g in range(_G_FLIP, _NGROUPS):
-        if code[g] >= 0:
-            dst = flips if g == _G_FLIP else nsign
-            bp = _read_group(words, bp, nbits, dst, dst.shape[0], code[g], rmin[g])
-            if bp < 0:
-                return -1, no_pos, no_bits, no_bits, no_pos
-    neg = np.empty(ne, dtype=np.int8)
-    a = 0
-    b = 0
-    for e in range(ne):
-        if prev[e] >= 0:
-            neg[e] = prev[e] ^ (1 if flips[a] != 0 else 0)
-            a += 1
-        else:
-            neg[e] = 1 if nsign[b] != 0 else 0
-            b += 1
-    # 5. The old values (a loop of its own: independent loads, so the cache
-    # misses overlap), checked against the index: an index change must have
-    # the entry's class, an outside one a class at or above the threshold.
-    olds = np.empty(ne, dtype=old.dtype)
-    for e in range(ne):
+    return 0, pos, pslot
+
+
+@njit(cache=True, nogil=True)
+def _old_values(old, pos):
+    """The old bits at the changed positions: a loop of its own, independent
+    loads, so that the cache misses (the tensor is cold) overlap. (Loading
+    them in the walk instead stalls the walk behind the misses.)"""
+    olds = np.empty(pos.shape[0], dtype=old.dtype)
+    for e in range(pos.shape[0]):
         olds[e] = old[pos[e]]
-    if flags & _FLAG_INDEX:
-        for e in range(ne):
-            c = (np.int64(olds[e]) >> shift) & emask
-            if (pslot[e] >= 0 and c != np.int64(icls[pslot[e]])) or (pslot[e] < 0 and c < t):
-                return -5, no_pos, no_bits, no_bits, no_pos
-    # 6. Magnitudes (change order), new values, writes; a bad value puts back
-    # what was written.
+    return olds
+
+
+@njit(cache=True, nogil=True)
+def _repeats(pos, ctx_pos, ctx_old, ctx_new, sign_bit, full):
+    """For each change (ascending positions) that repeats one of the context
+    (ascending positions ``ctx_pos``), the sign of that earlier step (0/1),
+    else -1; and the number of repeats."""
+    ne = pos.shape[0]
+    prev = np.full(ne, -1, dtype=np.int8)
+    m_ctx = ctx_pos.shape[0]
+    n_rep = 0
+    other = full ^ sign_bit
+    e = 0
+    j = 0
+    # A merge without branches on the data (which of the two lists moves
+    # is a coin toss): both move on a match.
+    while e < ne and j < m_ctx:
+        p = pos[e]
+        x = ctx_pos[j]
+        o = np.int64(ctx_old[j])
+        n = np.int64(ctx_new[j])
+        hit = np.int64(p == x)
+        down = np.int64((n ^ (sign_bit ^ (other * ((n & sign_bit) != 0)))) < (o ^ (sign_bit ^ (other * ((o & sign_bit) != 0)))))  # _ordered_key
+        prev[e] = np.int8(hit * (down + 1) - 1)  # a later pass at e rewrites it only when e did not move
+        n_rep += hit
+        e += np.int64(p <= x)
+        j += np.int64(x <= p)
+    return prev, n_rep
+
+
+@njit(cache=True, nogil=True)
+def _check_olds(olds, pslot, icls, t, shift, emask):
+    """Whether the old values agree with the index: an index change must have
+    the entry's class, an outside one a class at or above the threshold."""
+    for e in range(olds.shape[0]):
+        c = (np.int64(olds[e]) >> shift) & emask
+        s = pslot[e]
+        if (s >= 0 and c != np.int64(icls[s])) or (s < 0 and c < t):
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _apply_steps(out, pos, olds, prev, flips, nsign, mrows, words, bp, nbits, et, shift, emask, sign_bit, full):
+    """Magnitudes (in change order), new values, their writes to out, and the
+    changes that touch an index of threshold ``et`` (as _index_events lists
+    them). Returns (status, bit position, new bits, events, their count);
+    status -1/-3 (see _V3_ERRORS): out is as it was (what was written is put
+    back)."""
+    ne = pos.shape[0]
     mk = np.full(256, -1, dtype=np.int64)
     mc = np.full(256, -1, dtype=np.int64)
     for q in range(mrows.shape[0]):
         mk[mrows[q, 0]] = mrows[q, 1]
         mc[mrows[q, 0]] = mrows[q, 2]
-    news = np.empty(ne, dtype=old.dtype)
+    news = np.empty(ne, dtype=olds.dtype)
+    ev = np.empty(ne + 1, dtype=np.int64)
+    nev = 0
     other = full ^ sign_bit
     rc = 0
     done = ne
+    a = 0
+    b = 0
     for e in range(ne):
         o = np.int64(olds[e])
         c = (o >> shift) & emask
-        step = np.int64(1)
+        # Every change reads a code, kept only where its class has magnitude
+        # codes (no branch on the class: classes interleave at random; the
+        # stream's padding covers the read past the end).
         k = mk[c]
-        if k >= 0:
-            v, bp = _get_rice(words, bp, k)
-            center = mc[c]
-            if center >= 0:
-                v = center + ((v >> 1) if (v & 1) == 0 else -((v + 1) >> 1))
-            if bp > nbits or v < 0:
-                rc = -1 if bp > nbits else -3
-                done = e
-                break
-            step = v + 1
+        has = -np.int64(k >= 0)  # all ones or 0: masks, not products, on the bit position's chain
+        v, nbp = _rice(words, bp, k & 63)
+        center = mc[c]
+        # Median-centred classes code a zigzag offset from the centre.
+        v += (center + ((v >> 1) ^ -(v & 1)) - v) & -np.int64(center >= 0)
+        bp += (nbp - bp) & has
+        v &= has
+        step = 1 + v
+        if (bp > nbits) | (v < 0):
+            rc = -1 if bp > nbits else -3
+            done = e
+            break
+        pv = np.int64(prev[e])
+        rep = np.int64(pv >= 0)
+        neg = rep * (pv ^ np.int64(flips[a] != 0)) + (1 - rep) * np.int64(nsign[b] != 0)
+        a += rep
+        b += 1 - rep
         key = o ^ (sign_bit ^ (other * ((o & sign_bit) != 0)))
-        key += step - 2 * step * np.int64(neg[e])
+        key += step - 2 * step * neg
         if key < 0 or key > full:
             rc = -3
             done = e
@@ -696,13 +775,94 @@ def _decode_v3(old, out, count, flags, ctx_pos, ctx_neg, ipos, icls, icounts, t,
         nv = key ^ (sign_bit ^ (other * ((key & sign_bit) == 0)))
         news[e] = nv
         out[pos[e]] = nv
-    if rc == 0 and nbits - bp >= 8:
-        rc = -4
+        cn = (nv >> shift) & emask
+        ev[nev] = e
+        nev += (c != cn) & ((c < et) | (cn < et))
     if rc != 0:
         for e in range(done):
             out[pos[e]] = olds[e]
-        return rc, no_pos, no_bits, no_bits, no_pos
-    return 0, pos, olds, news, pslot
+    return rc, bp, news, ev, nev
+
+
+@njit(cache=True, nogil=True)
+def _decode_v3(
+    old, out, count, flags, ctx_pos, ctx_old, ctx_new, ipos, icls, icounts, t, et, rows, mrows, n_out, k_out, words, nbits, shift, emask, sign_bit, full
+):
+    """Decode a version-3 delta stream and apply it to out, which holds old.
+    Reads the index, and old/out only at changed positions; ``ctx_pos`` are
+    the context's chunk-relative positions (checked), ``et`` the threshold
+    of the index the caller keeps (for the index events). Each step is a
+    function of its own: numba compiles a loop in a long function with many
+    live arrays several times slower.
+
+    Returns (status, chunk-relative positions, old bits, new bits, each
+    change's index slot or -1, the index events as _index_events lists them
+    for ``et``, their count); status < 0: see _V3_ERRORS, and out is as it
+    was (what was written is put back)."""
+    no_pos = np.empty(0, dtype=np.int64)
+    no_bits = np.empty(0, dtype=old.dtype)
+    code = np.full(_NGROUPS, -1, dtype=np.int64)  # -1: no row (default symbol)
+    rmin = np.zeros(_NGROUPS, dtype=np.int64)
+    for q in range(rows.shape[0]):
+        code[rows[q, 0]] = rows[q, 1]
+        rmin[rows[q, 0]] = rows[q, 2]
+    # 1. The flagged index entries, ascending; 2. the changes outside the
+    # index; 3. both merged.
+    st, bp, n_in, in_slot, in_pos = _walk_index(ipos, icls, icounts, t, code, rmin, words, nbits)
+    if st != 0:
+        return st, no_pos, no_bits, no_bits, no_pos, no_pos, 0
+    st, bp, out_pos = _out_positions(words, bp, nbits, n_out, k_out, count)
+    if st != 0:
+        return st, no_pos, no_bits, no_bits, no_pos, no_pos, 0
+    st, pos, pslot = _merge_positions(in_slot, in_pos, out_pos)
+    if st != 0:
+        return st, no_pos, no_bits, no_bits, no_pos, no_pos, 0
+    # 4. Signs: flips of repeats (in the context list), signs of new changes
+    # (one slack element each: _apply_steps reads one past the end).
+    ne = pos.shape[0]
+    prev, n_rep = _repeats(pos, ctx_pos, ctx_old, ctx_new, sign_bit, full)
+    flips = np.zeros(n_rep + 1, dtype=np.int8)
+    nsign = np.zeros(ne - n_rep + 1, dtype=np.int8)
+    bp = _read_signs(words, bp, nbits, flips, n_rep, code[_G_FLIP], rmin[_G_FLIP])
+    if bp < 0:
+        return -1, no_pos, no_bits, no_bits, no_pos, no_pos, 0
+    bp = _read_signs(words, bp, nbits, nsign, ne - n_rep, code[_G_NEWSIGN], rmin[_G_NEWSIGN])
+    if bp < 0:
+        return -1, no_pos, no_bits, no_bits, no_pos, no_pos, 0
+    # 5. The old values, checked against the index; 6. the new ones, written.
+    olds = _old_values(old, pos)
+    if flags & _FLAG_INDEX and not _check_olds(olds, pslot, icls, t, shift, emask):
+        return -5, no_pos, no_bits, no_bits, no_pos, no_pos, 0
+    rc, bp, news, ev, nev = _apply_steps(out, pos, olds, prev, flips, nsign, mrows, words, bp, nbits, et, shift, emask, sign_bit, full)
+    if rc == 0 and nbits - bp >= 8:
+        rc = -4
+        for e in range(ne):
+            out[pos[e]] = olds[e]
+    if rc != 0:
+        return rc, no_pos, no_bits, no_bits, no_pos, no_pos, 0
+    return 0, pos, olds, news, pslot, ev, nev
+
+
+@njit(cache=True, nogil=True)
+def _context3_rel(pos, old, new, start, count):
+    """_context3's status, chunk-relative positions and fingerprint (not the
+    signs: the decoder reads those at the repeats only), in loops without a
+    branch or a dependency from one change to the next, which the compiler
+    vectorises."""
+    m = pos.shape[0]
+    rel = np.empty(m, dtype=np.int64)
+    for j in range(m):
+        rel[j] = pos[j] - start
+    bad = m > 0 and (rel[0] < 0 or rel[m - 1] >= count)
+    for j in range(1, m):
+        bad |= rel[j] <= rel[j - 1]
+    if bad:
+        return -1, rel, np.int64(0)
+    h = np.uint64(0)
+    for j in range(m):
+        h += _mix(_mix(np.uint64(rel[j])) ^ ((np.uint64(old[j]) << np.uint64(32)) | np.uint64(new[j])))
+    x = _mix(h + _mix(np.uint64(m)))
+    return 0, rel, np.int64((x ^ (x >> np.uint64(32))) & np.uint64(0xFFFFFFFF))
 
 
 @njit(cache=True, nogil=True)
@@ -721,11 +881,10 @@ def _decode_chunk3(body, src, dst, start, count, has_ctx, ctx_pos, ctx_old, ctx_
     if st != 0:
         return st, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
     rel = np.empty(0, dtype=np.int64)
-    neg = np.empty(0, dtype=np.bool_)
     if flags & _FLAG_CONTEXT:
         if not has_ctx:
             return -20, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
-        st, rel, neg, got = _context3(ctx_pos, ctx_old, ctx_new, start, count, sign_bit, full)
+        st, rel, got = _context3_rel(ctx_pos, ctx_old, ctx_new, start, count)
         if st != 0:
             return -21, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
         if rel.shape[0] != ctx_count or got != cfp:
@@ -737,9 +896,14 @@ def _decode_chunk3(body, src, dst, start, count, has_ctx, ctx_pos, ctx_old, ctx_
             return -24, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
     nb = body.shape[0] - off
     words = np.zeros((nb + _PAD + 7) // 8, dtype=np.uint64)
-    for i in range(nb):  # little-endian words, whatever the host
-        words[i >> 3] |= np.uint64(body[off + i]) << np.uint64(8 * (i & 7))
-    rc, pos, olds, news, slot = _decode_v3(src, dst, count, flags, rel, neg, ipos, icls, icounts, t, rows, mrows, n_out, k_out, words, 8 * nb, shift, emask, sign_bit, full)
+    if _LITTLE:  # the stream is little-endian words: a copy
+        words.view(np.uint8)[:nb] = body[off:]
+    else:
+        for i in range(nb):
+            words[i >> 3] |= np.uint64(body[off + i]) << np.uint64(8 * (i & 7))
+    rc, pos, olds, news, slot, ev, nev = _decode_v3(
+        src, dst, count, flags, rel, ctx_old, ctx_new, ipos, icls, icounts, t, it, rows, mrows, n_out, k_out, words, 8 * nb, shift, emask, sign_bit, full
+    )
     if rc != 0:
         return rc, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
     npos, ncls, ncounts, nh, nfp = ipos, icls, icounts, ih, ifp
@@ -750,7 +914,7 @@ def _decode_chunk3(body, src, dst, start, count, has_ctx, ctx_pos, ctx_old, ctx_
                 for e in range(pos.shape[0]):
                     dst[pos[e]] = olds[e]
                 return -5, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
-        npos, ncls, ncounts, nh = _apply_slots(ipos, icls, icounts, ih, it, pos, olds, news, slot, shift, emask)
+        npos, ncls, ncounts, nh = _apply_events(ipos, icls, icounts, ih, it, pos, olds, news, slot, ev, nev, shift, emask)
         if nh != ih or npos.shape[0] != ipos.shape[0]:
             nfp = _index_fingerprint(nh, npos.shape[0], it)
     for e in range(pos.shape[0]):
