@@ -710,6 +710,35 @@ def _repeats(pos, ctx_pos, ctx_old, ctx_new, sign_bit, full):
 
 
 @njit(cache=True, nogil=True)
+def _signs(prev, flips, nsign):
+    """Each change's sign (1: a step down): a repeat's is its previous sign
+    (``prev``, from _repeats) flipped by the next flip bit, a new change's
+    the next new-sign bit. The repeats and the new changes are listed first
+    and the bits scattered to them: picking the bit per change from two
+    counters compiles to a branch on "repeat?", a coin toss that
+    mispredicts (it cost more than all the rest of a change's work).
+    """
+    ne = prev.shape[0]
+    negs = np.empty(ne, dtype=np.int8)
+    reps = np.empty(ne + 1, dtype=np.int64)
+    news = np.empty(ne + 1, dtype=np.int64)
+    nr = 0
+    nn = 0
+    for e in range(ne):
+        r = np.int64(prev[e] >= 0)
+        reps[nr] = e
+        news[nn] = e
+        nr += r
+        nn += 1 - r
+    for i in range(nr):
+        e = reps[i]
+        negs[e] = prev[e] ^ np.int8(flips[i] != 0)
+    for i in range(nn):
+        negs[news[i]] = np.int8(nsign[i] != 0)
+    return negs
+
+
+@njit(cache=True, nogil=True)
 def _check_olds(olds, pslot, icls, t, shift, emask):
     """Whether the old values agree with the index: an index change must have
     the entry's class, an outside one a class at or above the threshold."""
@@ -722,7 +751,7 @@ def _check_olds(olds, pslot, icls, t, shift, emask):
 
 
 @njit(cache=True, nogil=True)
-def _apply_steps(out, pos, olds, prev, flips, nsign, mrows, words, bp, nbits, et, shift, emask, sign_bit, full):
+def _apply_steps(out, pos, olds, negs, mrows, words, bp, nbits, et, shift, emask, sign_bit, full):
     """Magnitudes (in change order), new values, their writes to out, and the
     changes that touch an index of threshold ``et`` (as _index_events lists
     them). Returns (status, bit position, new bits, events, their count);
@@ -740,8 +769,6 @@ def _apply_steps(out, pos, olds, prev, flips, nsign, mrows, words, bp, nbits, et
     other = full ^ sign_bit
     rc = 0
     done = ne
-    a = 0
-    b = 0
     for e in range(ne):
         o = np.int64(olds[e])
         c = (o >> shift) & emask
@@ -761,11 +788,7 @@ def _apply_steps(out, pos, olds, prev, flips, nsign, mrows, words, bp, nbits, et
             rc = -1 if bp > nbits else -3
             done = e
             break
-        pv = np.int64(prev[e])
-        rep = np.int64(pv >= 0)
-        neg = rep * (pv ^ np.int64(flips[a] != 0)) + (1 - rep) * np.int64(nsign[b] != 0)
-        a += rep
-        b += 1 - rep
+        neg = np.int64(negs[e])
         key = o ^ (sign_bit ^ (other * ((o & sign_bit) != 0)))
         key += step - 2 * step * neg
         if key < 0 or key > full:
@@ -817,12 +840,11 @@ def _decode_v3(
     st, pos, pslot = _merge_positions(in_slot, in_pos, out_pos)
     if st != 0:
         return st, no_pos, no_bits, no_bits, no_pos, no_pos, 0
-    # 4. Signs: flips of repeats (in the context list), signs of new changes
-    # (one slack element each: _apply_steps reads one past the end).
+    # 4. Signs: flips of repeats (in the context list), signs of new changes.
     ne = pos.shape[0]
     prev, n_rep = _repeats(pos, ctx_pos, ctx_old, ctx_new, sign_bit, full)
-    flips = np.zeros(n_rep + 1, dtype=np.int8)
-    nsign = np.zeros(ne - n_rep + 1, dtype=np.int8)
+    flips = np.empty(n_rep, dtype=np.int8)
+    nsign = np.empty(ne - n_rep, dtype=np.int8)
     bp = _read_signs(words, bp, nbits, flips, n_rep, code[_G_FLIP], rmin[_G_FLIP])
     if bp < 0:
         return -1, no_pos, no_bits, no_bits, no_pos, no_pos, 0
@@ -833,7 +855,7 @@ def _decode_v3(
     olds = _old_values(old, pos)
     if flags & _FLAG_INDEX and not _check_olds(olds, pslot, icls, t, shift, emask):
         return -5, no_pos, no_bits, no_bits, no_pos, no_pos, 0
-    rc, bp, news, ev, nev = _apply_steps(out, pos, olds, prev, flips, nsign, mrows, words, bp, nbits, et, shift, emask, sign_bit, full)
+    rc, bp, news, ev, nev = _apply_steps(out, pos, olds, _signs(prev, flips, nsign), mrows, words, bp, nbits, et, shift, emask, sign_bit, full)
     if rc == 0 and nbits - bp >= 8:
         rc = -4
         for e in range(ne):
