@@ -195,10 +195,12 @@ class Decoder:
                     self._undo.ranges.append((ref.tensor, lo, base.bits[lo:hi].copy()))
             key = (ref.tensor, lo)
             held = self._indexes.get(key) if base is not None else None
-            chunk_index = codec.ensure_index(payload, base.bits, held) if base is not None and not rewrite else None
-            if chunk_index is not None and chunk_index is not held:
-                self._indexes[key] = chunk_index  # built from the held weights: kept even if this version aborts
-            changes = codec.decode_chunk_into(payload, out.bits, base.bits if base is not None else None, index=chunk_index)
+            chunk_index = held
+            if base is not None and not rewrite:
+                chunk_index = codec.ensure_index(payload, base.bits, held, header=hdr)
+                if chunk_index is not None and chunk_index is not held:
+                    self._indexes[key] = chunk_index  # built from the held weights: kept even if this version aborts
+            changes = codec.decode_chunk_into(payload, out.bits, base.bits if base is not None else None, index=chunk_index, header=hdr)
             if changes is not None:
                 after = changes.index if changes.index is not None or chunk_index is None else codec.update_index(chunk_index, changes)
                 if after is not None:

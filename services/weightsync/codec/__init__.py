@@ -287,13 +287,14 @@ def _payload_index(payload: bytes, hdr: ChunkHeader) -> tuple[int, int, int] | N
     return t, m, int.from_bytes(payload[pos : pos + 4], "little")
 
 
-def ensure_index(payload: bytes, values: np.ndarray, index: ChunkIndex | None) -> ChunkIndex | None:
+def ensure_index(payload: bytes, values: np.ndarray, index: ChunkIndex | None, *, header: ChunkHeader | None = None) -> ChunkIndex | None:
     """The index a payload needs for decoding against ``values`` (the
     receiver's current full tensor): ``index`` itself when it is the one the
     payload names (or the payload needs none), else one built from ``values``
     with the payload's threshold (one pass: first use, after a keyframe or a
-    mismatch). A receiver calls this before ``decode_chunk_into``."""
-    hdr = parse_header(payload)
+    mismatch). A receiver calls this before ``decode_chunk_into``.
+    ``header``: ``parse_header(payload)`` when the caller has it already."""
+    hdr = header if header is not None else parse_header(payload)
     want = _payload_index(payload, hdr)
     if want is None:
         return index
@@ -540,7 +541,13 @@ def _stream_words(stream: memoryview) -> np.ndarray:
 
 
 def decode_chunk_into(
-    payload: bytes, out: np.ndarray, old: np.ndarray | None, *, context: ChunkChanges | None = None, index: ChunkIndex | None = None
+    payload: bytes,
+    out: np.ndarray,
+    old: np.ndarray | None,
+    *,
+    context: ChunkChanges | None = None,
+    index: ChunkIndex | None = None,
+    header: ChunkHeader | None = None,
 ) -> ChunkChanges | None:
     """Decode one chunk payload into ``out[start:start+count]``.
 
@@ -563,8 +570,11 @@ def decode_chunk_into(
     missing or different one with CodecError before writing anything. When
     given, the returned changes carry the updated index (``.index``) for
     the next version.
+
+    ``header``: ``parse_header(payload)`` when the caller has it already (a
+    receiver decoding many small chunks pays for each parse).
     """
-    hdr = parse_header(payload)
+    hdr = header if header is not None else parse_header(payload)
     _check_array(out, hdr.dtype, "out")
     if out.shape[0] != hdr.total:
         raise CodecError(f"payload is for a tensor of {hdr.total} elements, out has {out.shape[0]}")
