@@ -250,13 +250,15 @@ What is coded, per chunk:
   bits), mixed with the count and folded to 32 bits -- no dependency from
   one change to the next, so checking a context costs less.
 
-The decoder reads the index arrays, not the tensor, to find positions: one
-walk of the index with a countdown per class (runs codes) or a bit pointer
-(raw groups), O(index) with a few operations per entry, plus O(changes) for
-the rest; it reads and writes ``old``/``out`` only at the changed positions
-(tests/unit/test_weightsync_codec_v3.py plants garbage in every other
-element, index entries included). A chunk whose changes all fall outside
-the index is coded without it (the receiver then needs none).
+The decoder reads the index arrays, not the tensor, to find positions: it
+expands each class group into one flag byte per index entry of that class
+(O(runs) work), then walks the index once taking each entry's flag at its
+class's next place (a counter and a load per entry, no branch), O(index)
+plus O(changes) for the rest; it reads and writes ``old``/``out`` only at
+the changed positions (tests/unit/test_weightsync_codec_v3.py plants
+garbage in every other element, index entries included). A chunk whose
+changes all fall outside the index is coded without it (the receiver then
+needs none).
 
 Measured (``meridian bench codec``, the recorded steps above, chunks of 2 Mi
 elements, first step without context; apply = model bytes / time to apply a
@@ -267,14 +269,30 @@ delta in place, one thread, on a shared 2-core machine at load 2-7):
   fall outside the index, except at step 5 (17 %): a wave of synchronised
   crossings reaches the class just above ``T``. A 4 % index takes that step
   to 0.187 (median 0.110 either way) and doubles the walk, hence 2 %.
-* apply 5.9 GB/s (version 2: 8.1, version 1: 1.5), far from the 20 GB/s
-  aim. CPU per step (step 2: 636 k changes, 2.09 M index entries, 285
-  chunks): ~50 ms, of which the index walk ~12 ms, the context check
-  ~7 ms, and ~30 ms work per change (gather, codes, writes, index update;
-  version 2 pays about the same per change); the Python side of 285
-  ``decode_chunk_into`` calls is small next to it. The walk was ~20 ms with
-  a branch per entry on its class's code (classes interleave at random:
-  mispredictions), hence the branch-free countdown.
+* apply 6.6 GB/s (5.9 before the decoder's rework below; version 2: 8.2,
+  version 1: 1.4), still far from the 20 GB/s aim. A step (step 3: 636 k
+  changes, 2.09 M index entries, 285 chunks) costs ~36 ms of CPU, of which
+  ~5 ms is the Python side of 285 ``decode_chunk_into`` calls and ~31 ms
+  the kernels: per call ~3 us of numba dispatch (20 arguments) and boxing,
+  then, summed over a step with the tensor cold (each measured alone, on a
+  busy 2-core machine: +-30 %): the walk 6-7 ms (~3 ns per entry), the
+  gather of the old values 5-6 ms (one cache miss per change: memory-bound,
+  ~9 ns each; a software prefetch or loading them inside the walk or the
+  magnitude loop was slower, since those loops then stall on the misses),
+  the magnitude codes and writes ~7 ms (a serial chain through the bit
+  position), the context repeats ~4 ms (a merge with the previous change
+  list), the index update ~4 ms, signs ~1.5 ms, the context check ~1.4 ms.
+  What the rework did, all bit-exact: the decode is a chain of small
+  kernels (numba compiled the loops of the one long function 3-5x slower:
+  the position merge alone took 20 ns per change there); no branch per
+  change on a coin toss (a class with or without magnitude codes, repeat
+  or new change: picking a change's sign bit from two counters compiled to
+  a branch and cost more than the rest of a change's work); Rice codes read
+  with one count-trailing-zeros instruction; the index update touches only
+  the changes that change a class (listed during the decode) and copies
+  the entries between threshold crossings as blocks. 20 GB/s (13 ms) needs
+  the per-call overhead gone (a batched entry point) and the gather
+  overlapped with other work, e.g. threads over chunks.
 * encode 1.35 GB/s (version 1: 1.2; no pass to learn exponents: a compare
   pass and the index); ``build_index`` once: 0.16 s for the whole model.
 
