@@ -298,7 +298,7 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
 
     from meridian.tensors import weights_hash
     from services.weightsync import codec
-    from services.weightsync.versions import assemble_version, encode_tensors
+    from services.weightsync.versions import Carried, assemble_version, encode_tensors
 
     cctx = zstandard.ZstdCompressor(level=3)
     steps, exact = [], True
@@ -312,11 +312,11 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
         raw = sum(new[k].nbytes for k in names)
         version = len(steps) + 1
         t0 = time.perf_counter()
-        tensors = encode_tensors(new, old, CHUNK_ELEMS * 2, indexes)
+        tensors = encode_tensors(new, old, CHUNK_ELEMS * 2, Carried(indexes))
         t_enc = time.perf_counter() - t0
         enc = assemble_version(version, new, tensors.payloads, version - 1, weights_hash(new))
         jobs = _chunk_jobs(enc, old, indexes)
-        indexes = tensors.indexes
+        indexes = tensors.carried.indexes
         outs, t_dec = _decode_all(jobs, old, 1)
         outs_mt, t_dec_mt = _decode_all(jobs, old, threads)
         exact = exact and all(np.array_equal(outs[k], new[k].bits) and np.array_equal(outs_mt[k], new[k].bits) for k in names)

@@ -27,7 +27,7 @@ from services.weightsync.ratelimit import TokenBucket
 from services.weightsync.signing import SignatureRefused, Verifier, load_verifier
 from services.weightsync.store import VersionStore
 from services.weightsync import parts
-from services.weightsync.versions import Encoded, EncodedTensors, Indexes, check_tensor_set, encode_tensors
+from services.weightsync.versions import Carried, Encoded, EncodedTensors, check_tensor_set, encode_tensors
 from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count, hash_of_sums
 
 log = logging.getLogger(__name__)
@@ -132,14 +132,14 @@ class _PendingVersion:
     header: pb.PublishHeader
     base_version: int
     base: dict[str, RawTensor] | None
-    base_indexes: Indexes  # the store's position indexes of ``base``, coded over by every part
+    base_carried: Carried  # what the store's encoding left for ``base``, coded over by every part
     encode: bool  # False: a republish of a held version, checked, not encoded
     names: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # registered parts
     part_hashes: dict[int, str] = dataclasses.field(default_factory=dict)  # each registered part's part_hash
     done: set[int] = dataclasses.field(default_factory=set)  # parts received and encoded
     tensors: dict[str, RawTensor] = dataclasses.field(default_factory=dict)
     payloads: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
-    indexes: Indexes = dataclasses.field(default_factory=dict)  # of the parts' tensors, after this version
+    carried: Carried = dataclasses.field(default_factory=Carried)  # what the parts leave for the next version
     items: list[parts.HashItem] = dataclasses.field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     result: asyncio.Future[tuple[Encoded, bool]] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -152,7 +152,9 @@ class _PendingVersion:
         self.tensors.update(tensors)
         if encoded is not None:
             self.payloads.update(encoded.payloads)
-            self.indexes.update(encoded.indexes)
+            self.carried.indexes.update(encoded.carried.indexes)
+        # The parts' sums were computed in full to check their part hashes.
+        self.carried.sums.update((name, sums) for name, _, _, sums in items)
         self.items.extend(items)
         self.done.add(index)
 
@@ -386,7 +388,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                     with tracer.start_as_current_span("weightsync.encode_part", context=telemetry.extract(dict(header.trace_context))) as span:
                         span.set_attribute("meridian.version", header.version)
                         span.set_attribute("meridian.part", index)
-                        encoded = await asyncio.to_thread(encode_tensors, assembly.tensors, pending.base, self.store.chunk_bytes, pending.base_indexes)
+                        encoded = await asyncio.to_thread(encode_tensors, assembly.tensors, pending.base, self.store.chunk_bytes, pending.base_carried)
             except BaseException as exc:
                 # One bad or broken part spoils the version: the other parts learn why.
                 self._abort(pending, Aborted(f"version {header.version} aborted: part {index} of {pending.count} failed: {exc or type(exc).__name__}"))
@@ -410,7 +412,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             latest = self.store.latest
             pending = _PendingVersion(
                 version=v, count=n, fields=parts.version_fields(header), header=header, base_version=latest,
-                base=self.store.weights if latest >= 0 else None, base_indexes=self.store.indexes, encode=v > latest,
+                base=self.store.weights if latest >= 0 else None, base_carried=self.store.carried, encode=v > latest,
             )
             pending.timer = asyncio.get_running_loop().call_later(self.config.part_timeout_s, self._expire, pending)
             self._pending = pending
@@ -480,7 +482,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 enc: Encoded = await asyncio.to_thread(
                     self.store.publish_assembled, v, tensors, pending.payloads, pending.base_version, hash_of_sums(pending.items),
                     header.weights_hash, dict(header.trace_context), header.canary, header.signature if header.HasField("signature") else None,
-                    pending.indexes,
+                    pending.carried,
                 )
         except BaseException as exc:
             error = exc if isinstance(exc, MeridianError) else Aborted(f"version {v} aborted while storing: {exc}")

@@ -26,7 +26,7 @@ from meridian.errors import Aborted, AlreadyExists, DataLoss, FailedPrecondition
 from meridian.tensors import RawTensor, Weights, weights_hash
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync.receiver import decode_all
-from services.weightsync.versions import CODEC_NAME, READABLE_CODECS, Encoded, Indexes, assemble_version, check_tensor_set, encode_version
+from services.weightsync.versions import CODEC_NAME, READABLE_CODECS, Carried, Encoded, assemble_version, check_tensor_set, encode_version
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,10 @@ class VersionStore:
         self.keyframes: dict[int, Encoded] = {}
         self.latest = -1
         self.weights: dict[str, RawTensor] = {}
-        # The position indexes of ``weights`` the last encoding left behind (codec format
-        # 3): the next delta is coded over them without a pass over the model. Empty after
-        # a restart or a version received already encoded (a relay): built when needed.
-        self.indexes: Indexes = {}
+        # What the last encoding left for coding the next delta against ``weights``
+        # (position indexes, element-hash sums): no extra pass over the model per version.
+        # Empty after a restart or a version received already encoded (a relay).
+        self.carried = Carried()
         # (version, base) -> compacted delta for late joiners; memory only, a few at most.
         self.compacted: dict[tuple[int, int], Encoded] = {}
         self.compacted_built = 0
@@ -109,7 +109,7 @@ class VersionStore:
         if version <= self.latest:
             return self._republished(version, weights)
         base = self.weights if self.latest >= 0 else None
-        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary, signature, self.indexes)
+        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary, signature, self.carried)
         if expected_hash and expected_hash != enc.manifest.weights_hash:
             raise DataLoss(f"version {version}: received weights hash {enc.manifest.weights_hash[:12]} != publisher's {expected_hash[:12]}")
         return self.add_encoded(enc, weights)
@@ -125,13 +125,13 @@ class VersionStore:
         trace_context: Mapping[str, str] | None = None,
         canary: pb.Canary | None = None,
         signature: pb.VersionSignature | None = None,
-        next_indexes: Indexes | None = None,
+        carried: Carried | None = None,
     ) -> Encoded:
         """:meth:`publish` for a version whose tensors were encoded apart (a sharded
         publish's parts, each against the weights of ``base_version`` and over
-        :attr:`indexes`) and whose weights hash ``digest`` was combined from the parts: the
+        :attr:`carried`) and whose weights hash ``digest`` was combined from the parts: the
         same checks, the same manifest and chunks as :meth:`publish` of the whole
-        ``weights``; ``next_indexes`` are the parts' indexes after it. Refuses (ABORTED)
+        ``weights``; ``carried`` is what the parts left after it. Refuses (ABORTED)
         when the latest version moved past ``base_version`` while the parts were encoding."""
         if not weights:
             raise InvalidArgument(f"version {version} has no tensors")
@@ -143,7 +143,7 @@ class VersionStore:
         if expected_hash and expected_hash != digest:
             raise DataLoss(f"version {version}: received weights hash {digest[:12]} != publisher's {expected_hash[:12]}")
         enc = assemble_version(version, weights, payloads, base_version, digest, trace_context, canary, signature)
-        enc.next_indexes = dict(next_indexes or {})
+        enc.carried = carried or Carried()
         return self.add_encoded(enc, weights)
 
     def _republished(self, version: int, weights: Weights) -> Encoded:
@@ -171,8 +171,8 @@ class VersionStore:
         if version % self.keyframe_every == 0 and not enc.is_keyframe:
             self.keyframes[version] = self._persist(encode_version(version, weights, None, -1, self.chunk_bytes, *_version_meta(enc.manifest)))
         self.weights, self.latest = dict(weights), version
-        # Kept for the latest version only (they are ~10 % of the model's size).
-        self.indexes, enc.next_indexes = enc.next_indexes, {}
+        # Kept for the latest version only (the indexes are ~10 % of the model's size).
+        self.carried, enc.carried = enc.carried, Carried()
         self.compacted = {k: e for k, e in self.compacted.items() if k[0] == version}
         self._retain()
         return enc

@@ -9,8 +9,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from meridian import elementhash
 from meridian.errors import InvalidArgument
-from meridian.tensors import Weights, weights_hash
+from meridian.tensors import Weights, hash_of_sums
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import codec
 
@@ -33,14 +34,25 @@ Indexes = dict[str, list[codec.ChunkIndex | None]]
 
 
 @dataclasses.dataclass
+class Carried:
+    """What encoding a version leaves for encoding the next one against it, so that the
+    origin passes over the model once per version (the codec's diff) and not three times:
+    each chunk's position index, and each tensor's element-hash sums (the weights hash of
+    the next version is these sums moved by its changes). Missing entries are computed."""
+
+    indexes: Indexes = dataclasses.field(default_factory=dict)
+    sums: dict[str, elementhash.Sums] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
 class Encoded:
     """One version as sent: a manifest and its chunk payloads (index-aligned)."""
 
     manifest: pb.Manifest
     chunks: list[bytes]
-    #: The position indexes of this version's weights the encoding left behind: what the
-    #: next delta is coded over. Kept by the origin's store for its latest version only.
-    next_indexes: Indexes = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    #: What the encoding left for coding the next delta against this version's weights.
+    #: Kept by the origin's store for its latest version only.
+    carried: Carried = dataclasses.field(default_factory=Carried, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -60,18 +72,21 @@ def encode_version(
     trace_context: Mapping[str, str] | None = None,
     canary: pb.Canary | None = None,
     signature: pb.VersionSignature | None = None,
-    indexes: Indexes | None = None,
+    carried: Carried | None = None,
 ) -> Encoded:
     """Encodes ``weights`` as a delta against ``base`` (or a keyframe when base is None);
     ``trace_context``, ``canary`` and the publisher's ``signature`` describe the version
     and go into its manifest as given (the signature covers no part of the encoding).
-    ``indexes``: the position indexes of ``base`` kept from the encoding that produced it
-    (missing ones are built, a pass over their chunks); the result's ``next_indexes``
-    are those of ``weights``."""
+    ``carried``: what the encoding that produced ``base`` left (see :class:`Carried`);
+    the result's ``carried`` is the same for ``weights``."""
     check_tensor_set(version, weights, base)
-    tensors = encode_tensors(weights, base, chunk_bytes, indexes)
-    enc = assemble_version(version, weights, tensors.payloads, base_version if base is not None else -1, weights_hash(weights), trace_context, canary, signature)
-    enc.next_indexes = tensors.indexes
+    tensors = encode_tensors(weights, base, chunk_bytes, carried)
+    sums = tensors.carried.sums
+    missing = sorted(n for n in weights if n not in sums)
+    sums.update(zip(missing, elementhash.many_tensor_sums([np.ascontiguousarray(weights[n].bits) for n in missing])))
+    digest = hash_of_sums([(n, t.dtype, tuple(t.shape), sums[n]) for n, t in weights.items()])
+    enc = assemble_version(version, weights, tensors.payloads, base_version if base is not None else -1, digest, trace_context, canary, signature)
+    enc.carried = tensors.carried
     return enc
 
 
@@ -84,20 +99,23 @@ def check_tensor_set(version: int, weights: Weights, base: Weights | None) -> No
 
 @dataclasses.dataclass
 class EncodedTensors:
-    """The chunk payloads of some tensors of a version, and their position indexes after it."""
+    """The chunk payloads of some tensors of a version, and what they leave for the next
+    (indexes of every delta-coded tensor; sums of those whose base sums were carried and
+    whose chunks are all deltas: the others are left out, to be computed)."""
 
     payloads: dict[str, list[bytes]]
-    indexes: Indexes
+    carried: Carried
 
 
-def encode_tensors(weights: Weights, base: Weights | None, chunk_bytes: int, indexes: Indexes | None = None) -> EncodedTensors:
+def encode_tensors(weights: Weights, base: Weights | None, chunk_bytes: int, carried: Carried | None = None) -> EncodedTensors:
     """The chunk payloads of each tensor of ``weights`` (a delta against ``base``'s tensor
-    of the same name, or a keyframe when base is None), with ``indexes`` as in
+    of the same name, or a keyframe when base is None), with ``carried`` as in
     :func:`encode_version`. A tensor's payloads depend only on the tensor, its base (and
     its index, itself a function of the base and the threshold it was built with) and
     ``chunk_bytes``, so disjoint subsets of a version can be encoded apart (one worker per
     sharded-publish part) and assembled into the same version (:func:`assemble_version`)."""
-    out = EncodedTensors({}, {})
+    out = EncodedTensors({}, Carried())
+    held_sums = carried.sums if carried is not None else {}
     for name in sorted(weights):
         t = weights[name]
         old = base.get(name) if base is not None else None
@@ -111,10 +129,13 @@ def encode_tensors(weights: Weights, base: Weights | None, chunk_bytes: int, ind
             # (a pass) that only the next delta, if any, would need.
             pieces = codec.encode_tensor(name, t.bits, None, t.dtype, chunk_elems=per_chunk)
         else:
-            held = _chunk_indexes(indexes, name, t.bits.shape[0], per_chunk)
+            held = _chunk_indexes(carried.indexes if carried is not None else None, name, t.bits.shape[0], per_chunk)
             pieces = codec.encode_tensor(name, t.bits, old.bits, t.dtype, chunk_elems=per_chunk, index=held, format_version=CHUNK_FORMAT)
-            out.indexes[name] = [piece.index for piece in pieces]
+            out.carried.indexes[name] = [piece.index for piece in pieces]
             out.payloads[name] = [_smaller_payload(piece, t.bits, old.bits, t.dtype) for piece in pieces]
+            moved = _moved_sums(held_sums.get(name), pieces)
+            if moved is not None:
+                out.carried.sums[name] = moved
             continue
         out.payloads[name] = [piece.payload for piece in pieces]
     return out
@@ -135,6 +156,18 @@ def _smaller_payload(piece: codec.EncodedChunk, new: np.ndarray, old: np.ndarray
         return piece.payload
     plain = codec.encode_chunk(new, old, dtype, piece.start, piece.count).payload
     return plain if len(plain) < len(piece.payload) else piece.payload
+
+
+def _moved_sums(sums: elementhash.Sums | None, pieces: list[codec.EncodedChunk]) -> elementhash.Sums | None:
+    """A tensor's element-hash sums after its delta chunks' changes (None when its base's
+    sums are not known or a chunk went out as a keyframe, which lists no changes)."""
+    if sums is None or any(piece.changes is None for piece in pieces):
+        return None
+    for piece in pieces:
+        ch = piece.changes
+        assert ch is not None
+        sums = elementhash.add(sums, elementhash.change_sums(ch.positions, ch.old, ch.new))
+    return sums
 
 
 def _chunk_indexes(indexes: Indexes | None, name: str, numel: int, per_chunk: int) -> list[codec.ChunkIndex | None] | None:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from meridian.errors import DataLoss
-from meridian.tensors import RawTensor
+from meridian import elementhash
+from meridian.tensors import RawTensor, weights_hash
 from services.weightsync import codec
 from services.weightsync.receiver import Decoder
 from services.weightsync.store import VersionStore
@@ -91,25 +92,30 @@ def _delta_chunks(enc: Encoded) -> list[codec.ChunkHeader]:
     return [h for h in headers if h.mode == codec.MODE_DELTA]
 
 
-def test_the_origin_codes_each_delta_over_the_indexes_the_last_one_left(tmp_path: Path, builds: list[int]) -> None:
+def test_the_origin_codes_each_delta_over_the_indexes_the_last_one_left(tmp_path: Path, builds: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     versions = _versions(5)
     store = VersionStore(tmp_path, chunk_bytes=CHUNK_BYTES)
+    expected = [weights_hash(w) for w in versions]
+    hashed: list[int] = []  # tensors whose element-hash sums were computed in full
+    real_sums = elementhash.many_tensor_sums
+    monkeypatch.setattr(elementhash, "many_tensor_sums", lambda arrays: hashed.append(len(arrays)) or real_sums(arrays))
     store.publish(0, versions[0])
     assert builds[0] == 0  # a keyframe needs no index
     store.publish(1, versions[1])
+    assert hashed == [3, 0]  # the keyframe's sums in full; version 1's moved by its changes
     chunks = len(store.deltas[1].chunks)
     assert builds[0] == chunks  # the first delta builds each chunk's index once
     for v in range(2, 5):
-        enc = store.publish(v, versions[v])
-        assert builds[0] == chunks  # later deltas: no pass over the model
+        enc = store.publish(v, versions[v], expected_hash=expected[v])  # the moved sums are right
+        assert builds[0] == chunks and sum(hashed) == 3  # later deltas: no pass over the model
         formats = {h.version for h in _delta_chunks(enc)}
         assert formats == ({CHUNK_FORMAT, 1} if v % 2 == 0 else {CHUNK_FORMAT})
         # Coded over an index (the payload names one: a receiver without it builds it).
         assert any(codec.ensure_index(p, versions[v - 1][store.deltas[v].manifest.chunks[i].tensor].bits, None) is not None
                    for i, p in enumerate(enc.chunks))
         builds[0] = chunks
-    assert store.deltas[4].next_indexes == {}  # only the latest's indexes are kept, by the store
-    for name, held in store.indexes.items():
+    assert store.deltas[4].carried.indexes == {}  # only the latest's indexes are kept, by the store
+    for name, held in store.carried.indexes.items():
         for index in held:
             rebuilt = codec.build_index(versions[4][name].bits, "bf16", index.start, index.count, index.threshold)
             assert np.array_equal(rebuilt.positions, index.positions) and rebuilt.fingerprint == index.fingerprint
@@ -118,10 +124,10 @@ def test_the_origin_codes_each_delta_over_the_indexes_the_last_one_left(tmp_path
 def test_a_follower_builds_its_indexes_once_and_stays_exact(tmp_path: Path, builds: list[int]) -> None:
     versions = _versions(6, seed=1)
     encs = [encode_version(0, versions[0], None, -1, CHUNK_BYTES)]
-    indexes = None
+    carried = None
     for v in range(1, 6):
-        enc = encode_version(v, versions[v], versions[v - 1], v - 1, CHUNK_BYTES, indexes=indexes)
-        indexes = enc.next_indexes
+        enc = encode_version(v, versions[v], versions[v - 1], v - 1, CHUNK_BYTES, carried=carried)
+        carried = enc.carried
         encs.append(enc)
     decoder = Decoder(_copy(versions[1]), 1, in_place=True)
     BUILT.clear()
@@ -137,8 +143,8 @@ def test_a_follower_builds_its_indexes_once_and_stays_exact(tmp_path: Path, buil
 def test_revert_and_abort_give_back_the_indexes_of_the_held_version(builds: list[int]) -> None:
     versions = _versions(4, seed=2)
     e1 = encode_version(1, versions[1], versions[0], 0, CHUNK_BYTES)
-    e2 = encode_version(2, versions[2], versions[1], 1, CHUNK_BYTES, indexes=e1.next_indexes)
-    e3 = encode_version(3, versions[3], versions[2], 2, CHUNK_BYTES, indexes=e2.next_indexes)
+    e2 = encode_version(2, versions[2], versions[1], 1, CHUNK_BYTES, carried=e1.carried)
+    e3 = encode_version(3, versions[3], versions[2], 2, CHUNK_BYTES, carried=e2.carried)
     BUILT.clear()  # the encoder's own
     decoder = Decoder(_copy(versions[0]), 0, in_place=True)
     _apply(decoder, e1)
@@ -162,7 +168,7 @@ def test_a_restarted_origin_rebuilds_and_its_followers_still_decode(tmp_path: Pa
     for v in range(3):
         _apply(decoder, store.publish(v, versions[v]))
     restarted = VersionStore(tmp_path, chunk_bytes=CHUNK_BYTES, keyframe_every=2)
-    assert restarted.latest == 2 and restarted.indexes == {}
+    assert restarted.latest == 2 and restarted.carried.indexes == {}
     for v in (3, 4):
         _apply(decoder, restarted.publish(v, versions[v]))
         assert _same(decoder.weights, versions[v])
@@ -176,7 +182,7 @@ def test_a_stale_index_never_gives_wrong_weights(builds: list[int]) -> None:
     refused (the version reverted) rather than decoded over a stale one."""
     versions = _versions(3, seed=4)
     e1 = encode_version(1, versions[1], versions[0], 0, CHUNK_BYTES)
-    e2 = encode_version(2, versions[2], versions[1], 1, CHUNK_BYTES, indexes=e1.next_indexes)
+    e2 = encode_version(2, versions[2], versions[1], 1, CHUNK_BYTES, carried=e1.carried)
     decoder = Decoder(_copy(versions[0]), 0, in_place=True)
     _apply(decoder, e1)
     other = _versions(1, seed=99)[0]  # same shapes, other values: another index, same threshold
@@ -207,10 +213,10 @@ def test_an_index_follows_a_chunk_sent_in_format_1(builds: list[int]) -> None:
     b1 = moved(b0)
     b3 = moved(b1)
     versions = [{"norm": RawTensor("bf16", (4000,), b)} for b in (b0, b1, b1, b3)]
-    encs, indexes = [], None
+    encs, carried = [], None
     for v in range(1, 4):
-        encs.append(encode_version(v, versions[v], versions[v - 1], v - 1, CHUNK_BYTES, indexes=indexes))
-        indexes = encs[-1].next_indexes
+        encs.append(encode_version(v, versions[v], versions[v - 1], v - 1, CHUNK_BYTES, carried=carried))
+        carried = encs[-1].carried
     assert [codec.parse_header(e.chunks[0]).version for e in encs] == [CHUNK_FORMAT, 1, CHUNK_FORMAT]
     decoder = Decoder(_copy(versions[0]), 0, in_place=True)
     BUILT.clear()
