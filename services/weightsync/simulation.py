@@ -17,8 +17,8 @@ big models is coarsened (one segment is <= 1/max_segments of the version).
 Two modes:
 
 ``current`` -- the code as it is. The origin encodes the whole version on one thread
-(``store.publish``: element hash of the full weights, codec, sha256 per chunk, persist
-with fsync) before announcing it; every peer then streams it chunk by chunk, one gRPC
+(``store.publish``: codec, the weights hash moved by its changes, sha256 per chunk,
+persist with fsync) before announcing it; every peer then streams it chunk by chunk, one gRPC
 message per chunk, through one asyncio event loop per process (each message costs
 ``message_overhead_s`` of that loop on the sending and on the receiving side, and the
 receiver's sha256 of each chunk is awaited on that loop). Relays are cut-through: a chunk
@@ -157,8 +157,8 @@ class CodecRates:
     """Per-core speeds (bytes per second) and sizes the model runs on.
 
     ``encode``, ``decode`` (in place, as a subscriber applies a delta: decode + undo log +
-    incremental weights-hash check), ``decode_copy`` (into fresh buffers, as a relay does)
-    and ``weights_hash`` (the element hash of full weights the origin computes) are per raw
+    incremental weights-hash check; relays too), ``decode_copy`` (into fresh buffers; no longer charged)
+    and ``weights_hash`` (the element hash of full weights; no longer charged: the origin moves it by the changes) are per raw
     bf16 byte; ``sha256`` and ``persist`` (write + fsync) per encoded byte.
     ``delta_fraction``: encoded bytes of a delta over raw bf16 bytes.
     ``message_overhead_s``: what one gRPC message costs the event loop of the sender and,
@@ -671,8 +671,9 @@ def simulate(config: SimConfig) -> dict[str, Any]:
             encode_cpu,
             0.0,
             {
+                # The weights hash moves by the encoder's changes (versions.Carried): no
+                # pass of its own since the store carries the element-hash sums.
                 "encode": raw_total / rates.encode_bytes_s,
-                "weights hash": raw_total / rates.weights_hash_bytes_s,
                 "sha256": enc_total / rates.sha256_bytes_s,
                 "persist": enc_total / rates.persist_bytes_s,
             },
@@ -721,8 +722,8 @@ def simulate(config: SimConfig) -> dict[str, Any]:
                 width=msgs,
             )
             g.edge(out, recv, link.latency_s, "WAN latency" if n.wan else "LAN latency")
-            rate_decode = rates.decode_bytes_s if n.kind == "subscriber" else rates.decode_copy_bytes_s
-            dec = g.job("decode", n.name, cpu[n.name], raw / rate_decode, after=(recv,), width=n_chunks)
+            # Relays apply in place too (server._mirror_upstream), like subscribers.
+            dec = g.job("decode", n.name, cpu[n.name], raw / rates.decode_bytes_s, after=(recv,), width=n_chunks)
             recvs.append(recv)
             decodes.append(dec)
             if pipelined and n.kind == "subscriber" and rates.engine_apply_bytes_s:
