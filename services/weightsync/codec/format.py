@@ -285,10 +285,10 @@ delta in place, one thread, on a shared 2-core machine at load 2-7):
   What the rework did, all bit-exact: the decode is a chain of small
   kernels (numba compiled the loops of the one long function 3-5x slower:
   the position merge alone took 20 ns per change there); no branch per
-  change on a coin toss (a class with or without magnitude codes, repeat
-  or new change: picking a change's sign bit from two counters compiled to
-  a branch and cost more than the rest of a change's work); Rice codes read
-  with one count-trailing-zeros instruction; the index update touches only
+  change on a coin toss (a class with or without magnitude codes, a repeat
+  or a new change; the gain of each is within the noise of this machine);
+  Rice codes read with one count-trailing-zeros instruction; the index
+  update touches only
   the changes that change a class (listed during the decode) and copies
   the entries between threshold crossings as blocks. 20 GB/s (13 ms) needs
   the per-call overhead gone (a batched entry point) and the gather

@@ -714,9 +714,9 @@ def _signs(prev, flips, nsign):
     """Each change's sign (1: a step down): a repeat's is its previous sign
     (``prev``, from _repeats) flipped by the next flip bit, a new change's
     the next new-sign bit. The repeats and the new changes are listed first
-    and the bits scattered to them: picking the bit per change from two
-    counters compiles to a branch on "repeat?", a coin toss that
-    mispredicts (it cost more than all the rest of a change's work).
+    and the bits scattered to them, so no loop picks per change between two
+    counters (a select the compiler may turn into a branch on "repeat?", a
+    coin toss).
     """
     ne = prev.shape[0]
     negs = np.empty(ne, dtype=np.int8)
