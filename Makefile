@@ -7,8 +7,10 @@ SMOKE_ARGS ?=
 
 .PHONY: install demo test protos clean compose-smoke
 
+# Then numba's cache of the weightsync kernels (a minute from nothing, a second after).
 install:
 	bash deploy/install.sh
+	$(PY) -m services.weightsync.precompile
 
 demo: install
 	$(VENV)/bin/meridian demo $(DEMO_ARGS)

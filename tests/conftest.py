@@ -25,6 +25,15 @@ from meridian.grpc_runtime import Service, ServerConfig, bind, create_server
 REDIS_SERVER = "/usr/bin/redis-server"
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compiles weightsync's numba kernels before any test runs (see
+    services/weightsync/precompile.py): from an empty cache that takes a minute or two,
+    which would otherwise fall inside the first weightsync test's timeout."""
+    from services.weightsync.precompile import precompile
+
+    precompile()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
