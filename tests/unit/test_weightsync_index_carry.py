@@ -18,6 +18,7 @@ from services.weightsync import codec
 from services.weightsync.receiver import Decoder
 from services.weightsync.store import VersionStore
 from services.weightsync.versions import CHUNK_FORMAT, Encoded, encode_version
+from tests.unit.test_weightsync_inplace import _apply, _copy, _same
 
 Weights = dict[str, RawTensor]
 CHUNK_BYTES = 8 << 10  # 4096 bf16 elements per chunk: several chunks per tensor
@@ -50,21 +51,6 @@ def _versions(count: int, seed: int = 0) -> list[Weights]:
             nxt[name] = bits
         out.append(nxt)
     return [{n: RawTensor("bf16", (b.size,), b) for n, b in v.items()} for v in out]
-
-
-def _copy(weights: Weights) -> Weights:
-    return {n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in weights.items()}
-
-
-def _apply(decoder: Decoder, enc: Encoded) -> int:
-    decoder.begin(enc.manifest)
-    for i, payload in enumerate(enc.chunks):
-        decoder.add_chunk(i, payload)
-    return decoder.finish()
-
-
-def _same(a: Weights, b: Weights) -> bool:
-    return set(a) == set(b) and all(np.array_equal(a[n].bits, b[n].bits) for n in a)
 
 
 @pytest.fixture
