@@ -256,22 +256,32 @@ def _indexes_of(weights: dict[str, RawTensor]) -> dict[str, list[Any]]:
 
 
 def _apply_in_place(
-    enc: Any, held: dict[str, RawTensor], version: int, want: dict[str, RawTensor], repeats: int
+    enc: Any, held: dict[str, RawTensor], version: int, want: dict[str, RawTensor], repeats: int, threads: int = 1
 ) -> tuple[float, float, bool]:
-    """Median wall and thread-CPU seconds of applying ``enc`` in place on one thread, as an
-    in-place subscriber does (decode + undo log + incremental hash check + position index
-    upkeep); the undo log puts the base back between repeats. True when every apply gave
-    ``want`` bit for bit and every revert gave the base back."""
+    """Median wall and thread-CPU seconds of applying ``enc`` in place, as an in-place
+    subscriber does (decode + undo log + incremental hash check + position index upkeep):
+    on one thread, or with ``threads`` > 1 on that many, every ``threads``-th chunk to each
+    (the subscriber's pool decodes chunks concurrently in the same way; the CPU figure is
+    then the calling thread's only: meaningless). The undo log puts the base back between repeats. True
+    when every apply gave ``want`` bit for bit and every revert gave the base back."""
     from services.weightsync.receiver import Decoder
 
     base = {k: t.bits.copy() for k, t in held.items()}
     decoder = Decoder(held, version - 1, in_place=True)
     decoder.prepare()  # the one-time full hash of what a subscriber starts from
+    jobs = [list(range(len(enc.chunks)))[lo::threads] for lo in range(threads)] if threads > 1 else []
+    pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
+
+    def run(indices: list[int]) -> None:
+        for i in indices:
+            decoder.add_chunk(i, enc.chunks[i], verified=True)
 
     def apply() -> None:
         decoder.begin(enc.manifest)
-        for i, payload in enumerate(enc.chunks):
-            decoder.add_chunk(i, payload, verified=True)
+        if pool is None:
+            run(list(range(len(enc.chunks))))
+        else:
+            list(pool.map(run, jobs))
         decoder.finish()
 
     # Untimed: the one-time position-index build a subscriber pays at its first delta.
@@ -287,6 +297,8 @@ def _apply_in_place(
         exact = exact and _same_bits(decoder.weights, want)
         decoder.revert_last()
         exact = exact and all(np.array_equal(decoder.weights[k].bits, base[k]) for k in base)
+    if pool is not None:
+        pool.shutdown()
     return statistics.median(walls), statistics.median(cpus), exact
 
 
@@ -322,7 +334,8 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
         exact = exact and all(np.array_equal(outs[k], new[k].bits) and np.array_equal(outs_mt[k], new[k].bits) for k in names)
         held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in old.items()}
         t_apply, c_apply, applied = _apply_in_place(enc, held, version, new, APPLY_REPEATS)
-        exact = exact and applied
+        t_apply_mt, _, applied_mt = _apply_in_place(enc, held, version, new, APPLY_REPEATS, threads)
+        exact = exact and applied and applied_mt
         steps.append({
             "changed_fraction": sum(int(np.count_nonzero(new[k].bits != old[k].bits)) for k in names) / sum(new[k].bits.size for k in names),
             "ours_bytes": enc.size,
@@ -332,6 +345,7 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
             "encode_gbps": raw / t_enc / 1e9,
             "decode_gbps": raw / t_apply / 1e9,
             "decode_gbps_cpu": raw / c_apply / 1e9,
+            "apply_gbps_threads": raw / t_apply_mt / 1e9,
             "decode_copy_gbps": raw / t_dec / 1e9,
             "decode_copy_gbps_threads": raw / t_dec_mt / 1e9,
         })
@@ -473,6 +487,7 @@ def main(argv: list[str]) -> int:
             "decode_gbps_cpu": "the same, over the decoding thread's CPU seconds (robust to a shared machine)",
             "decode_copy_gbps": "raw bytes / wall seconds to decode one delta into fresh buffers on one thread (no hash)",
             "decode_copy_gbps_threads": "decode_copy_gbps on decode_threads threads",
+            "apply_gbps_threads": "apply_gbps (in place, as a subscriber) with the chunks on decode_threads threads, median",
             "propagation_vs_bound": "seconds from the origin holding a version to the subscriber holding it verified and applied, "
                                     "over encoded bytes / bandwidth + one-way latency; median over versions",
             "chunks_vs_bound": "the same up to the subscriber holding every chunk verified (transport, without the decode tail)",
@@ -498,6 +513,7 @@ def main(argv: list[str]) -> int:
             "decode_gbps_cpu": med(s["decode_gbps_cpu"] for s in steps),
             "decode_copy_gbps": med(s["decode_copy_gbps"] for s in steps),
             "decode_copy_gbps_threads": med(s["decode_copy_gbps_threads"] for s in steps),
+            "apply_gbps_threads": med(s["apply_gbps_threads"] for s in steps),
             "decode_threads": ns.threads,
         }
         # The issue's name for the in-place figure: what applying a version costs a subscriber.
