@@ -20,6 +20,7 @@ import numpy as np
 
 from meridian.tensors import RawTensor, weights_hash
 from services.weightsync import codec
+from services.weightsync.codec.format import _EXP_FIELD
 from services.weightsync.receiver import Decoder
 from services.weightsync.versions import Carried, encode_version
 
@@ -36,16 +37,12 @@ def _values(dtype: str, n: int, rng: np.random.Generator) -> np.ndarray:
     return (floats.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
-#: Where each dtype's exponent field starts: a step of 1 << it moves a value by a power of two.
-_EXPONENT_SHIFT = {"bf16": 7, "fp16": 10, "fp32": 23}
-
-
 def _stepped(bits: np.ndarray, dtype: str, rng: np.random.Generator, fraction: float) -> np.ndarray:
     """A few elements one unit in the last place away, a tenth of them by an exponent."""
     out = bits.copy()
     idx = rng.choice(bits.size, max(1, int(bits.size * fraction)), replace=False)
     step = rng.choice([-1, 1], idx.size).astype(np.int64)
-    step[: max(1, idx.size // 10)] <<= _EXPONENT_SHIFT[dtype]
+    step[: max(1, idx.size // 10)] <<= _EXP_FIELD[dtype][0]  # one exponent step: a power of two
     out[idx] = (out[idx].astype(np.int64) + step).astype(bits.dtype)
     return out
 

@@ -89,13 +89,14 @@ class Decoder:
         self.in_place = in_place
         self.verifier = verifier
         self.last_undo: UndoLog | None = None
-        self._base_state: tuple[int, dict[str, elementhash.Sums] | None] | None = None
+        # What revert_last restores: the version before the last in-place one, its sums
+        # and its position indexes.
+        self._base_state: tuple[int, dict[str, elementhash.Sums] | None, dict[tuple[str, int], codec.ChunkIndex]] | None = None
         self._sums: dict[str, elementhash.Sums] | None = None
         # (tensor, chunk start) -> position index of the held weights' chunk; the version
         # being received fills _next_indexes, which replace them when it finishes.
         self._indexes: dict[tuple[str, int], codec.ChunkIndex] = {}
         self._next_indexes: dict[tuple[str, int], codec.ChunkIndex] = {}
-        self._base_indexes: dict[tuple[str, int], codec.ChunkIndex] = {}
         self._pending: dict[str, RawTensor] = {}
         self._manifest: pb.Manifest | None = None
         self._seen: set[int] = set()
@@ -242,8 +243,7 @@ class Decoder:
             except BaseException:
                 self.abort()
                 raise
-        self._base_state = (self.version, self._sums) if self._undo is not None else None
-        self._base_indexes = self._indexes if self._undo is not None else {}
+        self._base_state = (self.version, self._sums, self._indexes) if self._undo is not None else None
         self.weights, self.version, self._sums = self._pending, manifest.version, sums
         self._indexes, self._next_indexes = self._next_indexes, {}
         self.last_undo = self._undo
@@ -255,10 +255,10 @@ class Decoder:
         (O(changed elements)), and so does the decoder. Returns that version."""
         if self.last_undo is None or self._base_state is None or self._manifest is not None:
             raise FailedPrecondition("no finished in-place version to revert")
-        version, sums = self._base_state
+        version, sums, indexes = self._base_state
         self.last_undo.revert(self.weights)
-        self.version, self._sums, self._indexes = version, sums, self._base_indexes
-        self.last_undo, self._base_state, self._base_indexes = None, None, {}
+        self.version, self._sums, self._indexes = version, sums, indexes
+        self.last_undo, self._base_state = None, None
         return version
 
     def abort(self) -> None:
