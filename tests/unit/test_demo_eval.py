@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from meridian.demo import DemoConfig, HeldOutCurve, paired_bootstrap, summarise_eval
-from meridian.train import TrainConfig
+from meridian.train import TrainConfig, task_ids
 from meridian.v1 import common_pb2
+from services.envsandbox.tasks import TaskSuite
 
 
 def _sample(reward: float, versions: list[int], mask: list[int]) -> common_pb2.Trajectory:
@@ -43,6 +44,17 @@ def test_job_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="eval_samples"):
         DemoConfig(eval_samples=1)
     assert DemoConfig().mode == "async" and DemoConfig().eval_samples * len(DemoConfig().eval_tasks.split(",")) >= 128
+
+
+def test_default_held_out_set_is_the_whole_python_eval_split() -> None:
+    # Held out means never trained on; the whole split, not the tasks the model happens to
+    # do well or badly on (that would pick the result).
+    suite = TaskSuite.builtin()
+    config = DemoConfig()
+    held_out = task_ids(config.eval_tasks)
+    assert len(held_out) == len(set(held_out))
+    assert set(held_out) == {t.id for t in suite.select(split="eval", kind="python_function")}
+    assert {suite.get(t).split for t in task_ids(config.train_tasks)} == {"train"}
 
 
 def test_held_out_curve_credits_the_oldest_generating_version() -> None:
