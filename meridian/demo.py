@@ -40,12 +40,13 @@ K = TypeVar("K")
 @dataclasses.dataclass
 class DemoConfig(TrainConfig):
     # About 14 minutes on a 2-core CPU machine with the built-in model (24 steps of 12
-    # samples, 176 held-out samples before and after, the curve's 12 per version). Measured here:
-    # with 64 new tokens, lr 2e-5 and 24 steps the held-out mean reward rose +0.14 (95 %
-    # CI +0.02 .. +0.26); with train's 128 tokens the same lr and steps moved held-out
-    # pass@1 by -0.01 .. +0.07 in three runs (intervals across 0), lr 1e-5 for 12 steps
-    # by nothing measurable, and lr 3e-5 made it worse. The staleness bound 4 keeps every
-    # async sample (bound 2 dropped half of each batch).
+    # samples, 176 held-out samples before and after, the curve's 12 per version). In three
+    # runs here the held-out mean reward rose +0.14 (95 % CI +0.02 .. +0.25), +0.11 (+0.01
+    # .. +0.20) and +0.04 (-0.08 .. +0.15), pass@1 +0.11, +0.05, +0.02 (intervals across 0):
+    # an effect of about 0.1, shown at 95 % in two of the three runs. With 128
+    # tokens the same lr and steps moved pass@1 by -0.01 .. +0.07 (three runs, intervals
+    # across 0), lr 1e-5 for 12 steps by nothing measurable, and lr 3e-5 made it worse.
+    # The staleness bound 4 keeps every async sample (bound 2 dropped half of each batch).
     steps: int = opt(24, "trainer steps (new policy versions) to run")
     max_tokens: int = opt(64, "generated tokens per model turn (training and evaluation)")
     lr: float = opt(2e-5, "trainer learning rate (when this command starts the stack)")
