@@ -109,13 +109,13 @@ class HeldOutCurve:
     """Held-out samples drawn while the job trains, by the policy version that generated them."""
 
     def __init__(self) -> None:
-        self.by_version: dict[int, list[float]] = {}
+        self.by_version: dict[int, list[tuple[str, float]]] = {}  # (task, reward) per sample
 
     def add(self, trajectories: list[Any]) -> None:
         for t in trajectories:
             version = generating_version(t)
             if version is not None:
-                self.by_version.setdefault(version, []).append(t.reward)
+                self.by_version.setdefault(version, []).append((t.task_id, t.reward))
 
     async def sample_until(self, rollout_address: str, config: DemoConfig, stop: asyncio.Event) -> None:
         """Requests ``curve_samples`` per held-out task of a quarter of the tasks (the
@@ -146,12 +146,24 @@ class HeldOutCurve:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=1.0)
 
-    def points(self) -> list[dict[str, Any]]:
-        """One point per version: its samples and their pass rate."""
-        return [
-            {"policy_version": v, "samples": len(p), "pass_rate": round(sum(p) / len(p), 4)}
-            for v, p in sorted(_passes(self.by_version).items())
-        ]
+    def points(self, before: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """One point per version: its samples and their pass rate; with the evaluation
+        ``before`` training also ``pass_at_1_adjusted``, that pass@1 plus the mean change of
+        the version's samples over their own task's pass rate before. Each version draws
+        a different slice of the tasks, and the slices differ more in difficulty than the
+        policy changes: the raw rate zigzags with the slice, the adjusted one follows the
+        policy (and is what the before / after pass@1 measure)."""
+        out = []
+        for version, drawn in sorted(self.by_version.items()):
+            passes = [(task, 1.0 if reward >= PASS_REWARD else 0.0) for task, reward in drawn]
+            point: dict[str, Any] = {"policy_version": version, "samples": len(passes), "pass_rate": round(sum(p for _, p in passes) / len(passes), 4)}
+            rates = before["per_task_pass_rate"] if before else {}
+            known = [(task, p) for task, p in passes if task in rates]
+            if before and known:
+                change = sum(p - rates[task] for task, p in known) / len(known)
+                point["pass_at_1_adjusted"] = round(before["pass_at_1"] + change, 4)
+            out.append(point)
+        return out
 
 
 def summarise_eval(per_task: dict[str, list[float]]) -> dict[str, Any]:
@@ -214,7 +226,7 @@ async def run_demo(addresses: dict[str, str], config: DemoConfig, progress: bool
         stop.set()
         if drawing is not None:
             await drawing  # the request in flight finishes: its samples count too
-    summary["eval_curve"] = curve.points()
+    summary["eval_curve"] = curve.points(before)
     after = await evaluate(addresses["rollout"], config) if config.eval_tasks else None
     summary["train_tasks"] = task_ids(config.train_tasks)
     summary["eval_tasks"] = task_ids(config.eval_tasks)
@@ -247,7 +259,11 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     summary, report_dir = run_job(config, lambda addresses: run_demo(addresses, config), "meridian-demo-")
     summary["report_dir"] = str(report_dir)
-    title = f"Meridian demo ({summary['model']}, {config.mode}): held-out pass@1 change {summary.get('eval_pass_at_1_change')}"
+    title = f"Meridian demo ({summary['model']}, {config.mode})" + "".join(
+        f"; held-out {name} {c['mean']:+.3f} (95 % CI {c['ci95'][0]:+.3f} .. {c['ci95'][1]:+.3f})"
+        for name, c in (("pass@1", summary.get("eval_pass_at_1_change")), ("mean reward", summary.get("eval_reward_change")))
+        if c
+    )
     plot = write_report(report_dir, summary, title)
     print(f"report: {plot} and {report_dir / 'summary.json'}", file=sys.stderr, flush=True)
     print_summary(summary, ns.json, "Meridian demo summary")

@@ -370,16 +370,19 @@ def write_report(report_dir: Path, summary: dict[str, Any], title: str) -> Path:
 
 
 def _held_out_panel(ax: Any, summary: dict[str, Any]) -> None:
-    """Held-out pass rate by the policy version that generated the samples (marker area:
-    samples), with the before and after evaluations as the endpoints."""
-    ax.set_title("held-out pass rate by policy version")
+    """Held-out pass@1 by the policy version that generated the samples (marker area:
+    samples; adjusted for which tasks each version drew when the curve has that, with a
+    running mean over 5 versions), with the before and after evaluations as the endpoints."""
+    ax.set_title("held-out pass@1 by policy version")
     ax.set_xlabel("policy version")
     ax.grid(alpha=0.3)
     curve = summary.get("eval_curve") or []
     if curve:
-        versions, rates = [p["policy_version"] for p in curve], [p["pass_rate"] for p in curve]
-        ax.plot(versions, rates, color="tab:blue", alpha=0.5)
-        ax.scatter(versions, rates, s=[4 * p["samples"] for p in curve], label="during training")
+        key = "pass_at_1_adjusted" if all("pass_at_1_adjusted" in p for p in curve) else "pass_rate"
+        versions, rates = [p["policy_version"] for p in curve], [p[key] for p in curve]
+        ax.scatter(versions, rates, s=[4 * p["samples"] for p in curve], alpha=0.5, label="during training" + (" (task-adjusted)" if key != "pass_rate" else ""))
+        mean = [sum(rates[max(0, i - 4) : i + 1]) / len(rates[max(0, i - 4) : i + 1]) for i in range(len(rates))]
+        ax.plot(versions, mean, color="tab:blue", label="running mean (5 versions)")
     ends = [(summary.get("policy_version_start"), summary.get("eval_before")), (summary.get("policy_version_end"), summary.get("eval_after"))]
     ends = [(v, e) for v, e in ends if v is not None and e]
     if ends:

@@ -13,6 +13,10 @@ def _sample(reward: float, versions: list[int], mask: list[int]) -> common_pb2.T
     return common_pb2.Trajectory(reward=reward, policy_versions=versions, loss_mask=mask)
 
 
+def _task_sample(task: str, reward: float, version: int) -> common_pb2.Trajectory:
+    return common_pb2.Trajectory(task_id=task, reward=reward, policy_versions=[version], loss_mask=[1])
+
+
 def test_pass_at_1_and_pass_at_k_per_task() -> None:
     per_task = {"a": [1.0, 0.0, 0.0, 0.0], "b": [0.0, 0.0, 0.5, 0.0], "c": [1.0, 1.0, 1.0, 1.0]}
     out = summarise_eval(per_task)
@@ -72,6 +76,20 @@ def test_held_out_curve_credits_the_oldest_generating_version() -> None:
     ]
 
 
+def test_held_out_curve_adjusts_for_the_tasks_each_version_drew() -> None:
+    # Version 1 drew only the easy task, version 2 only the hard one, and neither changed
+    # from before: the raw rates differ by the slice, the adjusted ones both equal pass@1.
+    before = summarise_eval({"easy": [1.0, 1.0, 1.0, 0.0], "hard": [0.0, 0.0, 0.0, 1.0]})
+    curve = HeldOutCurve()
+    curve.add([_task_sample("easy", r, 1) for r in (1.0, 1.0, 1.0, 0.0)] + [_task_sample("hard", r, 2) for r in (0.0, 1.0, 0.0, 0.0)])
+    # Version 3 improved the hard task by 0.5 on its samples: pass@1 0.5 + 0.5.
+    curve.add([_task_sample("hard", r, 3) for r in (1.0, 1.0, 0.0, 1.0)] + [_task_sample("unknown", 1.0, 3)])
+    points = curve.points(before)
+    assert [p["pass_rate"] for p in points] == [0.75, 0.25, 0.8]
+    assert [p["pass_at_1_adjusted"] for p in points] == [0.5, 0.5, 1.0]  # a task missing before is left out
+    assert "pass_at_1_adjusted" not in curve.points()[0]
+
+
 def test_report_plots_the_steps_and_the_held_out_curve(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 
@@ -80,7 +98,7 @@ def test_report_plots_the_steps_and_the_held_out_curve(tmp_path) -> None:  # typ
     step = {"reward_mean": 0.5, "pass_rate": 0.25, "policy_lag_mean": 0.5, "weightsync_encoded_bytes": 1000, "loss": 0.01}
     summary = {
         "trainer_steps": [{"step": 1, **step}, {"step": 2, **step}],
-        "eval_curve": [{"policy_version": 0, "samples": 16, "pass_rate": 0.25}, {"policy_version": 1, "samples": 8, "pass_rate": 0.5}],
+        "eval_curve": [{"policy_version": 0, "samples": 16, "pass_rate": 0.25, "pass_at_1_adjusted": 0.25}, {"policy_version": 1, "samples": 8, "pass_rate": 0.5, "pass_at_1_adjusted": 0.3}],
         "policy_version_start": 0, "policy_version_end": 2,
         "eval_before": {"pass_at_1": 0.25}, "eval_after": {"pass_at_1": 0.375},
     }
