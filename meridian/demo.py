@@ -153,11 +153,11 @@ class HeldOutCurve:
         a different slice of the tasks, and the slices differ more in difficulty than the
         policy changes: the raw rate zigzags with the slice, the adjusted one follows the
         policy (and is what the before / after pass@1 measure)."""
+        rates = before["per_task_pass_rate"] if before else {}
         out = []
         for version, drawn in sorted(self.by_version.items()):
             passes = [(task, 1.0 if reward >= PASS_REWARD else 0.0) for task, reward in drawn]
             point: dict[str, Any] = {"policy_version": version, "samples": len(passes), "pass_rate": round(sum(p for _, p in passes) / len(passes), 4)}
-            rates = before["per_task_pass_rate"] if before else {}
             known = [(task, p) for task, p in passes if task in rates]
             if before and known:
                 change = sum(p - rates[task] for task, p in known) / len(known)
