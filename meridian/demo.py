@@ -14,8 +14,7 @@ import contextlib
 import dataclasses
 import random
 import sys
-from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 from meridian.config import add_config_args, config_from_args, opt
 from meridian.train import Job, TrainConfig, print_summary, run_job, task_ids, write_report
@@ -34,7 +33,6 @@ BOOTSTRAP_RESAMPLES = 10_000
 EVAL_SANDBOXES_PER_REQUEST = 128
 CURVE_PARTS = 4  # the held-out curve draws from one of this many slices of the tasks per version
 CURVE_TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
-K = TypeVar("K")
 
 
 @dataclasses.dataclass
@@ -156,7 +154,7 @@ class HeldOutCurve:
         rates = before["per_task_pass_rate"] if before else {}
         out = []
         for version, drawn in sorted(self.by_version.items()):
-            passes = [(task, 1.0 if reward >= PASS_REWARD else 0.0) for task, reward in drawn]
+            passes = [(task, _passed(reward)) for task, reward in drawn]
             point: dict[str, Any] = {"policy_version": version, "samples": len(passes), "pass_rate": round(sum(p for _, p in passes) / len(passes), 4)}
             known = [(task, p) for task, p in passes if task in rates]
             if before and known:
@@ -184,9 +182,14 @@ def summarise_eval(per_task: dict[str, list[float]]) -> dict[str, Any]:
     }
 
 
-def _passes(rewards_by: Mapping[K, list[float]]) -> dict[K, list[float]]:
-    """Each sample as 1.0 when it passed (reward 1: every test passed), else 0.0."""
-    return {key: [1.0 if r >= PASS_REWARD else 0.0 for r in rewards] for key, rewards in rewards_by.items()}
+def _passed(reward: float) -> float:
+    """A sample as 1.0 when it passed (reward 1: every test passed), else 0.0."""
+    return 1.0 if reward >= PASS_REWARD else 0.0
+
+
+def _passes(rewards_by_task: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Every task's samples as passes (:func:`_passed`)."""
+    return {task: [_passed(r) for r in rewards] for task, rewards in rewards_by_task.items()}
 
 
 def paired_bootstrap(
