@@ -262,8 +262,9 @@ def _apply_in_place(
     subscriber does (decode + undo log + incremental hash check + position index upkeep):
     on one thread, or with ``threads`` > 1 on that many, every ``threads``-th chunk to each
     (the subscriber's pool decodes chunks concurrently in the same way; the CPU figure is
-    then the calling thread's only: meaningless). The undo log puts the base back between repeats. True
-    when every apply gave ``want`` bit for bit and every revert gave the base back."""
+    then the calling thread's only: meaningless). The undo log puts the base back between
+    repeats. True when every apply gave ``want`` bit for bit and every revert gave the
+    base back."""
     from services.weightsync.receiver import Decoder
 
     base = {k: t.bits.copy() for k, t in held.items()}
@@ -284,21 +285,23 @@ def _apply_in_place(
             list(pool.map(run, jobs))
         decoder.finish()
 
-    # Untimed: the one-time position-index build a subscriber pays at its first delta.
-    apply()
-    exact = _same_bits(decoder.weights, want)
-    decoder.revert_last()
-    walls, cpus = [], []
-    for _ in range(repeats):
-        w0, c0 = time.perf_counter(), time.thread_time()
+    try:
+        # Untimed: the one-time position-index build a subscriber pays at its first delta.
         apply()
-        walls.append(time.perf_counter() - w0)
-        cpus.append(time.thread_time() - c0)
-        exact = exact and _same_bits(decoder.weights, want)
+        exact = _same_bits(decoder.weights, want)
         decoder.revert_last()
-        exact = exact and all(np.array_equal(decoder.weights[k].bits, base[k]) for k in base)
-    if pool is not None:
-        pool.shutdown()
+        walls, cpus = [], []
+        for _ in range(repeats):
+            w0, c0 = time.perf_counter(), time.thread_time()
+            apply()
+            walls.append(time.perf_counter() - w0)
+            cpus.append(time.thread_time() - c0)
+            exact = exact and _same_bits(decoder.weights, want)
+            decoder.revert_last()
+            exact = exact and all(np.array_equal(decoder.weights[k].bits, base[k]) for k in base)
+    finally:
+        if pool is not None:
+            pool.shutdown()  # also when an apply raised: no decode threads left behind
     return statistics.median(walls), statistics.median(cpus), exact
 
 

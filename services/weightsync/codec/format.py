@@ -288,8 +288,8 @@ delta in place, one thread, on a shared 2-core machine at load 2-7):
   change on a coin toss (a class with or without magnitude codes, a repeat
   or a new change; the gain of each is within the noise of this machine);
   Rice codes read with one count-trailing-zeros instruction; the index
-  update touches only
-  the changes that change a class (listed during the decode) and copies
+  update touches only the changes that change a class (listed during the
+  decode) and copies
   the entries between threshold crossings as blocks. 20 GB/s (13 ms) needs
   the per-call overhead gone (a batched entry point) and the gather
   overlapped with other work, e.g. threads over chunks.
