@@ -329,6 +329,10 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
         t0 = time.perf_counter()
         tensors = encode_tensors(new, old, CHUNK_ELEMS * 2, Carried(indexes))
         t_enc = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        threaded = encode_tensors(new, old, CHUNK_ELEMS * 2, Carried(indexes), threads)
+        t_enc_mt = time.perf_counter() - t0
+        exact = exact and threaded.payloads == tensors.payloads
         enc = assemble_version(version, new, tensors.payloads, version - 1, weights_hash(new))
         jobs = _chunk_jobs(enc, old, indexes)
         indexes = tensors.carried.indexes
@@ -346,6 +350,7 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
             "zstd_full_bytes": sum(len(cctx.compress(new[k].bits.tobytes())) for k in names),
             "xor_zstd_bytes": sum(len(cctx.compress((new[k].bits ^ old[k].bits).tobytes())) for k in names),
             "encode_gbps": raw / t_enc / 1e9,
+            "encode_gbps_threads": raw / t_enc_mt / 1e9,
             "decode_gbps": raw / t_apply / 1e9,
             "decode_gbps_cpu": raw / c_apply / 1e9,
             "apply_gbps_threads": raw / t_apply_mt / 1e9,
@@ -461,7 +466,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=5, help="consecutive RL optimizer steps to record (>= 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-cache", action="store_true", help="record the versions again")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="decode threads for the multi-thread figure")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="encode and decode threads for the multi-thread figures")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)}")
     parser.add_argument("--compacted-steps", type=int, default=max(COMPACTED_KS),
                         help="steps of the second recording the compacted figures use (the latest is this many versions after the first)")
@@ -490,6 +495,7 @@ def main(argv: list[str]) -> int:
             "decode_gbps_cpu": "the same, over the decoding thread's CPU seconds (robust to a shared machine)",
             "decode_copy_gbps": "raw bytes / wall seconds to decode one delta into fresh buffers on one thread (no hash)",
             "decode_copy_gbps_threads": "decode_copy_gbps on decode_threads threads",
+            "encode_gbps_threads": "raw bytes / wall seconds to encode one delta with its tensors on decode_threads threads (the origin's --encode-threads)",
             "apply_gbps_threads": "apply_gbps (in place, as a subscriber) with the chunks on decode_threads threads, median",
             "propagation_vs_bound": "seconds from the origin holding a version to the subscriber holding it verified and applied, "
                                     "over encoded bytes / bandwidth + one-way latency; median over versions",
@@ -512,6 +518,7 @@ def main(argv: list[str]) -> int:
             "xor_zstd_pct_of_full": med(100 * s["xor_zstd_bytes"] / s["full_bf16_bytes"] for s in steps),
             "changed_fraction": med(s["changed_fraction"] for s in steps),
             "encode_gbps": med(s["encode_gbps"] for s in steps),
+            "encode_gbps_threads": med(s["encode_gbps_threads"] for s in steps),
             "decode_gbps": med(s["decode_gbps"] for s in steps),
             "decode_gbps_cpu": med(s["decode_gbps_cpu"] for s in steps),
             "decode_copy_gbps": med(s["decode_copy_gbps"] for s in steps),

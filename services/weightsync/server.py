@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -139,6 +140,7 @@ class _PendingVersion:
     done: set[int] = dataclasses.field(default_factory=set)  # parts received and encoded
     tensors: dict[str, RawTensor] = dataclasses.field(default_factory=dict)
     payloads: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
+    sha256: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # the payloads', from the encoders
     carried: Carried = dataclasses.field(default_factory=Carried)  # what the parts leave for the next version
     items: list[parts.HashItem] = dataclasses.field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
@@ -152,6 +154,7 @@ class _PendingVersion:
         self.tensors.update(tensors)
         if encoded is not None:
             self.payloads.update(encoded.payloads)
+            self.sha256.update(encoded.sha256)
             self.carried.indexes.update(encoded.carried.indexes)
         # The parts' sums were computed in full to check their part hashes.
         self.carried.sums.update((name, sums) for name, _, _, sums in items)
@@ -180,7 +183,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         data_dir = Path(config.data_dir or self._tmp.name)  # type: ignore[union-attr]
         self.store = VersionStore(
             data_dir, keep=config.keep_versions, chunk_bytes=int(config.chunk_mb * (1 << 20)), keyframe_every=config.keyframe_every,
-            live_weights=config.role == "relay",
+            live_weights=config.role == "relay", encode_threads=config.encode_threads or os.cpu_count() or 1,
         )
         self._changed = asyncio.Condition()
         # The store is mutated in worker threads (encoding is CPU-bound); every access
@@ -388,7 +391,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                     with tracer.start_as_current_span("weightsync.encode_part", context=telemetry.extract(dict(header.trace_context))) as span:
                         span.set_attribute("meridian.version", header.version)
                         span.set_attribute("meridian.part", index)
-                        encoded = await asyncio.to_thread(encode_tensors, assembly.tensors, pending.base, self.store.chunk_bytes, pending.base_carried)
+                        # Parts encode at once, so each takes its share of the threads.
+                        threads = max(1, self.store.encode_threads // pending.count)
+                        encoded = await asyncio.to_thread(encode_tensors, assembly.tensors, pending.base, self.store.chunk_bytes, pending.base_carried, threads)
             except BaseException as exc:
                 # One bad or broken part spoils the version: the other parts learn why.
                 self._abort(pending, Aborted(f"version {header.version} aborted: part {index} of {pending.count} failed: {exc or type(exc).__name__}"))
@@ -482,7 +487,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 enc: Encoded = await asyncio.to_thread(
                     self.store.publish_assembled, v, tensors, pending.payloads, pending.base_version, hash_of_sums(pending.items),
                     header.weights_hash, dict(header.trace_context), header.canary, header.signature if header.HasField("signature") else None,
-                    pending.carried,
+                    pending.carried, pending.sha256,
                 )
         except BaseException as exc:
             error = exc if isinstance(exc, MeridianError) else Aborted(f"version {v} aborted while storing: {exc}")

@@ -63,8 +63,12 @@ def _version_meta(manifest: pb.Manifest) -> tuple[dict[str, str], pb.Canary, pb.
 class VersionStore:
     """The versions an origin or relay holds, in memory and on disk."""
 
-    def __init__(self, data_dir: Path, keep: int = 16, chunk_bytes: int = 4 << 20, keyframe_every: int = 8, *, live_weights: bool = False) -> None:
-        """``live_weights``: the latest weights are buffers a decoder updates in place (a
+    def __init__(
+        self, data_dir: Path, keep: int = 16, chunk_bytes: int = 4 << 20, keyframe_every: int = 8, *, live_weights: bool = False, encode_threads: int = 1
+    ) -> None:
+        """``encode_threads``: tensors of a version encoded at once (the same bytes for any
+        count; a frontier model's version is terabytes, one thread would take an hour).
+        ``live_weights``: the latest weights are buffers a decoder updates in place (a
         relay), which may hold half of the next version while a late joiner's compacted
         delta or keyframe is encoded; the store then rebuilds the latest weights from its
         own keyframe and deltas for those instead of reading the buffers."""
@@ -74,6 +78,7 @@ class VersionStore:
         self.keep = keep
         self.chunk_bytes = chunk_bytes
         self.keyframe_every = keyframe_every
+        self.encode_threads = max(1, encode_threads)
         self.deltas: dict[int, Encoded] = {}
         self.keyframes: dict[int, Encoded] = {}
         self.latest = -1
@@ -109,7 +114,7 @@ class VersionStore:
         if version <= self.latest:
             return self._republished(version, weights)
         base = self.weights if self.latest >= 0 else None
-        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary, signature, self.carried)
+        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary, signature, self.carried, self.encode_threads)
         if expected_hash and expected_hash != enc.manifest.weights_hash:
             raise DataLoss(f"version {version}: received weights hash {enc.manifest.weights_hash[:12]} != publisher's {expected_hash[:12]}")
         return self.add_encoded(enc, weights)
@@ -126,12 +131,14 @@ class VersionStore:
         canary: pb.Canary | None = None,
         signature: pb.VersionSignature | None = None,
         carried: Carried | None = None,
+        sha256: Mapping[str, list[str]] | None = None,
     ) -> Encoded:
         """:meth:`publish` for a version whose tensors were encoded apart (a sharded
         publish's parts, each against the weights of ``base_version`` and over
         :attr:`carried`) and whose weights hash ``digest`` was combined from the parts: the
         same checks, the same manifest and chunks as :meth:`publish` of the whole
-        ``weights``; ``carried`` is what the parts left after it. Refuses (ABORTED)
+        ``weights``; ``carried`` is what the parts left after it, ``sha256`` the payloads'
+        digests the parts' encoders computed. Refuses (ABORTED)
         when the latest version moved past ``base_version`` while the parts were encoding."""
         if not weights:
             raise InvalidArgument(f"version {version} has no tensors")
@@ -142,7 +149,7 @@ class VersionStore:
         check_tensor_set(version, weights, self.weights if self.latest >= 0 else None)
         if expected_hash and expected_hash != digest:
             raise DataLoss(f"version {version}: received weights hash {digest[:12]} != publisher's {expected_hash[:12]}")
-        enc = assemble_version(version, weights, payloads, base_version, digest, trace_context, canary, signature)
+        enc = assemble_version(version, weights, payloads, base_version, digest, trace_context, canary, signature, sha256)
         enc.carried = carried or Carried()
         return self.add_encoded(enc, weights)
 
@@ -169,7 +176,9 @@ class VersionStore:
         else:
             self.deltas[version] = enc
         if version % self.keyframe_every == 0 and not enc.is_keyframe:
-            self.keyframes[version] = self._persist(encode_version(version, weights, None, -1, self.chunk_bytes, *_version_meta(enc.manifest)))
+            self.keyframes[version] = self._persist(
+                encode_version(version, weights, None, -1, self.chunk_bytes, *_version_meta(enc.manifest), threads=self.encode_threads)
+            )
         self.weights, self.latest = dict(weights), version
         # Kept for the latest version only (the indexes are ~10 % of the model's size).
         self.carried, enc.carried = enc.carried, Carried()
@@ -218,7 +227,9 @@ class VersionStore:
             base = self.weights_at(from_version)
             if base is None:
                 return plan
-            compacted = encode_version(self.latest, self._latest_weights(), base, from_version, self.chunk_bytes, *_version_meta(self.manifest(self.latest)))
+            compacted = encode_version(
+                self.latest, self._latest_weights(), base, from_version, self.chunk_bytes, *_version_meta(self.manifest(self.latest)), threads=self.encode_threads
+            )
             self.compacted[key] = compacted
             self.compacted_built += 1
             while len(self.compacted) > MAX_COMPACTED:
@@ -252,7 +263,9 @@ class VersionStore:
     def keyframe_of_latest(self) -> Encoded:
         if self.latest not in self.keyframes:
             latest = self._latest_weights()
-            self.keyframes[self.latest] = encode_version(self.latest, latest, None, -1, self.chunk_bytes, *_version_meta(self.manifest(self.latest)))
+            self.keyframes[self.latest] = encode_version(
+                self.latest, latest, None, -1, self.chunk_bytes, *_version_meta(self.manifest(self.latest)), threads=self.encode_threads
+            )
         return self.keyframes[self.latest]
 
     def _latest_weights(self) -> Mapping[str, RawTensor]:

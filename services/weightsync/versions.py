@@ -3,6 +3,7 @@ payloads, the codec name manifests carry, and how a version is encoded against t
 before it. Shared by the origin's store and every receiver."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 from collections.abc import Mapping
@@ -11,7 +12,7 @@ import numpy as np
 
 from meridian import elementhash
 from meridian.errors import InvalidArgument
-from meridian.tensors import Weights, hash_of_sums
+from meridian.tensors import RawTensor, Weights, hash_of_sums
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import codec
 
@@ -73,19 +74,23 @@ def encode_version(
     canary: pb.Canary | None = None,
     signature: pb.VersionSignature | None = None,
     carried: Carried | None = None,
+    threads: int = 1,
 ) -> Encoded:
     """Encodes ``weights`` as a delta against ``base`` (or a keyframe when base is None);
     ``trace_context``, ``canary`` and the publisher's ``signature`` describe the version
     and go into its manifest as given (the signature covers no part of the encoding).
     ``carried``: what the encoding that produced ``base`` left (see :class:`Carried`);
-    the result's ``carried`` is the same for ``weights``."""
+    the result's ``carried`` is the same for ``weights``. ``threads``: tensors encoded at
+    once (see :func:`encode_tensors`)."""
     check_tensor_set(version, weights, base)
-    tensors = encode_tensors(weights, base, chunk_bytes, carried)
+    tensors = encode_tensors(weights, base, chunk_bytes, carried, threads)
     sums = tensors.carried.sums
     missing = sorted(n for n in weights if n not in sums)
     sums.update(zip(missing, elementhash.many_tensor_sums([np.ascontiguousarray(weights[n].bits) for n in missing])))
     digest = hash_of_sums([(n, t.dtype, tuple(t.shape), sums[n]) for n, t in weights.items()])
-    enc = assemble_version(version, weights, tensors.payloads, base_version if base is not None else -1, digest, trace_context, canary, signature)
+    enc = assemble_version(
+        version, weights, tensors.payloads, base_version if base is not None else -1, digest, trace_context, canary, signature, tensors.sha256
+    )
     enc.carried = tensors.carried
     return enc
 
@@ -105,40 +110,76 @@ class EncodedTensors:
 
     payloads: dict[str, list[bytes]]
     carried: Carried
+    #: Each payload's sha256 (hex), computed beside its encoding on the same thread.
+    sha256: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
-def encode_tensors(weights: Weights, base: Weights | None, chunk_bytes: int, carried: Carried | None = None) -> EncodedTensors:
+def encode_tensors(weights: Weights, base: Weights | None, chunk_bytes: int, carried: Carried | None = None, threads: int = 1) -> EncodedTensors:
     """The chunk payloads of each tensor of ``weights`` (a delta against ``base``'s tensor
     of the same name, or a keyframe when base is None), with ``carried`` as in
     :func:`encode_version`. A tensor's payloads depend only on the tensor, its base (and
     its index, itself a function of the base and the threshold it was built with) and
     ``chunk_bytes``, so disjoint subsets of a version can be encoded apart (one worker per
-    sharded-publish part) and assembled into the same version (:func:`assemble_version`)."""
-    out = EncodedTensors({}, Carried())
-    held_sums = carried.sums if carried is not None else {}
-    for name in sorted(weights):
-        t = weights[name]
+    sharded-publish part) and assembled into the same version (:func:`assemble_version`).
+    ``threads`` > 1 encodes tensors on that many threads at once (the kernels release the
+    GIL); the result is the same bytes in any case."""
+    for name, t in weights.items():
         old = base.get(name) if base is not None else None
         if base is not None and old is None:
             raise InvalidArgument(f"tensor {name!r} is not in the base version")
         if old is not None and (old.dtype, old.shape) != (t.dtype, t.shape):
             raise InvalidArgument(f"tensor {name}: {old.dtype}{list(old.shape)} became {t.dtype}{list(t.shape)}")
-        per_chunk = max(1, chunk_bytes // t.bits.itemsize)
-        if old is None:
-            # A keyframe's body is the same in every format; format 1 builds no index
-            # (a pass) that only the next delta, if any, would need.
-            pieces = codec.encode_tensor(name, t.bits, None, t.dtype, chunk_elems=per_chunk)
-        else:
-            held = _chunk_indexes(carried.indexes if carried is not None else None, name, t.bits.shape[0], per_chunk)
-            pieces = codec.encode_tensor(name, t.bits, old.bits, t.dtype, chunk_elems=per_chunk, index=held, format_version=CHUNK_FORMAT)
-            out.carried.indexes[name] = [piece.index for piece in pieces]
-            out.payloads[name] = [_smaller_payload(piece, t.bits, old.bits, t.dtype) for piece in pieces]
-            moved = _moved_sums(held_sums.get(name), pieces)
-            if moved is not None:
-                out.carried.sums[name] = moved
-            continue
-        out.payloads[name] = [piece.payload for piece in pieces]
+    held_indexes = carried.indexes if carried is not None else None
+    held_sums = carried.sums if carried is not None else {}
+
+    def one(name: str) -> _EncodedTensor:
+        return _encode_tensor(name, weights[name], base[name] if base is not None else None, chunk_bytes, held_indexes, held_sums)
+
+    # Largest first, so that no thread is left with a big tensor at the end.
+    names = sorted(weights, key=lambda n: -weights[n].nbytes)
+    if threads > 1 and len(names) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(threads, len(names)), thread_name_prefix="ws-encode") as pool:
+            done = list(pool.map(one, names))
+    else:
+        done = [one(n) for n in names]
+    out = EncodedTensors({}, Carried())
+    for name, result in sorted(zip(names, done)):
+        out.payloads[name] = result.payloads
+        out.sha256[name] = result.sha256
+        if result.index is not None:
+            out.carried.indexes[name] = result.index
+        if result.sums is not None:
+            out.carried.sums[name] = result.sums
     return out
+
+
+@dataclasses.dataclass
+class _EncodedTensor:
+    payloads: list[bytes]
+    index: list[codec.ChunkIndex | None] | None
+    sums: elementhash.Sums | None
+    sha256: list[str]
+
+
+def _encode_tensor(
+    name: str, t: RawTensor, old: RawTensor | None, chunk_bytes: int, held_indexes: Indexes | None, held_sums: Mapping[str, elementhash.Sums]
+) -> _EncodedTensor:
+    """One tensor's chunk payloads, its chunks' position indexes and its moved element-hash
+    sums (see :func:`encode_tensors`)."""
+    per_chunk = max(1, chunk_bytes // t.bits.itemsize)
+    if old is None:
+        # A keyframe's body is the same in every format; format 1 builds no index
+        # (a pass) that only the next delta, if any, would need.
+        payloads = [p.payload for p in codec.encode_tensor(name, t.bits, None, t.dtype, chunk_elems=per_chunk)]
+        return _EncodedTensor(payloads, None, None, _sha256s(payloads))
+    held = _chunk_indexes(held_indexes, name, t.bits.shape[0], per_chunk)
+    pieces = codec.encode_tensor(name, t.bits, old.bits, t.dtype, chunk_elems=per_chunk, index=held, format_version=CHUNK_FORMAT)
+    payloads = [_smaller_payload(piece, t.bits, old.bits, t.dtype) for piece in pieces]
+    return _EncodedTensor(payloads, [piece.index for piece in pieces], _moved_sums(held_sums.get(name), pieces), _sha256s(payloads))
+
+
+def _sha256s(payloads: list[bytes]) -> list[str]:
+    return [hashlib.sha256(p).hexdigest() for p in payloads]
 
 
 #: Above this many bits per changed element, a format-3 delta chunk is also coded in
@@ -188,10 +229,12 @@ def assemble_version(
     trace_context: Mapping[str, str] | None = None,
     canary: pb.Canary | None = None,
     signature: pb.VersionSignature | None = None,
+    sha256: Mapping[str, list[str]] | None = None,
 ) -> Encoded:
     """One version's manifest and chunks from each tensor's payloads: tensors in name
     order, chunks indexed in that order, ``digest`` as its weights hash (the caller's
-    :func:`weights_hash` of ``weights``, or the same hash combined from per-part sums)."""
+    :func:`weights_hash` of ``weights``, or the same hash combined from per-part sums).
+    ``sha256``: the payloads' digests where the encoder computed them already."""
     manifest = pb.Manifest(
         version=version,
         base_version=base_version,
@@ -206,8 +249,10 @@ def assemble_version(
         t = weights[name]
         manifest.tensors.append(t.meta(name))
         manifest.raw_bytes += t.nbytes
-        for payload in payloads[name]:
-            manifest.chunks.append(pb.ChunkRef(index=len(chunks), tensor=name, size=len(payload), sha256=hashlib.sha256(payload).hexdigest()))
+        known = (sha256 or {}).get(name)
+        for j, payload in enumerate(payloads[name]):
+            digest_j = known[j] if known is not None else hashlib.sha256(payload).hexdigest()
+            manifest.chunks.append(pb.ChunkRef(index=len(chunks), tensor=name, size=len(payload), sha256=digest_j))
             chunks.append(payload)
     manifest.encoded_bytes = sum(len(c) for c in chunks)
     return Encoded(manifest, chunks)

@@ -5,6 +5,7 @@ tests count them, which is what fails when an index is dropped, left stale or no
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,3 +211,30 @@ def test_an_index_follows_a_chunk_sent_in_format_1(builds: list[int]) -> None:
         _apply(decoder, enc)
         assert _same(decoder.weights, versions[v])
     assert BUILT == [(4000, 0)]  # built at version 1 only
+
+
+def test_encoding_on_several_threads_stores_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store encoding tensors on threads writes what one thread writes (deltas, keyframes,
+    the weights hash) and leaves the same indexes and sums for the next version; names
+    whose order differs from their sizes' catch results filed under the wrong tensor."""
+    renamed = {"emb": "z.emb", "layer.w": "a.w", "norm": "m.norm"}
+    versions = [{renamed[n]: t for n, t in v.items()} for v in _versions(6, seed=5)]
+    threads_seen: set[str] = set()
+    real = codec.encode_tensor
+
+    def recording(*args, **kwargs):
+        threads_seen.add(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(codec, "encode_tensor", recording)
+    one = VersionStore(tmp_path / "one", chunk_bytes=CHUNK_BYTES, keyframe_every=2)
+    many = VersionStore(tmp_path / "many", chunk_bytes=CHUNK_BYTES, keyframe_every=2, encode_threads=3)
+    for v, weights in enumerate(versions):
+        a, b = one.publish(v, weights), many.publish(v, weights)
+        assert a.manifest == b.manifest and a.chunks == b.chunks
+        assert one.carried.sums == many.carried.sums
+        assert {n: [i.positions.tobytes() for i in held] for n, held in one.carried.indexes.items()} == {
+            n: [i.positions.tobytes() for i in held] for n, held in many.carried.indexes.items()
+        }
+    assert one.keyframes.keys() == many.keyframes.keys() and all(one.keyframes[v].chunks == many.keyframes[v].chunks for v in one.keyframes)
+    assert sum(name.startswith("ws-encode") for name in threads_seen) >= 2
