@@ -313,7 +313,7 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
 
     from meridian.tensors import weights_hash
     from services.weightsync import codec
-    from services.weightsync.versions import Carried, assemble_version, encode_tensors
+    from services.weightsync.versions import Carried, assemble_version, encode_tensors, encode_version
 
     cctx = zstandard.ZstdCompressor(level=3)
     steps, exact = [], True
@@ -342,7 +342,11 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
         held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in old.items()}
         t_apply, c_apply, applied = _apply_in_place(enc, held, version, new, APPLY_REPEATS)
         t_apply_mt, _, applied_mt = _apply_in_place(enc, held, version, new, APPLY_REPEATS, threads)
-        exact = exact and applied and applied_mt
+        # The same delta in 64x smaller chunks: what an apply costs per chunk beyond its
+        # bytes (the Python part of decoding a chunk, which holds the GIL).
+        small = encode_version(version, new, old, version - 1, CHUNK_ELEMS * 2 // 64)
+        t_small, _, applied_small = _apply_in_place(small, held, version, new, APPLY_REPEATS)
+        exact = exact and applied and applied_mt and applied_small
         steps.append({
             "changed_fraction": sum(int(np.count_nonzero(new[k].bits != old[k].bits)) for k in names) / sum(new[k].bits.size for k in names),
             "ours_bytes": enc.size,
@@ -354,6 +358,7 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
             "decode_gbps": raw / t_apply / 1e9,
             "decode_gbps_cpu": raw / c_apply / 1e9,
             "apply_gbps_threads": raw / t_apply_mt / 1e9,
+            "decode_chunk_us": 1e6 * max(0.0, t_small - t_apply) / max(1, len(small.chunks) - len(enc.chunks)),
             "decode_copy_gbps": raw / t_dec / 1e9,
             "decode_copy_gbps_threads": raw / t_dec_mt / 1e9,
         })
@@ -495,6 +500,8 @@ def main(argv: list[str]) -> int:
             "decode_gbps_cpu": "the same, over the decoding thread's CPU seconds (robust to a shared machine)",
             "decode_copy_gbps": "raw bytes / wall seconds to decode one delta into fresh buffers on one thread (no hash)",
             "decode_copy_gbps_threads": "decode_copy_gbps on decode_threads threads",
+            "decode_chunk_us": "what an in-place apply costs per chunk beyond its bytes (the same delta in 64x smaller chunks, "
+                               "the difference over the extra chunks): the Python part of decoding a chunk, which holds the GIL",
             "encode_gbps_threads": "raw bytes / wall seconds to encode one delta with its tensors on decode_threads threads (the origin's --encode-threads)",
             "apply_gbps_threads": "apply_gbps (in place, as a subscriber) with the chunks on decode_threads threads, median",
             "propagation_vs_bound": "seconds from the origin holding a version to the subscriber holding it verified and applied, "
@@ -524,6 +531,7 @@ def main(argv: list[str]) -> int:
             "decode_copy_gbps": med(s["decode_copy_gbps"] for s in steps),
             "decode_copy_gbps_threads": med(s["decode_copy_gbps_threads"] for s in steps),
             "apply_gbps_threads": med(s["apply_gbps_threads"] for s in steps),
+            "decode_chunk_us": med(s["decode_chunk_us"] for s in steps),
             "decode_threads": ns.threads,
         }
         # The name for the in-place figure: what applying a version costs a subscriber.

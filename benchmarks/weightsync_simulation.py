@@ -5,12 +5,13 @@ real runs at small scale before it is trusted at large scale.
 The real runs: the services themselves (origin, relay, in-place subscribers) in this
 process, as ``meridian bench weightsync`` runs them, on the versions that bench records
 (real RL steps of the built-in model, taken from its cache or recorded once), with the
-inter-region hop through the WAN link emulator. One run calibrates the only figure the
-model cannot take from elsewhere, the event-loop cost of one gRPC message, on a loopback
-origin -> subscriber path with no emulated link; the others (relay, emulated links of
-several bandwidths and latencies, one or two subscribers) are predicted with no further
-fitting and compared. Codec rates and the delta size come from a ``meridian bench
-weightsync --json`` result (``--bench``), else from this run's versions.
+inter-region hop through the WAN link emulator. The event loops' own costs (per chunk,
+message and byte) come from ``benchmarks/weightsync_send_cost.py`` and the codec's from
+this run; one configuration calibrates the only figure the model cannot take from
+elsewhere, what the services lose to each other per chunk when they share one process and
+two cores (``message_overhead_s``, charged only in that setting); the others (relay,
+emulated links of several bandwidths and latencies, one or two subscribers) are predicted
+with no further fitting and compared.
 
 Prints one JSON object (``--json``) or a table: per configuration the measured median
 propagation (origin holds the version -> every subscriber holds it verified), the model's
@@ -133,7 +134,7 @@ def _config(layout: sim.ModelLayout, rates: sim.CodecRates, mbit: float | None, 
 
 
 def _fit_message_overhead(layout: sim.ModelLayout, rates: sim.CodecRates, measured_s: float, config: tuple[float | None, float, bool, int]) -> float:
-    """The per-message cost with which the model gives ``measured_s`` for ``config``
+    """The per-chunk contention cost with which the model gives ``measured_s`` for ``config``
     (bisection: the prediction grows with it)."""
     lo, hi = 0.0, 0.1
     for _ in range(30):  # 0.1 s / 2**30: far below the noise
@@ -147,13 +148,13 @@ def _codec_rates(versions: list[Any]) -> dict[str, float]:
     """Per-core codec speeds on these versions, measured now (the machine's load changes;
     rates measured at another time would not describe these runs): the origin's encode
     (``encode_version``: codec, sha256 per chunk; its full weights hash timed apart), a
-    subscriber's in-place apply and a relay's decode into fresh buffers (``Decoder``)."""
-    from meridian.tensors import RawTensor, weights_hash
-    from services.weightsync.receiver import Decoder
+    subscriber's in-place apply (per byte, and per chunk its Python part) and a relay's
+    decode into fresh buffers (``Decoder``)."""
+    from meridian.tensors import weights_hash
     from services.weightsync.versions import encode_version
 
     raw = sum(t.nbytes for t in versions[0].values())
-    t_enc, t_hash, t_apply, t_copy, sizes = [], [], [], [], []
+    t_enc, t_hash, t_apply, t_copy, sizes, per_chunk = [], [], [], [], [], []
     encode_version(1, versions[1], versions[0], 0, CHUNK_BYTES)  # compile the kernels outside the timing
     for v in range(1, len(versions)):
         old, new = versions[v - 1], versions[v]
@@ -166,28 +167,46 @@ def _codec_rates(versions: list[Any]) -> dict[str, float]:
         t_hash.append(t2 - t1)
         sizes.append(enc.size)
         for in_place, times in ((True, t_apply), (False, t_copy)):
-            held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in old.items()}
-            decoder = Decoder(held, v - 1, in_place=in_place)
-            decoder.prepare()  # once per subscriber, not per version
-            t0 = time.perf_counter()
-            decoder.begin(enc.manifest)
-            for i, payload in enumerate(enc.chunks):
-                decoder.add_chunk(i, payload, verified=True)
-            decoder.finish()
-            times.append(time.perf_counter() - t0)
+            times.append(_apply_s(enc, old, in_place))
+        # The same delta in 64x smaller chunks costs the same per byte and more per chunk:
+        # the difference is the Python (GIL-held) part of decoding one chunk.
+        small = encode_version(v, new, old, v - 1, CHUNK_BYTES // 64)
+        _apply_s(small, old, True)  # its indexes' first build, outside the timing
+        extra = len(small.chunks) - len(enc.chunks)
+        per_chunk.append(max(0.0, (_apply_s(small, old, True) - t_apply[-1]) / extra) if extra > 0 else 0.0)
     med = statistics.median
+    chunk_s = med(per_chunk)
+    chunks = len(enc.chunks)
     return {
         "encode_bytes_s": raw / med(t_enc),
         "weights_hash_bytes_s": raw / med(t_hash),
-        "decode_bytes_s": raw / med(t_apply),
+        # Per byte: what is left of an apply without its chunks' Python part.
+        "decode_bytes_s": raw / max(med(t_apply) - chunks * chunk_s, med(t_apply) / 10),
+        "decode_chunk_s": chunk_s,
         "decode_copy_bytes_s": raw / med(t_copy),
         "delta_fraction": med(sizes) / raw,
     }
 
 
+def _apply_s(enc: Any, old: dict[str, Any], in_place: bool) -> float:
+    """Seconds to apply ``enc`` to a copy of ``old`` (a warm decoder, as a follower's)."""
+    from meridian.tensors import RawTensor
+    from services.weightsync.receiver import Decoder
+
+    held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in old.items()}
+    decoder = Decoder(held, enc.manifest.base_version, in_place=in_place)
+    decoder.prepare()  # once per subscriber, not per version
+    t0 = time.perf_counter()
+    decoder.begin(enc.manifest)
+    for i, payload in enumerate(enc.chunks):
+        decoder.add_chunk(i, payload, verified=True)
+    decoder.finish()
+    return time.perf_counter() - t0
+
+
 def validate(versions: list[Any], rounds: int, log: Any) -> dict[str, Any]:
     """Runs every configuration ``rounds`` times, interleaved (the machine's load drifts),
-    fits the per-message cost on the calibration configuration and predicts the others."""
+    fits the per-chunk contention cost on the calibration configuration and predicts the others."""
     layout = _layout(versions[0])
     codec = _codec_rates(versions)
     log("codec rates now: " + ", ".join(f"{k} {v:.4g}" for k, v in codec.items()))
@@ -203,7 +222,7 @@ def validate(versions: list[Any], rounds: int, log: Any) -> dict[str, Any]:
     rates = sim.DEFAULT_RATES.replace(**codec)
     calibration = statistics.median(measured[CALIBRATION])
     overhead = _fit_message_overhead(layout, rates, calibration, CONFIGS[CALIBRATION])
-    rates = rates.replace(message_overhead_s=overhead, source="this run: codec rates measured now, per-message cost fitted on the calibration configuration")
+    rates = rates.replace(message_overhead_s=overhead, source="this run: codec rates measured now, per-chunk contention fitted on the calibration configuration")
     rows = []
     for name, config in CONFIGS.items():
         report = sim.simulate(_config(layout, rates, *config))

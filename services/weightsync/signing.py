@@ -42,7 +42,7 @@ from meridian.v1 import weightsync_pb2 as pb
 SIGNED_DOMAIN = b"meridian.weightsync.version.v1\0"
 CONTENT_DOMAIN = b"meridian.weightsync.content.v1\0"
 
-_HASH_THREADS = min(64, os.cpu_count() or 1)
+_HASH_THREADS = os.cpu_count() or 1
 
 
 class SignatureRefused(MeridianError):

@@ -16,15 +16,18 @@ big models is coarsened (one segment is <= 1/max_segments of the version).
 
 Two modes:
 
-``current`` -- the code as it is. The origin encodes the whole version on one thread
-(``store.publish``: codec, the weights hash moved by its changes, sha256 per chunk,
-persist with fsync) before announcing it; every peer then streams it chunk by chunk, one gRPC
-message per chunk, through one asyncio event loop per process (each message costs
-``message_overhead_s`` of that loop on the sending and on the receiving side, and the
-receiver's sha256 of each chunk is awaited on that loop). Relays are cut-through: a chunk
-is passed on once it arrived and passed its checksum. Receivers decode on a pool of
-``min(4, cores)`` threads while the next chunks arrive; a subscriber holds the version
-once every chunk is decoded and the full-weights hash checked.
+``current`` -- the code as it is. The origin encodes the whole version before announcing
+it, its tensors on one thread per core (``store.publish``: codec, the weights hash moved by
+its changes, each chunk's sha256 on the thread that encoded it), then writes it with fsync
+on one thread; every peer then streams it through one asyncio event loop per process:
+the sender pays per chunk, per message (consecutive chunks held are coalesced into
+``--message-kib`` messages) and per byte, the receiver per chunk (its checksum, the
+bookkeeping, and the GIL-held Python part of decoding it). Those costs were measured apart
+(``benchmarks/weightsync_send_cost.py``). Relays are cut-through: a chunk is passed on
+once it arrived and passed its checksum. Receivers decode on a pool of one thread per
+core while the next chunks arrive; a subscriber holds the version once every chunk is
+decoded and the full-weights hash checked (``signed``: and the weights hashed for the
+signature's content digest; a verifying relay holds the last chunk back until then).
 
 ``pipelined`` -- the design target, not the code: the origin encodes chunk by chunk on
 all its cores (the weights hash moved by the encoder's changes, no full pass) and sends
@@ -57,8 +60,8 @@ GBIT_S = 1e9 / 8  # bytes per second in one Gbit/s
 MIB = 1 << 20
 DAY_S = 86_400.0
 
-#: Threads the current subscriber decodes on (``WeightSubscriber``: ``min(4, cpu_count)``).
-CURRENT_DECODE_THREADS = 4
+#: What the service coalesces chunks into (``--message-kib``, 64 KiB).
+CURRENT_MESSAGE_BYTES = 64 << 10
 #: Steps of the critical path listed in a report (their seconds are all in the totals).
 MAX_PATH_STEPS = 40
 
@@ -161,8 +164,17 @@ class CodecRates:
     and ``weights_hash`` (the element hash of full weights; no longer charged: the origin moves it by the changes) are per raw
     bf16 byte; ``sha256`` and ``persist`` (write + fsync) per encoded byte.
     ``delta_fraction``: encoded bytes of a delta over raw bf16 bytes.
-    ``message_overhead_s``: what one gRPC message costs the event loop of the sender and,
-    again, of the receiver (Python, protobuf, HTTP/2 framing, task wake-ups).
+    ``send_chunk_s``, ``send_message_s``, ``send_byte_s``: what sending costs the sender's
+    process per chunk, per gRPC message and per encoded byte (protobuf, HTTP/2 framing,
+    copies), measured apart by ``benchmarks/weightsync_send_cost.py``.
+    ``receive_chunk_s``: what the receiver's event loop spends per chunk (verify,
+    bookkeeping, the hand-off to a decode thread), measured there too; ``decode_chunk_s``:
+    the Python part of decoding one chunk in place, which holds the GIL, so a process's
+    decode threads run it one at a time (measured by profiling ``Decoder.add_chunk``).
+    ``message_overhead_s``: per chunk and per side, what all services in one process on
+    the 2-core development machine lose to each other (GIL, cores, the link emulator) on
+    top of those; fitted on real runs (``benchmarks/weightsync_simulation.py``) and only
+    charged when ``single_process`` (one process per node at scale has its own cores).
     ``engine_apply``: raw-equivalent bytes/s a subscriber writes a decoded version into
     its inference engine (0: not modelled; served means held, verified, in memory).
     ``source`` says where the figures come from."""
@@ -175,6 +187,11 @@ class CodecRates:
     persist_bytes_s: float
     delta_fraction: float
     message_overhead_s: float
+    receive_chunk_s: float = 4e-6
+    decode_chunk_s: float = 31e-6
+    send_chunk_s: float = 2.45e-6
+    send_message_s: float = 38e-6
+    send_byte_s: float = 0.44e-9
     engine_apply_bytes_s: float = 0.0
     source: str = ""
 
@@ -184,31 +201,34 @@ class CodecRates:
         _positive("delta_fraction", self.delta_fraction)
         if self.delta_fraction > 1.5:
             raise SimulationError(f"delta_fraction is encoded/raw bytes; {self.delta_fraction} is more than a keyframe costs")
-        _non_negative("message_overhead_s", self.message_overhead_s)
+        for name in ("message_overhead_s", "receive_chunk_s", "decode_chunk_s", "send_chunk_s", "send_message_s", "send_byte_s"):
+            _non_negative(name, getattr(self, name))
         _non_negative("engine_apply_bytes_s", self.engine_apply_bytes_s)
 
     def replace(self, **changes: Any) -> CodecRates:
         return dataclasses.replace(self, **changes)
 
 
-#: Figures measured on the 2-core development machine (an Intel Xeon with AVX-512, shared with other work,
-#: load average ~5) with the built-in SmolLM2-135M and real RL steps at lr 1e-6. From
-#: ``meridian bench weightsync --json``: the delta size (median 0.181 % of full bf16), encode
-#: (0.89 GB/s, one core, wall clock), in-place decode per CPU second (1.03 GB/s; 0.85 by the
-#: wall clock), decode into fresh buffers (0.83 GB/s). sha256 with the stdlib on 8 MiB buffers
-#: (0.52 GB/s under that load); the full-weights element hash (``weights_hash``) 0.8 GB/s as
-#: ``benchmarks/weightsync_simulation.py`` timed it; the event-loop cost of one gRPC message
-#: per side (360-420 us in three runs) fitted there on real runs. Persist (write + fsync of the encoded
-#: bytes) is assumed, not measured: for a delta it is small either way.
+#: Figures measured on a 2-core development machine (an Intel Xeon, Sapphire Rapids, load
+#: average 1.2-1.9) with the built-in SmolLM2-135M and real RL steps at lr 1e-6. From
+#: ``meridian bench weightsync --json``: the delta size (codec format 3, median 0.127 % of
+#: full bf16), encode (1.6 GB/s, one core), in-place decode per CPU second (8.9 GB/s), decode
+#: into fresh buffers (6.2 GB/s), the Python part of decoding one chunk (31 us). sha256 with
+#: the stdlib on 5 KB and 8 MiB buffers (1.6-1.8 GB/s), write + fsync of 1 MiB files
+#: (1.3 GB/s); the full-weights element hash (``weights_hash``) 5.3 GB/s and the per-chunk
+#: contention of all services in one process (33 us, 17-53 us in four runs) from
+#: ``benchmarks/weightsync_simulation.py``; the event loops' send and receive costs from
+#: ``benchmarks/weightsync_send_cost.py`` (the field defaults of :class:`CodecRates`).
 DEFAULT_RATES = CodecRates(
-    encode_bytes_s=0.89e9,
-    decode_bytes_s=1.03e9,
-    decode_copy_bytes_s=0.83e9,
-    weights_hash_bytes_s=0.8e9,
-    sha256_bytes_s=0.5e9,
-    persist_bytes_s=0.5e9,
-    delta_fraction=0.00181,
-    message_overhead_s=390e-6,
+    encode_bytes_s=1.6e9,
+    decode_bytes_s=8.9e9,
+    decode_copy_bytes_s=6.2e9,
+    weights_hash_bytes_s=5.3e9,
+    sha256_bytes_s=1.6e9,
+    persist_bytes_s=1.3e9,
+    delta_fraction=0.00127,
+    message_overhead_s=33e-6,
+    decode_chunk_s=31e-6,
     engine_apply_bytes_s=0.0,
     source="defaults measured on the development machine (see DEFAULT_RATES)",
 )
@@ -225,6 +245,8 @@ def rates_from_bench(result: Mapping[str, Any], base: CodecRates = DEFAULT_RATES
             "decode_bytes_s": float(summary.get("decode_gbps_cpu") or summary["decode_gbps"]) * 1e9,
             "delta_fraction": float(summary["ours_pct_of_full"]) / 100,
         }
+        if "decode_chunk_us" in summary:
+            changes["decode_chunk_s"] = float(summary["decode_chunk_us"]) * 1e-6
         if "decode_copy_gbps" in summary:
             changes["decode_copy_bytes_s"] = float(summary["decode_copy_gbps"]) * 1e9
     except (KeyError, TypeError, ValueError) as exc:
@@ -345,11 +367,15 @@ class SimConfig:
     cores of all its hosts); ``origin_cores``: the origin's, where they differ (in the
     pipelined design the trainer's hosts encode their own shards; None: ``cores``).
     ``chunk_bytes``: the largest raw chunk (the service's
-    ``--chunk-mb``). ``message_bytes``: pipelined mode coalesces chunks into messages of
-    up to this many encoded bytes. ``version_interval_s``: one version per this many
+    ``--chunk-mb``). ``message_bytes``: chunks are coalesced into messages of up to this
+    many encoded bytes (None: the service's ``--message-kib``, 64 KiB, in current mode;
+    4 MiB in pipelined mode). ``version_interval_s``: one version per this many
     seconds, for the bytes per day. ``single_process``: every node runs in one process on
     ``cores`` cores, one event loop, and the inter-region links are the in-process link
-    emulator (how the benches run the real services; for validation only).
+    emulator (how the benches run the real services; for validation only). ``signed``:
+    every receiver verifies the trainer's signature, so each also checks the signed
+    content digest, a sha256 pass over the decoded weights, before it holds the version
+    (a verifying relay passes the version's last chunk on only after that).
     """
 
     model: ModelLayout
@@ -359,10 +385,11 @@ class SimConfig:
     cores: int = 64
     origin_cores: int | None = None
     chunk_bytes: int = 4 * MIB
-    message_bytes: int = 4 * MIB
+    message_bytes: int | None = None
     version_interval_s: float = 60.0
     max_segments: int = 256
     single_process: bool = False
+    signed: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -371,7 +398,8 @@ class SimConfig:
         if self.origin_cores is not None:
             _count("origin cores", self.origin_cores, 1)
         _count("chunk bytes", self.chunk_bytes, BF16_BYTES)
-        _count("message bytes", self.message_bytes, 1)
+        if self.message_bytes is not None:
+            _count("message bytes", self.message_bytes, 1)
         _count("max segments", self.max_segments, 1)
         _positive("version interval", self.version_interval_s)
 
@@ -619,14 +647,25 @@ def simulate(config: SimConfig) -> dict[str, Any]:
     chunks_total = sum(n for n, _ in segs)
     g = _Graph()
 
+    message_bytes = c.message_bytes or (4 * MIB if pipelined else CURRENT_MESSAGE_BYTES)
+
+    def receive_costs(n_chunks: int, msgs: int) -> dict[str, float]:
+        """A receiver's event-loop work for ``n_chunks`` chunks in ``msgs`` messages."""
+        if pipelined:
+            return {"receive (per message)": msgs * rates.message_overhead_s}
+        # The GIL-held part of decoding runs one chunk at a time, as the loop's work does.
+        out = {"receive (per chunk)": n_chunks * rates.receive_chunk_s, "decode (per chunk, GIL)": n_chunks * rates.decode_chunk_s}
+        if c.single_process:
+            out["contention (per chunk)"] = n_chunks * rates.message_overhead_s
+        return out
+
     def messages(n_chunks: int, enc: float) -> int:
-        if not pipelined:
-            return n_chunks  # one gRPC message per chunk
-        return max(1, min(n_chunks, math.ceil(enc / c.message_bytes)))
+        # Consecutive chunks held are coalesced; a chunk larger than a message goes alone.
+        return max(1, min(n_chunks, math.ceil(enc / message_bytes)))
 
     # Resources per node. Current: one event loop per process; the codec work of the
-    # origin on one thread; decoding on min(4, cores) threads. Pipelined: all cores.
-    decode_lanes = c.cores if pipelined else min(CURRENT_DECODE_THREADS, c.cores)
+    # origin's tensors on all its cores; decoding on all cores (the subscriber's default).
+    decode_lanes = c.cores
     shared_loop = _Resource("loop", 1) if c.single_process else None
     # One process: every subscriber's decode threads share the machine's cores.
     shared_cpu = _Resource("cpu", c.cores) if c.single_process else None
@@ -646,7 +685,9 @@ def simulate(config: SimConfig) -> dict[str, Any]:
 
     # The origin: which job makes segment k available to send.
     have: dict[str, list[_Job]] = {}
-    encode_cpu = _Resource("origin.encode", (c.origin_cores or c.cores) if pipelined else 1)
+    # Current: the origin's process encodes a version's tensors on one thread per core
+    # (``--encode-threads``); pipelined: the trainer's hosts encode their own shards.
+    encode_cpu = _Resource("origin.encode", (c.origin_cores or c.cores) if pipelined else c.cores)
     if pipelined:
         have["origin"] = [
             # The weights hash moves by the encoder's changes (as the subscriber's
@@ -665,19 +706,22 @@ def simulate(config: SimConfig) -> dict[str, Any]:
             for n_chunks, raw in segs
         ]
     else:
-        whole = g.job(
+        encoded = g.job(
             "encode",
             "origin",
             encode_cpu,
             0.0,
             {
                 # The weights hash moves by the encoder's changes (versions.Carried): no
-                # pass of its own since the store carries the element-hash sums.
+                # pass of its own since the store carries the element-hash sums. Each
+                # tensor's chunks are hashed on the thread that encoded them.
                 "encode": raw_total / rates.encode_bytes_s,
                 "sha256": enc_total / rates.sha256_bytes_s,
-                "persist": enc_total / rates.persist_bytes_s,
             },
+            width=c.model.tensors,
         )
+        # The store writes and fsyncs the chunks one after another, then announces.
+        whole = g.job("persist", "origin", None, enc_total / rates.persist_bytes_s, after=(encoded,))
         have["origin"] = [whole] * len(segs)
     available = have["origin"][-1] if not pipelined else None
 
@@ -698,12 +742,25 @@ def simulate(config: SimConfig) -> dict[str, Any]:
         for k, (n_chunks, raw) in enumerate(segs):
             enc = raw * f
             msgs = messages(n_chunks, enc)
-            send = g.job("send (per message)", p.name, loop[p.name], msgs * rates.message_overhead_s, after=(have[p.name][k], prev_send), width=msgs)
+            send = g.job(
+                "send",
+                p.name,
+                loop[p.name],
+                0.0,
+                {
+                    "send (per chunk)": n_chunks * rates.send_chunk_s,
+                    "send (per message)": msgs * rates.send_message_s,
+                    "send (per byte)": enc * rates.send_byte_s,
+                    **({"contention (per chunk)": n_chunks * rates.message_overhead_s} if c.single_process else {}),
+                },
+                after=(have[p.name][k], prev_send),
+                width=msgs,
+            )
             out = g.job("NIC", p.name, nic[p.name], enc / nic_rate, after=(send,))
             if n.wan and c.single_process:
                 # The in-process link emulator (validation runs): it reads the next piece
                 # only once the link is free, on the same event loop as everything else.
-                read = g.job("link emulator (per piece)", p.name, loop[p.name], msgs * rates.message_overhead_s, after=(out, prev_wire))
+                read = g.job("link emulator (per piece)", p.name, loop[p.name], n_chunks * rates.message_overhead_s, after=(out, prev_wire))
                 out = prev_wire = g.job("WAN transfer", f"{p.name}->{n.name}", wire[n.name], enc / rate, after=(read,))
             elif n.wan:
                 out = g.job("WAN transfer", f"{p.name}->{n.name}", wire[n.name], enc / rate, after=(out,))
@@ -715,7 +772,7 @@ def simulate(config: SimConfig) -> dict[str, Any]:
                 loop[n.name],
                 0.0,
                 {
-                    "receive (per message)": msgs * rates.message_overhead_s,
+                    **receive_costs(n_chunks, msgs),
                     "sha256": enc / rates.sha256_bytes_s,
                 },
                 after=(prev_recv,),
@@ -733,7 +790,16 @@ def simulate(config: SimConfig) -> dict[str, Any]:
         # A relay passes chunks on once they arrived and passed their checksum.
         have[n.name] = recvs
         held = g.job("verify version", n.name, None, 0.0, after=decodes + recvs[-1:])
-        if n.kind == "subscriber":
+        if c.signed:
+            # The signed content digest: a sha256 pass over the decoded weights, its
+            # tensors on one thread per core (``signing.content_digest``).
+            held = g.job("content sha256", n.name, cpu[n.name], raw_total / rates.sha256_bytes_s, after=(held,), width=c.model.tensors)
+        if n.kind != "subscriber" and c.signed:
+            # A verifying relay holds the version's last chunk back until the version
+            # passed that check and is stored.
+            complete[n.name] = g.job("persist", n.name, None, enc_total / rates.persist_bytes_s, after=(held,))
+            have[n.name] = [*recvs[:-1], complete[n.name]]
+        elif n.kind == "subscriber":
             if rates.engine_apply_bytes_s and not pipelined:
                 held = g.job("engine apply", n.name, None, raw_total / rates.engine_apply_bytes_s, after=(held,))
             elif applies:
@@ -798,6 +864,7 @@ def simulate(config: SimConfig) -> dict[str, Any]:
             "cores_per_node": c.cores,
             "origin_cores": c.origin_cores or c.cores,
             "single_process": c.single_process,
+            "signed": c.signed,
         },
         "served_everywhere_s": total,
         "available_at_origin_s": start_s,
@@ -835,7 +902,8 @@ def _wan_depth(n: _Node) -> int:
 #: 10 Gbit/s links. Latency: the worst of the planned 20-150 ms. Four subscribers per
 #: region. Relays and subscribers: 128 cores (a 1T replica spans at least two 8-GPU
 #: hosts, each decoding its own shard); the pipelined origin: the trainer's hosts encode
-#: their own shards, 1024 cores (16 hosts of 64); the current origin encodes on one thread.
+#: their own shards, 1024 cores (16 hosts of 64); the current origin encodes on its own
+#: 128 cores (one process; the code takes one thread per core).
 FRONTIER = {"params": "1t", "regions": 4, "wan_gbit_s": 10.0, "latency_ms": 150.0, "subscribers_per_region": 4, "cores": 128, "origin_cores": 1024}
 FRONTIER_TARGET_S = 15.0
 
@@ -898,7 +966,12 @@ def frontier_figures(rates: CodecRates | Mapping[str, Any] | None = None, search
             "where_the_time_goes": r["where_the_time_goes"],
             "wan_bytes_per_day_at_1_per_min": r["bytes_per_day"]["per_wan_link"],
         }
+    # The same with signed versions (``meridian up``'s default): every receiver also
+    # hashes the decoded weights once per version.
+    signed = simulate(dataclasses.replace(frontier_config("current", rates), signed=True))
+    out["current_signed"] = {"served_everywhere_s": signed["served_everywhere_s"], "where_the_time_goes": signed["where_the_time_goes"]}
     out["t_1t_4regions_10gbit_s"] = out["current"]["served_everywhere_s"]
+    out["t_1t_4regions_10gbit_s_signed"] = signed["served_everywhere_s"]
     out["t_1t_4regions_10gbit_s_pipelined"] = out["pipelined"]["served_everywhere_s"]
     if search_cores:
         # What the pipelined design needs to meet the target, one kind of node at a time
@@ -975,7 +1048,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--cores", type=int, default=64, help="cores of each relay and subscriber (default 64)")
     parser.add_argument("--origin-cores", type=int, default=None, help="cores that encode at the origin in pipelined mode (default: --cores)")
     parser.add_argument("--chunk-mb", type=float, default=4.0, help="largest raw chunk, MiB, as the service's --chunk-mb (default 4)")
-    parser.add_argument("--message-mb", type=float, default=4.0, help="pipelined: encoded bytes coalesced per message, MiB (default 4)")
+    parser.add_argument("--message-mb", type=float, default=None, help="encoded bytes coalesced per message, MiB (default: 1/16 in current mode, the service's --message-kib; 4 in pipelined mode)")
     parser.add_argument("--mode", choices=["current", "serial", "pipelined", "both"], default="both", help="which model (default both)")
     parser.add_argument("--version-every-s", type=float, default=60.0, help="one version per this many seconds, for bytes per day (default 60)")
     parser.add_argument("--rates-from", default=None, help="a `meridian bench weightsync --json` output: take its codec rates and delta size")
@@ -987,6 +1060,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--max-segments", type=int, default=None, help="simulate a version as at most this many segments of chunks (default 256; 64 with --sweep)"
     )
+    parser.add_argument("--signed", action="store_true", help="receivers verify signed versions: each also hashes the decoded weights (the signed content digest)")
     parser.add_argument("--sweep", action="store_true", help="sizes 135m..1t x 1-4 regions x 1/10 Gbit/s x 20/150 ms; one JSON row per line")
     parser.add_argument("--frontier", action="store_true", help="the frontier figures (1T, 4 regions, 10 Gbit/s) for both modes")
     parser.add_argument("--json", action="store_true", help="accepted for symmetry with the benches; the output is always JSON")
@@ -1031,7 +1105,8 @@ def main(argv: Sequence[str]) -> int:
             cores=ns.cores,
             origin_cores=ns.origin_cores,
             chunk_bytes=_mib(ns.chunk_mb, "--chunk-mb"),
-            message_bytes=_mib(ns.message_mb, "--message-mb"),
+            message_bytes=None if ns.message_mb is None else _mib(ns.message_mb, "--message-mb"),
+            signed=ns.signed,
             version_interval_s=ns.version_every_s,
             max_segments=ns.max_segments or (64 if ns.sweep else 256),
         )

@@ -23,6 +23,11 @@ LINKS_ONLY = CodecRates(
     persist_bytes_s=FAST,
     delta_fraction=1.0,
     message_overhead_s=0.0,
+    receive_chunk_s=0.0,
+    decode_chunk_s=0.0,
+    send_chunk_s=0.0,
+    send_message_s=0.0,
+    send_byte_s=0.0,
     source="test",
 )
 NO_LAN = Link(FAST, 0.0)
@@ -52,13 +57,38 @@ def test_one_link_one_chunk_is_latency_plus_size_over_bandwidth() -> None:
         assert {k for k, v in report["where_the_time_goes"].items() if v > 1e-9} == {"WAN transfer", "WAN latency"}
 
 
-def test_per_message_cost_adds_on_both_sides_in_the_current_mode() -> None:
-    rates = LINKS_ONLY.replace(message_overhead_s=1e-3)
-    model = ModelLayout("two", ((2, 1000),))  # two tensors: two chunks, two messages
+def test_loop_costs_per_chunk_message_and_byte_in_the_current_mode() -> None:
+    rates = LINKS_ONLY.replace(send_chunk_s=1e-3, send_message_s=10e-3, send_byte_s=1e-6, receive_chunk_s=2e-3, decode_chunk_s=3e-3)
+    model = ModelLayout("two", ((2, 1000),))  # two tensors: two chunks of 2000 bytes
     topology = Topology(regions=1, subscribers_per_region=1, lan=Link(FAST, 0.0))
+    # A segment per chunk: each is sent alone (1 + 10 + 2 ms), the receiver takes each as
+    # it comes (2 + 3 ms): the last is in at 2 * 13 + 5 ms.
     report = sim.simulate(SimConfig(model, topology, rates, mode="current"))
-    # Sender: 2 messages; the receiver takes each as it comes: the last adds 1 ms more.
-    assert report["served_everywhere_s"] == pytest.approx(3e-3, rel=1e-6)
+    assert report["served_everywhere_s"] == pytest.approx(31e-3, rel=1e-6)
+    # Both chunks held at once: coalesced into one message of 64 KiB at most.
+    report = sim.simulate(SimConfig(model, topology, rates, mode="current", max_segments=1))
+    assert report["served_everywhere_s"] == pytest.approx((2 + 10 + 4 + 2 * 5) * 1e-3, rel=1e-6)
+    # Messages of at most one chunk: two messages.
+    report = sim.simulate(SimConfig(model, topology, rates, mode="current", max_segments=1, message_bytes=2000))
+    assert report["served_everywhere_s"] == pytest.approx((2 + 20 + 4 + 2 * 5) * 1e-3, rel=1e-6)
+    # The fitted contention of one process on two cores counts only in that setting.
+    contended = rates.replace(message_overhead_s=7e-3)
+    assert sim.simulate(SimConfig(model, topology, contended, mode="current", max_segments=1))["served_everywhere_s"] == pytest.approx(26e-3)
+    report = sim.simulate(SimConfig(model, topology, contended, mode="current", max_segments=1, single_process=True))
+    assert report["served_everywhere_s"] == pytest.approx((26 + 4 * 7) * 1e-3, rel=1e-6)  # 2 chunks, both sides
+
+
+def test_signed_versions_cost_each_receiver_a_hash_of_the_weights() -> None:
+    # 4000 raw bytes: 4 ms on one thread; the chunks' own checksums next to nothing.
+    rates = LINKS_ONLY.replace(sha256_bytes_s=1e6, delta_fraction=1e-6)
+    model = ModelLayout("two", ((2, 1000),))
+    topology = Topology(regions=2, subscribers_per_region=1, origin_subscribers=0, wan=Link(FAST, 0.0), lan=NO_LAN, nic_bytes_s=FAST)
+    plain = sim.simulate(SimConfig(model, topology, rates, mode="current", cores=1))["served_everywhere_s"]
+    signed = sim.simulate(SimConfig(model, topology, rates, mode="current", cores=1, signed=True))["served_everywhere_s"]
+    # The relay hashes before it passes the last chunk on, then the subscriber hashes.
+    assert signed - plain == pytest.approx(8e-3, rel=1e-3)
+    two = sim.simulate(SimConfig(model, topology, rates, mode="current", cores=2, signed=True))["served_everywhere_s"]
+    assert two - plain == pytest.approx(4e-3, rel=1e-3)  # two tensors on two threads
 
 
 def test_pipelined_is_never_slower_and_the_critical_path_adds_up() -> None:
@@ -77,9 +107,11 @@ def test_the_current_origin_encodes_the_whole_version_before_sending() -> None:
     rates = LINKS_ONLY.replace(encode_bytes_s=1e6)  # 2000 raw bytes: 2 ms of encoding
     topology = Topology(regions=1, subscribers_per_region=1, lan=Link(1e6, 0.0))
     model = ModelLayout("two", ((2, 500),))  # two chunks of 1000 bytes
-    current = sim.simulate(SimConfig(model, topology, rates, mode="current"))
+    current = sim.simulate(SimConfig(model, topology, rates, mode="current", cores=1))
     assert current["available_at_origin_s"] == pytest.approx(2e-3)
     assert current["served_everywhere_s"] == pytest.approx(2e-3 + 2e-3)  # then both chunks over the link
+    # Two cores: the two tensors are encoded at once.
+    assert sim.simulate(SimConfig(model, topology, rates, mode="current", cores=2))["available_at_origin_s"] == pytest.approx(1e-3)
     # Pipelined, one core: chunk 1 goes out while chunk 2 is encoded.
     piped = sim.simulate(SimConfig(model, topology, rates, mode="pipelined", cores=1))
     assert piped["served_everywhere_s"] == pytest.approx(1e-3 + 2e-3)
@@ -193,6 +225,9 @@ def test_rates_from_a_bench_result() -> None:
     assert rates.message_overhead_s == sim.DEFAULT_RATES.message_overhead_s
     # The CPU-time decode figure, when the bench has one, is the per-core rate.
     assert sim.rates_from_bench({"summary": {**result["summary"], "decode_gbps_cpu": 4.0}}).decode_bytes_s == 4e9
+    # So is the per-chunk part of an apply.
+    assert rates.decode_chunk_s == sim.DEFAULT_RATES.decode_chunk_s
+    assert sim.rates_from_bench({"summary": {**result["summary"], "decode_chunk_us": 25.0}}).decode_chunk_s == pytest.approx(25e-6)
 
 
 def test_frontier_figures_name_both_modes(monkeypatch: pytest.MonkeyPatch) -> None:
