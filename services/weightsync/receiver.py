@@ -3,8 +3,10 @@ subscriber holds (a rollout, a relay, a restarted origin), in place when asked, 
 undo log that takes an in-place version back. Pure core: no gRPC, no asyncio."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -14,7 +16,7 @@ from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument
 from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, Weights, element_count, hash_of_sums
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import codec
-from services.weightsync.signing import SignatureRefused, Verifier
+from services.weightsync.signing import SignatureRefused, Verifier, tensor_sha256
 from services.weightsync.versions import READABLE_CODECS, Encoded
 
 _MASK64 = (1 << 64) - 1
@@ -102,6 +104,12 @@ class Decoder:
         self._seen: set[int] = set()
         self._moves: list[tuple[str, elementhash.Sums]] = []
         self._undo: UndoLog | None = None
+        # With a verifier: chunks still to decode per tensor, and the sha256 of each tensor
+        # whose last chunk is decoded (taken on the decode thread that finished it, so the
+        # signed content check overlaps the version's arrival instead of following it).
+        self._chunks_left: collections.Counter[str] = collections.Counter()
+        self._tensor_sha256: dict[str, bytes] = {}
+        self._count_lock = threading.Lock()
 
     def begin(self, manifest: pb.Manifest) -> None:
         """Starts a version; a delta must be based on the version held now. A manifest
@@ -141,6 +149,8 @@ class Decoder:
             undo.replaced.update({n: t for n, t in self.weights.items() if n not in pending})
         self._manifest, self._pending, self._undo = manifest, pending, undo
         self._seen, self._moves, self._next_indexes = set(), [], {}
+        self._chunks_left = collections.Counter(ref.tensor for ref in manifest.chunks) if self.verifier is not None else collections.Counter()
+        self._tensor_sha256 = {}
 
     def prepare(self) -> None:
         """Computes the held weights' element-hash sums if not known yet: one full pass,
@@ -216,6 +226,12 @@ class Decoder:
             after = elementhash.range_sums(out.bits, lo, hi)
             move = ((after[0] - before[0]) & _MASK64, (after[1] - before[1]) & _MASK64)
         self._moves.append((ref.tensor, move))  # list.append is atomic: safe from decode threads
+        if self.verifier is not None and index not in self._seen:
+            with self._count_lock:
+                self._chunks_left[ref.tensor] -= 1
+                last = self._chunks_left[ref.tensor] == 0
+            if last:  # every chunk of this tensor is written: its bytes are final
+                self._tensor_sha256[ref.tensor] = tensor_sha256(out)
         self._seen.add(index)
 
     def finish(self) -> int:
@@ -239,7 +255,7 @@ class Decoder:
         if self.verifier is not None:
             try:
                 # The additive hash above can be steered by a forger; the signed digest cannot.
-                self.verifier.check_content(manifest.version, manifest.signature, self._pending)
+                self.verifier.check_content(manifest.version, manifest.signature, self._pending, self._tensor_sha256)
             except BaseException:
                 self.abort()
                 raise
@@ -268,6 +284,7 @@ class Decoder:
             self._undo.revert(self._pending)
         self._pending, self._manifest, self._undo, self._moves = {}, None, None, []
         self._seen, self._next_indexes = set(), {}
+        self._chunks_left, self._tensor_sha256 = collections.Counter(), {}
 
     def _require_manifest(self) -> pb.Manifest:
         if self._manifest is None:

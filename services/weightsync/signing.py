@@ -136,16 +136,19 @@ def tensor_sha256(t: RawTensor) -> bytes:
     return hashlib.sha256(memoryview(np.ascontiguousarray(t.bits)).cast("B")).digest()
 
 
-def content_digest(weights: Mapping[str, RawTensor]) -> str:
+def content_digest(weights: Mapping[str, RawTensor], known: Mapping[str, bytes] | None = None) -> str:
     """sha256 over every tensor's name, dtype, shape and the sha256 of its raw bytes, in
-    name order: collision resistant, unlike the additive ``weights_hash``."""
-    names = sorted(weights)
+    name order: collision resistant, unlike the additive ``weights_hash``. ``known``: the
+    raw-bytes sha256 of tensors hashed already (the others are hashed now)."""
+    known = known or {}
+    names = sorted(n for n in weights if n not in known)
     if _HASH_THREADS > 1 and len(names) > 1:
-        with concurrent.futures.ThreadPoolExecutor(_HASH_THREADS) as pool:
-            digests = list(pool.map(tensor_sha256, (weights[n] for n in names)))
+        with concurrent.futures.ThreadPoolExecutor(min(_HASH_THREADS, len(names))) as pool:
+            digests = dict(zip(names, pool.map(tensor_sha256, (weights[n] for n in names))))
     else:
-        digests = [tensor_sha256(weights[n]) for n in names]
-    return content_from_digests([(n, weights[n].dtype, tuple(weights[n].shape), d) for n, d in zip(names, digests)])
+        digests = {n: tensor_sha256(weights[n]) for n in names}
+    digests.update((n, d) for n, d in known.items() if n in weights)
+    return content_from_digests([(n, t.dtype, tuple(t.shape), digests[n]) for n, t in weights.items()])
 
 
 def content_from_digests(items: Iterable[tuple[str, str, tuple[int, ...], bytes]]) -> str:
@@ -216,10 +219,14 @@ class Verifier:
         """A manifest as it arrives from upstream, before any of its chunks is taken."""
         self.check(manifest.version, manifest.weights_hash, manifest.tensors, manifest.canary, manifest.signature)
 
-    def check_content(self, version: int, signature: pb.VersionSignature, weights: Mapping[str, RawTensor]) -> None:
+    def check_content(
+        self, version: int, signature: pb.VersionSignature, weights: Mapping[str, RawTensor], tensor_sha256s: Mapping[str, bytes] | None = None
+    ) -> None:
         """Raises :class:`SignatureRefused` unless ``weights`` are the ones the (already
-        verified) signature covers."""
-        got = content_digest(weights)
+        verified) signature covers. ``tensor_sha256s``: the sha256 of tensors the caller
+        already hashed in their final state (a decoder, as each tensor's last chunk was
+        written); the others are hashed here."""
+        got = content_digest(weights, tensor_sha256s)
         if got != signature.content_sha256:
             raise SignatureRefused(
                 f"version {version} refused: its weights' content digest {got[:16]} is not the signed {signature.content_sha256[:16]}"

@@ -27,7 +27,8 @@ bookkeeping, and the GIL-held Python part of decoding it). Those costs were meas
 once it arrived and passed its checksum. Receivers decode on a pool of one thread per
 core while the next chunks arrive; a subscriber holds the version once every chunk is
 decoded and the full-weights hash checked (``signed``: and the weights hashed for the
-signature's content digest; a verifying relay holds the last chunk back until then).
+signature's content digest, each tensor as its last chunk is decoded; a verifying relay
+holds the version's last chunk back until the version is checked and stored).
 
 ``pipelined`` -- the design target, not the code: the origin encodes chunk by chunk on
 all its cores (the weights hash moved by the encoder's changes, no full pass) and sends
@@ -374,8 +375,9 @@ class SimConfig:
     ``cores`` cores, one event loop, and the inter-region links are the in-process link
     emulator (how the benches run the real services; for validation only). ``signed``:
     every receiver verifies the trainer's signature, so each also checks the signed
-    content digest, a sha256 pass over the decoded weights, before it holds the version
-    (a verifying relay passes the version's last chunk on only after that).
+    content digest, a sha256 pass over the decoded weights (each tensor hashed as its last
+    chunk is decoded), before it holds the version (a verifying relay passes the
+    version's last chunk on only after that).
     """
 
     model: ModelLayout
@@ -780,7 +782,10 @@ def simulate(config: SimConfig) -> dict[str, Any]:
             )
             g.edge(out, recv, link.latency_s, "WAN latency" if n.wan else "LAN latency")
             # Relays apply in place too (server._mirror_upstream), like subscribers.
-            dec = g.job("decode", n.name, cpu[n.name], raw / rates.decode_bytes_s, after=(recv,), width=n_chunks)
+            # A verifying receiver hashes each tensor as its last chunk is decoded
+            # (``Decoder``): the signed content check runs alongside the decoding.
+            dec_parts = {"decode": raw / rates.decode_bytes_s, **({"content sha256": raw / rates.sha256_bytes_s} if c.signed else {})}
+            dec = g.job("decode", n.name, cpu[n.name], 0.0, dec_parts, after=(recv,), width=n_chunks)
             recvs.append(recv)
             decodes.append(dec)
             if pipelined and n.kind == "subscriber" and rates.engine_apply_bytes_s:
@@ -790,10 +795,6 @@ def simulate(config: SimConfig) -> dict[str, Any]:
         # A relay passes chunks on once they arrived and passed their checksum.
         have[n.name] = recvs
         held = g.job("verify version", n.name, None, 0.0, after=decodes + recvs[-1:])
-        if c.signed:
-            # The signed content digest: a sha256 pass over the decoded weights, its
-            # tensors on one thread per core (``signing.content_digest``).
-            held = g.job("content sha256", n.name, cpu[n.name], raw_total / rates.sha256_bytes_s, after=(held,), width=c.model.tensors)
         if n.kind != "subscriber" and c.signed:
             # A verifying relay holds the version's last chunk back until the version
             # passed that check and is stored.

@@ -4,6 +4,7 @@ covers, and the decoder refusing what the trusted key did not sign, whatever enc
 from __future__ import annotations
 
 import stat
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from meridian.tensors import RawTensor, weights_hash
 from meridian.v1 import weightsync_pb2 as pb
+from services.weightsync import receiver, signing
 from services.weightsync.receiver import Decoder
 from services.weightsync.signing import SignatureRefused, Signer, Verifier, content_digest, generate_signing_key, key_id
 from services.weightsync.store import VersionStore
@@ -200,6 +202,31 @@ def test_decoder_with_a_verifier_takes_signed_deltas_in_place(signer: Signer, ve
     decoder = Decoder(_copy(v0), 0, in_place=True, verifier=verifier)
     assert _apply(decoder, _signed(signer, 1, v1, v0, 0)) == 1
     assert all(np.array_equal(decoder.weights[n].bits, v1[n].bits) for n in v1)
+
+
+def test_each_tensor_is_hashed_once_as_its_last_chunk_is_decoded(signer: Signer, verifier: Verifier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signed content check overlaps the version's arrival: a tensor is hashed by the
+    decode that writes its last chunk (in whatever order chunks come), of its final bytes,
+    and finish hashes nothing again."""
+    hashed: list[bytes] = []
+    real = signing.tensor_sha256
+
+    def recording(t: RawTensor) -> bytes:
+        hashed.append(t.bits.tobytes())
+        return real(t)
+
+    v0 = _weights()
+    v1 = _step(v0, 1)
+    enc = _signed(signer, 1, v1, v0, 0)
+    monkeypatch.setattr(receiver, "tensor_sha256", recording)
+    monkeypatch.setattr(signing, "tensor_sha256", recording)
+    assert max(Counter(ref.tensor for ref in enc.manifest.chunks).values()) > 1  # several chunks per tensor
+    decoder = Decoder(_copy(v0), 0, in_place=True, verifier=verifier)
+    decoder.begin(enc.manifest)
+    for i in reversed(range(len(enc.chunks))):
+        decoder.add_chunk(i, enc.chunks[i])
+    assert sorted(hashed) == sorted(t.bits.tobytes() for t in v1.values())
+    assert decoder.finish() == 1 and len(hashed) == len(v1)
 
 
 def test_an_older_signed_version_is_refused_as_a_replay(signer: Signer, verifier: Verifier) -> None:
