@@ -171,7 +171,6 @@ def _codec_rates(versions: list[Any]) -> dict[str, float]:
         # The same delta in 64x smaller chunks costs the same per byte and more per chunk:
         # the difference is the Python (GIL-held) part of decoding one chunk.
         small = encode_version(v, new, old, v - 1, CHUNK_BYTES // 64)
-        _apply_s(small, old, True)  # its indexes' first build, outside the timing
         extra = len(small.chunks) - len(enc.chunks)
         per_chunk.append(max(0.0, (_apply_s(small, old, True) - t_apply[-1]) / extra) if extra > 0 else 0.0)
     med = statistics.median
@@ -189,19 +188,29 @@ def _codec_rates(versions: list[Any]) -> dict[str, float]:
 
 
 def _apply_s(enc: Any, old: dict[str, Any], in_place: bool) -> float:
-    """Seconds to apply ``enc`` to a copy of ``old`` (a warm decoder, as a follower's)."""
+    """Seconds to apply ``enc`` to a copy of ``old``. In place as a follower does: its
+    position indexes built already (by applying it once and reverting it; a follower
+    builds them once, at its first delta). Into fresh buffers: the first apply."""
     from meridian.tensors import RawTensor
     from services.weightsync.receiver import Decoder
 
     held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in old.items()}
     decoder = Decoder(held, enc.manifest.base_version, in_place=in_place)
     decoder.prepare()  # once per subscriber, not per version
-    t0 = time.perf_counter()
-    decoder.begin(enc.manifest)
-    for i, payload in enumerate(enc.chunks):
-        decoder.add_chunk(i, payload, verified=True)
-    decoder.finish()
-    return time.perf_counter() - t0
+
+    def apply() -> float:
+        t0 = time.perf_counter()
+        decoder.begin(enc.manifest)
+        for i, payload in enumerate(enc.chunks):
+            decoder.add_chunk(i, payload, verified=True)
+        decoder.finish()
+        return time.perf_counter() - t0
+
+    if not in_place:
+        return apply()
+    apply()
+    decoder.revert_last()
+    return apply()
 
 
 def validate(versions: list[Any], rounds: int, log: Any) -> dict[str, Any]:

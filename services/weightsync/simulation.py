@@ -171,7 +171,8 @@ class CodecRates:
     ``receive_chunk_s``: what the receiver's event loop spends per chunk (verify,
     bookkeeping, the hand-off to a decode thread), measured there too; ``decode_chunk_s``:
     the Python part of decoding one chunk in place, which holds the GIL, so a process's
-    decode threads run it one at a time (measured by profiling ``Decoder.add_chunk``).
+    decode threads run it one at a time (measured by the benches: the same delta in 64x
+    smaller chunks, the difference per extra chunk).
     ``message_overhead_s``: per chunk and per side, what all services in one process on
     the 2-core development machine lose to each other (GIL, cores, the link emulator) on
     top of those; fitted on real runs (``benchmarks/weightsync_simulation.py``) and only
@@ -217,7 +218,7 @@ class CodecRates:
 #: into fresh buffers (6.2 GB/s), the Python part of decoding one chunk (31 us). sha256 with
 #: the stdlib on 5 KB and 8 MiB buffers (1.6-1.8 GB/s), write + fsync of 1 MiB files
 #: (1.3 GB/s); the full-weights element hash (``weights_hash``) 5.3 GB/s and the per-chunk
-#: contention of all services in one process (33 us, 17-53 us in four runs) from
+#: contention of all services in one process (33 us; 0-33 us in five runs) from
 #: ``benchmarks/weightsync_simulation.py``; the event loops' send and receive costs from
 #: ``benchmarks/weightsync_send_cost.py`` (the field defaults of :class:`CodecRates`).
 DEFAULT_RATES = CodecRates(
