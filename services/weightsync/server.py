@@ -9,8 +9,9 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -31,6 +32,7 @@ from services.weightsync import parts
 from services.weightsync.versions import Carried, Encoded, EncodedTensors, check_tensor_set, encode_tensors
 from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count, hash_of_sums
 
+_T = TypeVar("_T")
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
 
@@ -190,6 +192,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         # that reads or changes its state goes through this lock.
         self._store_lock = asyncio.Lock()
         self._mirror: asyncio.Task[None] | None = None
+        # Store-and-announce steps running on after their publisher went away (see _to_completion).
+        self._completing: set[asyncio.Future[Any]] = set()
         # The sharded publish being assembled (parts of one version at a time).
         self._pending: _PendingVersion | None = None
         self._send = TokenBucket.mib_per_s(config.send_mib_s)
@@ -219,6 +223,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             self._mirror = asyncio.create_task(self._mirror_upstream())
 
     async def stop(self) -> None:
+        # A version being stored for a publisher that went away is finished, not cut off.
+        await asyncio.gather(*self._completing, return_exceptions=True)
         if self._mirror:
             self._mirror.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -322,11 +328,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 raise InvalidArgument(f"version {header.version}: part fields set on a whole-version Publish (part_count {header.part_count})")
             assembly = _Assembly(self.publish_budget)
             try:
-                enc, republish = await self._receive_and_store(header, request_iterator, assembly)
+                enc, republish = await self._receive_and_store(header, request_iterator, assembly, started)
             finally:
                 assembly.release()
-            if not republish:
-                await self._stored(header.version, enc, started)
         return pb.PublishResponse(version=header.version, raw_bytes=enc.manifest.raw_bytes, encoded_bytes=enc.size)
 
     async def _stored(self, version: int, enc: Encoded, started: float) -> None:
@@ -349,21 +353,43 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         assembly.check_complete()
 
     async def _receive_and_store(
-        self, header: pb.PublishHeader, request_iterator: AsyncIterator[pb.PublishRequest], assembly: _Assembly
+        self, header: pb.PublishHeader, request_iterator: AsyncIterator[pb.PublishRequest], assembly: _Assembly, started: float
     ) -> tuple[Encoded, bool]:
         await self._receive_pieces(request_iterator, assembly)
         if self.verifier is not None:
             await asyncio.to_thread(self._check_signed, header, assembly.tensors)
-        async with self._store_lock:
-            republish = header.version <= self.store.latest
-            with tracer.start_as_current_span("weightsync.encode", context=telemetry.extract(dict(header.trace_context))) as span:
-                span.set_attribute("meridian.version", header.version)
-                enc: Encoded = await asyncio.to_thread(
-                    self.store.publish, header.version, assembly.tensors, header.weights_hash, dict(header.trace_context), header.canary,
-                    header.signature if header.HasField("signature") else None,
-                )
-                span.set_attribute("meridian.encoded_bytes", enc.size)
-        return enc, republish
+
+        async def store() -> tuple[Encoded, bool]:
+            async with self._store_lock:
+                republish = header.version <= self.store.latest
+                with tracer.start_as_current_span("weightsync.encode", context=telemetry.extract(dict(header.trace_context))) as span:
+                    span.set_attribute("meridian.version", header.version)
+                    enc: Encoded = await asyncio.to_thread(
+                        self.store.publish, header.version, assembly.tensors, header.weights_hash, dict(header.trace_context), header.canary,
+                        header.signature if header.HasField("signature") else None,
+                    )
+                    span.set_attribute("meridian.encoded_bytes", enc.size)
+            if not republish:
+                await self._stored(header.version, enc, started)
+            return enc, republish
+
+        return await self._to_completion(store())
+
+    async def _to_completion(self, step: Coroutine[Any, Any, _T]) -> _T:
+        """Runs ``step`` (storing a version and announcing it) to its end even if the
+        publisher goes away meanwhile: its store thread would finish anyway, and a version
+        stored but never announced leaves every subscriber waiting for it (a killed trainer
+        republishes it as already held, which announces nothing), while the store lock
+        released under a running store thread would let the next version in beside it."""
+        task = asyncio.ensure_future(step)
+        self._completing.add(task)
+        task.add_done_callback(self._completed)
+        return await asyncio.shield(task)
+
+    def _completed(self, task: asyncio.Future[Any]) -> None:
+        self._completing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("a store step whose publisher went away failed: %s", task.exception())
 
     # ------------------------------------------------------------ sharded publish
 
@@ -400,7 +426,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 raise
             pending.arrived(index, assembly.tensors, encoded, items)
             if pending.complete:
-                await self._store_parts(pending)
+                await self._to_completion(self._store_parts(pending))
             return await asyncio.shield(pending.result)
         finally:
             assembly.release()

@@ -3,6 +3,9 @@ and the ErrorBoundary interceptor on a toy service."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -160,6 +163,66 @@ def test_weightsync_follow_receives_new_versions(tmp_path: Path, grpc_serving: S
                 second = await anext(stream)
                 assert second.version == 1 and _same(second.weights, v1)
             finally:
+                await stream.aclose()
+                await sub.close()
+
+    run(main())
+
+
+_PUBLISH_AND_WAIT = """
+import asyncio, sys
+import numpy as np
+from meridian.tensors import RawTensor
+from services.weightsync import client
+saved = np.load(sys.argv[2])
+weights = {k[:-6]: RawTensor(str(saved[k[:-6] + ".dtype"]), tuple(saved[k[:-6] + ".shape"]), saved[k]) for k in saved.files if k.endswith(".bits_")}
+asyncio.run(client.publish(sys.argv[1], 1, weights))
+"""
+
+
+def test_weightsync_announces_a_version_whose_publisher_was_killed(tmp_path: Path, grpc_serving: Serving, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer SIGKILLed after its last byte but before the answer: the origin still
+    stores the version and followers get it. (They waited for good: the dropped
+    connection cancelled the Publish handler between storing and announcing, and the
+    restarted trainer's republish answers "already held", which announces nothing.)"""
+    v0 = _weights(0)
+    v1 = _nudged(v0, 1)
+    saved = tmp_path / "v1.npz"
+    np.savez(saved, **{f"{n}.bits_": t.bits for n, t in v1.items()}, **{f"{n}.dtype": t.dtype for n, t in v1.items()},
+             **{f"{n}.shape": np.array(t.shape) for n, t in v1.items()})
+    service = _weightsync(tmp_path)
+    storing, release = threading.Event(), threading.Event()
+    real = service.store.publish
+
+    def held_back(version: int, *args: Any, **kwargs: Any) -> Any:
+        if version == 1:
+            storing.set()
+            release.wait(TIMEOUT_S)
+        return real(version, *args, **kwargs)
+
+    monkeypatch.setattr(service.store, "publish", held_back)
+
+    async def main() -> None:
+        async with grpc_serving(service) as address:
+            await client.publish(address, 0, v0)
+            sub = WeightSubscriber(address, None, -1)
+            stream = sub.updates(follow=True)
+            try:
+                assert (await anext(stream)).version == 0
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+                publisher = await asyncio.create_subprocess_exec(sys.executable, "-c", _PUBLISH_AND_WAIT, address, str(saved), env=env)
+                try:
+                    assert await asyncio.to_thread(storing.wait, TIMEOUT_S)
+                finally:
+                    publisher.kill()  # the trainer dies while the origin stores its version
+                    await publisher.wait()
+                await asyncio.sleep(0.5)  # the origin sees the connection go first
+                release.set()
+                update = await asyncio.wait_for(anext(stream), 10)
+                assert update.version == 1 and _same(update.weights, v1)
+                assert (await client.publish(address, 1, v1)).version == 1  # the republish
+            finally:
+                release.set()
                 await stream.aclose()
                 await sub.close()
 
