@@ -67,7 +67,7 @@ class VersionStore:
         self, data_dir: Path, keep: int = 16, chunk_bytes: int = 4 << 20, keyframe_every: int = 8, *, live_weights: bool = False, encode_threads: int = 1
     ) -> None:
         """``encode_threads``: tensors of a version encoded at once (the same bytes for any
-        count; a frontier model's version is terabytes, one thread would take an hour).
+        count; a frontier model's version is terabytes, one thread would take 20-40 minutes).
         ``live_weights``: the latest weights are buffers a decoder updates in place (a
         relay), which may hold half of the next version while a late joiner's compacted
         delta or keyframe is encoded; the store then rebuilds the latest weights from its
