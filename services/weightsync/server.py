@@ -389,7 +389,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
     def _completed(self, task: asyncio.Future[Any]) -> None:
         self._completing.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.debug("a store step whose publisher went away failed: %s", task.exception())
+            # Its publisher, if still connected, got the error; this keeps it from going unretrieved.
+            log.debug("a store step failed: %s", task.exception())
 
     # ------------------------------------------------------------ sharded publish
 

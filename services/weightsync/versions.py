@@ -250,9 +250,8 @@ def assemble_version(
         manifest.tensors.append(t.meta(name))
         manifest.raw_bytes += t.nbytes
         known = (sha256 or {}).get(name)
-        for j, payload in enumerate(payloads[name]):
-            digest_j = known[j] if known is not None else hashlib.sha256(payload).hexdigest()
-            manifest.chunks.append(pb.ChunkRef(index=len(chunks), tensor=name, size=len(payload), sha256=digest_j))
+        for payload, hexdigest in zip(payloads[name], known if known is not None else _sha256s(payloads[name]), strict=True):
+            manifest.chunks.append(pb.ChunkRef(index=len(chunks), tensor=name, size=len(payload), sha256=hexdigest))
             chunks.append(payload)
     manifest.encoded_bytes = sum(len(c) for c in chunks)
     return Encoded(manifest, chunks)
