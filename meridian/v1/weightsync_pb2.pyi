@@ -29,7 +29,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("version", "weights_hash", "trace_context", "metrics", "canary", "signature", "part_index", "part_count", "part_tensors", "part_hash")
+    __slots__ = ("version", "weights_hash", "trace_context", "metrics", "canary", "signature", "part_index", "part_count", "part_tensors", "part_hash", "part_encoded", "part_base_version", "part_chunk_bytes")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,9 @@ class PublishHeader(_message.Message):
     PART_COUNT_FIELD_NUMBER: _ClassVar[int]
     PART_TENSORS_FIELD_NUMBER: _ClassVar[int]
     PART_HASH_FIELD_NUMBER: _ClassVar[int]
+    PART_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    PART_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PART_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     weights_hash: str
     trace_context: _containers.ScalarMap[str, str]
@@ -64,7 +67,10 @@ class PublishHeader(_message.Message):
     part_count: int
     part_tensors: _containers.RepeatedScalarFieldContainer[str]
     part_hash: str
-    def __init__(self, version: _Optional[int] = ..., weights_hash: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., signature: _Optional[_Union[VersionSignature, _Mapping]] = ..., part_index: _Optional[int] = ..., part_count: _Optional[int] = ..., part_tensors: _Optional[_Iterable[str]] = ..., part_hash: _Optional[str] = ...) -> None: ...
+    part_encoded: bool
+    part_base_version: int
+    part_chunk_bytes: int
+    def __init__(self, version: _Optional[int] = ..., weights_hash: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., signature: _Optional[_Union[VersionSignature, _Mapping]] = ..., part_index: _Optional[int] = ..., part_count: _Optional[int] = ..., part_tensors: _Optional[_Iterable[str]] = ..., part_hash: _Optional[str] = ..., part_encoded: _Optional[bool] = ..., part_base_version: _Optional[int] = ..., part_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class VersionSignature(_message.Message):
     __slots__ = ("content_sha256", "key_id", "signature")
@@ -100,13 +106,23 @@ class TensorPiece(_message.Message):
     data: bytes
     def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class PartChunk(_message.Message):
+    __slots__ = ("meta", "payload")
+    META_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    meta: TensorMeta
+    payload: bytes
+    def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
 class PublishRequest(_message.Message):
-    __slots__ = ("header", "piece")
+    __slots__ = ("header", "piece", "chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: PublishHeader
     piece: TensorPiece
-    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., piece: _Optional[_Union[TensorPiece, _Mapping]] = ...) -> None: ...
+    chunk: PartChunk
+    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., piece: _Optional[_Union[TensorPiece, _Mapping]] = ..., chunk: _Optional[_Union[PartChunk, _Mapping]] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("version", "raw_bytes", "encoded_bytes")
@@ -226,7 +242,7 @@ class WeightSyncStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WeightSyncStatus(_message.Message):
-    __slots__ = ("latest_version", "versions", "stored_bytes", "role", "chunks_sent", "chunk_bytes_sent", "resumed_streams", "chunk_fetches", "compacted_built", "upstream_versions", "upstream_bytes")
+    __slots__ = ("latest_version", "versions", "stored_bytes", "role", "chunks_sent", "chunk_bytes_sent", "resumed_streams", "chunk_fetches", "compacted_built", "upstream_versions", "upstream_bytes", "chunk_bytes", "encoded_parts", "encoded_parts_refused")
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +254,9 @@ class WeightSyncStatus(_message.Message):
     COMPACTED_BUILT_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_PARTS_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_PARTS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     latest_version: int
     versions: _containers.RepeatedScalarFieldContainer[int]
     stored_bytes: int
@@ -249,4 +268,7 @@ class WeightSyncStatus(_message.Message):
     compacted_built: int
     upstream_versions: int
     upstream_bytes: int
-    def __init__(self, latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., stored_bytes: _Optional[int] = ..., role: _Optional[str] = ..., chunks_sent: _Optional[int] = ..., chunk_bytes_sent: _Optional[int] = ..., resumed_streams: _Optional[int] = ..., chunk_fetches: _Optional[int] = ..., compacted_built: _Optional[int] = ..., upstream_versions: _Optional[int] = ..., upstream_bytes: _Optional[int] = ...) -> None: ...
+    chunk_bytes: int
+    encoded_parts: int
+    encoded_parts_refused: int
+    def __init__(self, latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., stored_bytes: _Optional[int] = ..., role: _Optional[str] = ..., chunks_sent: _Optional[int] = ..., chunk_bytes_sent: _Optional[int] = ..., resumed_streams: _Optional[int] = ..., chunk_fetches: _Optional[int] = ..., compacted_built: _Optional[int] = ..., upstream_versions: _Optional[int] = ..., upstream_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., encoded_parts: _Optional[int] = ..., encoded_parts_refused: _Optional[int] = ...) -> None: ...

@@ -30,6 +30,7 @@ import collections
 import copy
 import dataclasses
 import logging
+import os
 import time
 import typing
 from pathlib import Path
@@ -45,6 +46,7 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.consumer import GroupConsumer
 from services.trainer.learner_protocol import PolicyLearner
 from services.weightsync import client as weightsync
+from services.weightsync.parts import PartEncoder
 from services.weightsync.signing import Signer, load_signer
 
 if TYPE_CHECKING:  # torch: imported only where a sharded learner runs
@@ -127,6 +129,8 @@ class Committer:
         self._since_checkpoint = 0  # publishing steps not covered by a checkpoint
         self.last_step_at = time.monotonic()
         self._in_parts = bool(getattr(learner, "publishes_in_parts", False))
+        # Rank 0's part of the last version published, so that it encodes its next part itself.
+        self._part_encoder = PartEncoder(os.cpu_count() or 1) if self._in_parts else None
 
     def _root(self) -> Path | None:
         return Path(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
@@ -220,7 +224,9 @@ class Committer:
         the origin stored the whole version)."""
         if isinstance(outgoing, dict):
             return await weightsync.publish(self.config.weightsync, version, outgoing, trace_context, metrics, probe, self.signer)
-        return await weightsync.publish_part(self.config.weightsync, outgoing.header, outgoing.index, outgoing.count, outgoing.weights)
+        return await weightsync.publish_part(
+            self.config.weightsync, outgoing.header, outgoing.index, outgoing.count, outgoing.weights, self._part_encoder
+        )
 
     async def _publish_now(
         self, version: int, outgoing: Outgoing, trace_context: dict[str, str], metrics: dict[str, float], probe: weightsync_pb2.Canary | None = None

@@ -216,10 +216,15 @@ def replay(learner: Any, path: Path, out: Path, rank: int, publish_to: str = "",
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
+    from services.weightsync.parts import PartEncoder
+
     losses: list[float] = []
     published: list[int] = []
+    encoded: list[bool] = []  # whether this rank's part of each version went encoded
+    encoder = PartEncoder()
     if publish_to:
-        published.append(_publish_part_of(learner, publish_to, 0, rank, signing_key))
+        published.append(_publish_part_of(learner, publish_to, 0, rank, signing_key, encoder))
+        encoded.append(encoder.last_encoded)
     if rank == 0:
         batches = [_parse(b) for b in torch.load(path, weights_only=False)]
         lead = BroadcastLearner(learner)
@@ -233,21 +238,23 @@ def replay(learner: Any, path: Path, out: Path, rank: int, publish_to: str = "",
     else:
         follow(learner)
     if publish_to:
-        published.append(_publish_part_of(learner, publish_to, 1, rank, signing_key))
-    summary = {"master_hash": learner.master_hash(), "local_elements": learner.local_elements(), "published_bytes": published}
+        published.append(_publish_part_of(learner, publish_to, 1, rank, signing_key, encoder))
+        encoded.append(encoder.last_encoded)
+    summary = {"master_hash": learner.master_hash(), "local_elements": learner.local_elements(), "published_bytes": published, "published_encoded": encoded}
     (out / f"rank-{rank}.json").write_text(json.dumps(summary))
     weights = learner.master_weights()
     if rank == 0:
         torch.save({"weights": weights, "losses": losses}, out / "result.pt")
 
 
-def _publish_part_of(learner: Any, address: str, version: int, rank: int, signing_key: str) -> int:
-    """Every rank publishes its part of ``version``; returns the bytes this rank sent."""
+def _publish_part_of(learner: Any, address: str, version: int, rank: int, signing_key: str, encoder: Any) -> int:
+    """Every rank publishes its part of ``version`` (encoded by ``encoder`` when it can);
+    returns the bytes of the tensors this rank gathered."""
     from services.trainer.shard_publish import publish_sharded
     from services.weightsync.signing import load_signer
 
     signer = load_signer(signing_key) if rank == 0 else None
-    _, sent = publish_sharded(learner.module, address, version, signer=signer)
+    _, sent = publish_sharded(learner.module, address, version, signer=signer, encoder=encoder)
     return sent
 
 

@@ -14,9 +14,12 @@ whole model's memory and a single-threaded encode at the origin. Instead
    bytes each) and those digests, not the tensors, are gathered to rank 0, which combines
    them into the version's ``weights_hash`` and ``content_sha256`` and signs the version
    once (the key stays in rank 0). Rank 0 broadcasts the signed version header.
-4. Every rank opens its own Publish stream with that header plus its part fields; the
-   origin encodes the parts in parallel and stores one manifest, byte for byte what a
-   single-process publish of the same weights stores.
+4. Every rank opens its own Publish stream with that header plus its part fields. A rank
+   that sent its part of the version before encodes this part against it itself
+   (:class:`services.weightsync.parts.PartEncoder`: encoding runs on every rank at once) and
+   sends the chunk payloads; otherwise it sends the tensors raw and the origin encodes them.
+   The origin stores one manifest, byte for byte what a single-process publish of the same
+   weights stores.
 
 One process (world size 1) keeps the ordinary single-stream publish.
 
@@ -34,6 +37,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import queue
 import threading
 from collections.abc import Mapping, Sequence
@@ -117,19 +121,20 @@ def version_header(
 
 def publish_sharded(
     module: torch.nn.Module, address: str, version: int, *, signer: Signer | None = None, canary: pb.Canary | None = None,
-    trace_context: Mapping[str, str] | None = None, metrics: Mapping[str, float] | None = None,
+    trace_context: Mapping[str, str] | None = None, metrics: Mapping[str, float] | None = None, encoder: parts.PartEncoder | None = None,
 ) -> tuple[pb.PublishResponse, int]:
     """Publishes ``module``'s parameters (bf16) as ``version``, one part per rank; every
     rank calls it with the same arguments (only rank 0's ``signer``, ``canary``,
-    ``trace_context`` and ``metrics`` are used). Returns the origin's answer and the bytes
-    of the tensors this rank gathered and sent."""
+    ``trace_context`` and ``metrics`` are used). ``encoder``: this rank's, kept from version
+    to version, to encode its part itself (see :class:`parts.PartEncoder`). Returns the
+    origin's answer and the bytes of the tensors this rank gathered."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine, _ = owned_weights(module, rank, world)
     if world == 1:  # one process: the ordinary single-stream publish
         reply = asyncio.run(weightsync.publish(address, version, mine, trace_context, metrics, canary, signer))
         return reply, sum(t.nbytes for t in mine.values())
     header = version_header(version, mine, rank, signer, canary, trace_context, metrics)
-    reply = asyncio.run(weightsync.publish_part(address, header, rank, world, mine))
+    reply = asyncio.run(weightsync.publish_part(address, header, rank, world, mine, encoder))
     return reply, sum(t.nbytes for t in mine.values())
 
 
@@ -170,15 +175,17 @@ def prepare_part(
     return PreparedPart(header, rank, world, mine)
 
 
-async def send_part(address: str, part: PreparedPart, retry_s: Sequence[float], refusals: frozenset[grpc.StatusCode]) -> bool:
-    """Sends a follower's part, retried after each of ``retry_s`` on transient errors (the
-    origin aborts the version for every part when one fails, so every rank retries on the
-    same schedule and the parts meet again). Returns whether the origin stored the version;
-    a refusal or the last failure is logged, not raised: rank 0, answered the same by the
-    origin, decides what the trainer does."""
+async def send_part(
+    address: str, part: PreparedPart, retry_s: Sequence[float], refusals: frozenset[grpc.StatusCode], encoder: parts.PartEncoder | None = None
+) -> bool:
+    """Sends a follower's part (encoded by ``encoder`` when it can), retried after each of
+    ``retry_s`` on transient errors (the origin aborts the version for every part when one
+    fails, so every rank retries on the same schedule and the parts meet again). Returns
+    whether the origin stored the version; a refusal or the last failure is logged, not
+    raised: rank 0, answered the same by the origin, decides what the trainer does."""
     for attempt, pause in enumerate((*retry_s, None)):
         try:
-            await weightsync.publish_part(address, part.header, part.index, part.count, part.weights)
+            await weightsync.publish_part(address, part.header, part.index, part.count, part.weights, encoder)
             return True
         except grpc.aio.AioRpcError as exc:
             if exc.code() in refusals or pause is None:
@@ -200,6 +207,8 @@ class PartSender:
         self.retry_s = tuple(retry_s)
         self.refusals = refusals
         self._queue: queue.Queue[PreparedPart | None] = queue.Queue()
+        # This rank's part of the last version sent, so that it encodes its next part itself.
+        self.encoder = parts.PartEncoder(os.cpu_count() or 1)
         self._thread = threading.Thread(target=self._run, name="part-sender", daemon=True)
         self._thread.start()
 
@@ -215,7 +224,7 @@ class PartSender:
     def _run(self) -> None:
         while (part := self._queue.get()) is not None:
             try:
-                asyncio.run(send_part(self.address, part, self.retry_s, self.refusals))
+                asyncio.run(send_part(self.address, part, self.retry_s, self.refusals, self.encoder))
             except Exception:
                 log.exception("sending version %d part %d failed", part.version, part.index)
 

@@ -138,14 +138,62 @@ def version_header_from_digests(
     )
 
 
-async def publish_part(address: str, version_header: pb.PublishHeader, index: int, count: int, weights: Weights) -> pb.PublishResponse:
+async def publish_part(
+    address: str, version_header: pb.PublishHeader, index: int, count: int, weights: Weights, encoder: parts.PartEncoder | None = None
+) -> pb.PublishResponse:
     """Publishes part ``index`` of ``count`` of a sharded version: this rank's tensors
     under the version fields every part shares. Returns once the origin stored the whole
-    version (every part gets the same answer) or aborted it."""
+    version (every part gets the same answer) or aborted it.
+
+    With an ``encoder`` (kept by the rank from version to version) the part goes as chunk
+    payloads encoded here against the rank's part of the version before, when it holds
+    that; when the origin refuses them (FAILED_PRECONDITION: it holds another base or cuts
+    other chunks) the part goes raw at once. Either way the encoder then holds this part."""
     header = await asyncio.to_thread(parts.part_header, version_header, index, count, weights)
     async with open_channel(address) as channel:
         stub = pb_grpc.WeightSyncStub(channel)
-        return await stub.Publish(publish_requests(version_header.version, weights, header=header))
+        if encoder is not None:
+            reply = await _publish_encoded_part(stub, header, weights, encoder)
+            if reply is not None:
+                return reply
+        reply = await stub.Publish(publish_requests(version_header.version, weights, header=header))
+        if encoder is not None:
+            encoder.advance(version_header.version, weights, None)
+        return reply
+
+
+async def _publish_encoded_part(
+    stub: pb_grpc.WeightSyncStub, header: pb.PublishHeader, weights: Weights, encoder: parts.PartEncoder
+) -> pb.PublishResponse | None:
+    """The part sent encoded; None when it was not (no base held, or refused: send it raw)."""
+    if encoder.base_version >= 0 and encoder.chunk_bytes <= 0:
+        encoder.chunk_bytes = int((await stub.Status(pb.WeightSyncStatusRequest())).chunk_bytes)
+    if not encoder.can_encode(weights):
+        return None
+    encoded = await asyncio.to_thread(encoder.encode, weights)
+    coded = pb.PublishHeader()
+    coded.CopyFrom(header)
+    coded.part_encoded, coded.part_base_version, coded.part_chunk_bytes = True, encoder.base_version, encoder.chunk_bytes
+    try:
+        reply = await stub.Publish(encoded_part_requests(coded, weights, encoded.payloads))
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            raise  # the encoder keeps its base: a retry sends the part encoded again
+        # Refused as encoded (or for a reason the raw part meets again, and then raises).
+        log.warning("version %d part %d goes raw: %s", header.version, header.part_index, exc.details())
+        encoder.forget()
+        return None
+    encoder.advance(header.version, weights, encoded.carried)
+    return reply
+
+
+def encoded_part_requests(header: pb.PublishHeader, weights: Weights, payloads: Mapping[str, list[bytes]]) -> Iterator[pb.PublishRequest]:
+    """A rank-encoded part's Publish stream: its header, then each tensor's chunk payloads
+    in order, the first with the tensor's meta."""
+    yield pb.PublishRequest(header=header)
+    for name in sorted(payloads):
+        for j, payload in enumerate(payloads[name]):
+            yield pb.PublishRequest(chunk=pb.PartChunk(meta=weights[name].meta(name) if j == 0 else None, payload=payload))
 
 
 async def latest_version(address: str, timeout_s: float = 10.0) -> int:

@@ -9,7 +9,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,7 +29,8 @@ from services.weightsync.ratelimit import TokenBucket
 from services.weightsync.signing import SignatureRefused, Verifier, load_verifier
 from services.weightsync.store import VersionStore
 from services.weightsync import parts
-from services.weightsync.versions import Carried, Encoded, EncodedTensors, check_tensor_set, encode_tensors
+from services.weightsync.codec import CodecError
+from services.weightsync.versions import Carried, Encoded, EncodedTensors, check_tensor_set, decode_tensors, encode_tensors
 from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count, hash_of_sums
 
 _T = TypeVar("_T")
@@ -124,6 +125,68 @@ class _Assembly:
             raise InvalidArgument(f"stream ended with incomplete tensors: {short[:5]}")
 
 
+class _EncodedPart:
+    """Collects a rank-encoded part's chunk payloads (PartChunk messages), each tensor's
+    in order, checking each tensor's meta against the base it is coded on and its chunk
+    count and sizes against the origin's chunking. Decoding makes a buffer as large as the
+    base tensor, so that is what is reserved in ``budget`` when the tensor starts."""
+
+    def __init__(self, base: Mapping[str, RawTensor], chunk_bytes: int, budget: PublishBudget | None = None) -> None:
+        self.payloads: dict[str, list[bytes]] = {}
+        self.base = base
+        self.chunk_bytes = chunk_bytes
+        self.budget = budget
+        self.declared = 0
+        self._chunks_of: dict[str, int] = {}
+
+    def add(self, chunk: pb.PartChunk, current: str) -> str:
+        name = chunk.meta.name or current
+        if chunk.meta.name:
+            self._start(name, chunk.meta)
+        if not name:
+            raise InvalidArgument("the first chunk of a tensor must carry its meta (name, dtype, shape)")
+        held = self.payloads[name]
+        if len(held) >= self._chunks_of[name]:
+            raise InvalidArgument(f"tensor {name!r}: more than the {self._chunks_of[name]} chunks of {self.chunk_bytes} raw bytes it is cut into")
+        # A keyframe chunk is the raw bytes and a header; nothing a codec writes is larger.
+        if len(chunk.payload) > self.chunk_bytes + (4 << 10):
+            raise InvalidArgument(f"tensor {name!r}: a chunk payload of {len(chunk.payload)} bytes, more than a chunk of {self.chunk_bytes} raw bytes needs")
+        held.append(chunk.payload)
+        return name
+
+    def _start(self, name: str, meta: pb.TensorMeta) -> None:
+        if name in self.payloads:
+            raise InvalidArgument(f"tensor {name!r} started twice")
+        if len(self.payloads) >= MAX_TENSORS:
+            raise InvalidArgument(f"more than {MAX_TENSORS} tensors")
+        old = self.base.get(name)
+        shape = tuple(meta.shape)
+        if old is None or (PB_DTYPE_NAMES.get(meta.dtype), shape) != (old.dtype, tuple(old.shape)):
+            held = f"{old.dtype}{list(old.shape)}" if old is not None else "no such tensor"
+            # The rank's base is not the origin's: not a malformed stream, a reason to send it raw.
+            raise _NotTheBase(f"tensor {name!r} is {PB_DTYPE_NAMES.get(meta.dtype)}{list(shape)}; the base holds {held}")
+        if self.budget is not None:
+            self.budget.reserve(self.declared, old.nbytes, name)
+        self.declared += old.nbytes
+        self.payloads[name] = []
+        self._chunks_of[name] = max(1, -(-old.bits.shape[0] // max(1, self.chunk_bytes // old.bits.itemsize)))
+
+    def check_complete(self) -> None:
+        short = [n for n, p in self.payloads.items() if len(p) != self._chunks_of[n]]
+        if short:
+            raise InvalidArgument(f"stream ended with tensors missing chunks: {short[:5]}")
+
+    def release(self) -> None:
+        if self.budget is not None:
+            self.budget.release(self.declared)
+        self.declared = 0
+
+
+class _NotTheBase(Exception):
+    """A rank-encoded part that does not decode, against the origin's base, to the tensors
+    its part hash names: the rank sends it raw (FAILED_PRECONDITION)."""
+
+
 @dataclasses.dataclass
 class _PendingVersion:
     """A sharded publish being assembled: the parts in so far and their encodings, all
@@ -162,6 +225,11 @@ class _PendingVersion:
         self.carried.sums.update((name, sums) for name, _, _, sums in items)
         self.items.extend(items)
         self.done.add(index)
+
+    def withdraw(self, index: int) -> None:
+        """Takes a part that was refused back out (its rank sends it again, raw)."""
+        self.names.pop(index, None)
+        self.part_hashes.pop(index, None)
 
     @property
     def complete(self) -> bool:
@@ -211,7 +279,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             f"/{self.service_names[0]}/Subscribe": CallLimit(config.max_subscribe_streams, "max_subscribe_streams"),
         }
         self.counters = dict.fromkeys(
-            ("chunks_sent", "chunk_bytes_sent", "resumed_streams", "chunk_fetches", "upstream_versions", "upstream_bytes"), 0
+            ("chunks_sent", "chunk_bytes_sent", "resumed_streams", "chunk_fetches", "upstream_versions", "upstream_bytes", "encoded_parts", "encoded_parts_refused"), 0
         )
         self.metrics = metrics.ServiceMetrics("weightsync", self._metric_values)
 
@@ -324,7 +392,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         if header.part_count > 1:
             enc, republish = await self._publish_part(header, request_iterator)
         else:
-            if header.part_index or header.part_tensors or header.part_hash:
+            if header.part_index or header.part_tensors or header.part_hash or header.part_encoded:
                 raise InvalidArgument(f"version {header.version}: part fields set on a whole-version Publish (part_count {header.part_count})")
             assembly = _Assembly(self.publish_budget)
             try:
@@ -400,6 +468,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         completes the version assembles and stores it; every part answers with the result
         (or the error that aborted the version)."""
         parts.check_part_header(header)
+        if header.part_encoded:
+            self._check_encoded_part(header)
         pending = self._join_part(header)
         index = header.part_index
         if index in pending.done:
@@ -408,29 +478,88 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             async for _ in request_iterator:
                 pass
             return await asyncio.shield(pending.result)
-        assembly = _Assembly(self.publish_budget)
+        receiving = _EncodedPart(pending.base or {}, self.store.chunk_bytes, self.publish_budget) if header.part_encoded else _Assembly(self.publish_budget)
+        # Parts are taken in at once, so each takes its share of the threads.
+        threads = max(1, self.store.encode_threads // pending.count)
         try:
             try:
-                await self._receive_pieces(request_iterator, assembly)
-                items = await asyncio.to_thread(parts.check_part_tensors, header, assembly.tensors)
-                encoded: EncodedTensors | None = None
-                if pending.encode:
-                    with tracer.start_as_current_span("weightsync.encode_part", context=telemetry.extract(dict(header.trace_context))) as span:
-                        span.set_attribute("meridian.version", header.version)
-                        span.set_attribute("meridian.part", index)
-                        # Parts encode at once, so each takes its share of the threads.
-                        threads = max(1, self.store.encode_threads // pending.count)
-                        encoded = await asyncio.to_thread(encode_tensors, assembly.tensors, pending.base, self.store.chunk_bytes, pending.base_carried, threads)
+                if isinstance(receiving, _EncodedPart):
+                    await self._receive_chunks(request_iterator, receiving)
+                    tensors, encoded, items = await self._decode_part(header, pending, receiving, threads)
+                else:
+                    await self._receive_pieces(request_iterator, receiving)
+                    tensors = receiving.tensors
+                    items = await asyncio.to_thread(parts.check_part_tensors, header, tensors)
+                    encoded = None
+                    if pending.encode:
+                        with tracer.start_as_current_span("weightsync.encode_part", context=telemetry.extract(dict(header.trace_context))) as span:
+                            span.set_attribute("meridian.version", header.version)
+                            span.set_attribute("meridian.part", index)
+                            encoded = await asyncio.to_thread(encode_tensors, tensors, pending.base, self.store.chunk_bytes, pending.base_carried, threads)
+            except _NotTheBase as exc:
+                # Not a broken part: the rank's copy of the base is not the origin's. The part
+                # leaves the version (the others stay) and its rank sends it raw.
+                pending.withdraw(index)
+                self.counters["encoded_parts_refused"] += 1
+                raise FailedPrecondition(f"version {header.version} part {index}: its rank-encoded chunks refused: {exc}; send the part raw") from None
             except BaseException as exc:
                 # One bad or broken part spoils the version: the other parts learn why.
                 self._abort(pending, Aborted(f"version {header.version} aborted: part {index} of {pending.count} failed: {exc or type(exc).__name__}"))
                 raise
-            pending.arrived(index, assembly.tensors, encoded, items)
+            pending.arrived(index, tensors, encoded, items)
             if pending.complete:
                 await self._to_completion(self._store_parts(pending))
             return await asyncio.shield(pending.result)
         finally:
-            assembly.release()
+            receiving.release()
+
+    def _check_encoded_part(self, header: pb.PublishHeader) -> None:
+        """Refuses (FAILED_PRECONDITION, before the part joins its version) a rank-encoded
+        part this origin cannot take as it is: coded against another version than the one
+        the parts are coded against, or in other chunks than this origin's, or a version
+        held already (a republish is checked against the held one: raw)."""
+        v, i = header.version, header.part_index
+        pending = self._pending
+        base = pending.base_version if pending is not None and pending.version == v else self.store.latest
+        problem = ""
+        if v <= self.store.latest:
+            problem = f"version {v} is held already (latest {self.store.latest}): a republished part comes raw, to be checked against it"
+        elif header.part_base_version != base:
+            problem = f"it is coded against version {header.part_base_version}, the parts of version {v} against {base}"
+        elif header.part_chunk_bytes != self.store.chunk_bytes:
+            problem = f"it is cut into chunks of {header.part_chunk_bytes} raw bytes, this origin's are {self.store.chunk_bytes} (--chunk-mb)"
+        if problem:
+            self.counters["encoded_parts_refused"] += 1
+            raise FailedPrecondition(f"version {v} part {i}: its rank-encoded chunks refused: {problem}; send the part raw")
+
+    @staticmethod
+    async def _receive_chunks(request_iterator: AsyncIterator[pb.PublishRequest], receiving: _EncodedPart) -> None:
+        """The rest of a rank-encoded part's stream after its header: chunk payloads only."""
+        current = ""
+        async for item in request_iterator:
+            if not item.HasField("chunk"):
+                raise InvalidArgument("a rank-encoded part's stream carries one header, then chunks only")
+            current = receiving.add(item.chunk, current)
+        receiving.check_complete()
+
+    async def _decode_part(
+        self, header: pb.PublishHeader, pending: _PendingVersion, receiving: _EncodedPart, threads: int
+    ) -> tuple[dict[str, RawTensor], EncodedTensors, list[parts.HashItem]]:
+        """A rank-encoded part decoded onto the base and checked against its part hash (the
+        element-hash sums moved by the changes where the base's are known: no pass)."""
+        assert pending.base is not None  # _check_encoded_part: encoded parts have a base
+        with tracer.start_as_current_span("weightsync.decode_part", context=telemetry.extract(dict(header.trace_context))) as span:
+            span.set_attribute("meridian.version", header.version)
+            span.set_attribute("meridian.part", header.part_index)
+            try:
+                decoded = await asyncio.to_thread(
+                    decode_tensors, receiving.payloads, pending.base, self.store.chunk_bytes, pending.base_carried, threads
+                )
+                items = await asyncio.to_thread(parts.check_part_tensors, header, decoded.weights, decoded.encoded.carried.sums)
+            except (CodecError, InvalidArgument) as exc:
+                raise _NotTheBase(str(exc)) from None
+        self.counters["encoded_parts"] += 1
+        return decoded.weights, decoded.encoded, items
 
     def _join_part(self, header: pb.PublishHeader) -> _PendingVersion:
         """Registers a part's header with the version being assembled (starting one, and its
@@ -638,5 +767,6 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             stored_bytes=self.store.stored_bytes(),
             role=self.config.role,
             compacted_built=self.store.compacted_built,
+            chunk_bytes=self.store.chunk_bytes,
             **self.counters,
         )

@@ -6,7 +6,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import numpy as np
 
@@ -28,6 +29,8 @@ READABLE_CODECS = (CODEC_NAME, "meridian-ctx-rice-v1+ehash2")
 #: coded without the previous delta as context: that context would depend on the path a
 #: receiver took (a keyframe or compacted delta gives none), the index does not.
 CHUNK_FORMAT = 3
+
+_T = TypeVar("_T")
 
 #: Per tensor, the position index of each chunk of one version's weights (None where none
 #: is kept: rebuilt, a pass over that chunk, when a delta needs it).
@@ -135,15 +138,22 @@ def encode_tensors(weights: Weights, base: Weights | None, chunk_bytes: int, car
     def one(name: str) -> _EncodedTensor:
         return _encode_tensor(name, weights[name], base[name] if base is not None else None, chunk_bytes, held_indexes, held_sums)
 
-    # Largest first, so that no thread is left with a big tensor at the end.
-    names = sorted(weights, key=lambda n: -weights[n].nbytes)
+    return _collect(_per_tensor(one, {n: t.nbytes for n, t in weights.items()}, threads, "ws-encode"))
+
+
+def _per_tensor(work: Callable[[str], _T], sizes: Mapping[str, int], threads: int, prefix: str) -> dict[str, _T]:
+    """``work(name)`` for each tensor, on up to ``threads`` threads (the kernels release
+    the GIL), largest first so that no thread is left with a big tensor at the end."""
+    names = sorted(sizes, key=lambda n: -sizes[n])
     if threads > 1 and len(names) > 1:
-        with concurrent.futures.ThreadPoolExecutor(min(threads, len(names)), thread_name_prefix="ws-encode") as pool:
-            done = list(pool.map(one, names))
-    else:
-        done = [one(n) for n in names]
+        with concurrent.futures.ThreadPoolExecutor(min(threads, len(names)), thread_name_prefix=prefix) as pool:
+            return dict(zip(names, pool.map(work, names)))
+    return {n: work(n) for n in names}
+
+
+def _collect(done: Mapping[str, _EncodedTensor]) -> EncodedTensors:
     out = EncodedTensors({}, Carried())
-    for name, result in sorted(zip(names, done)):
+    for name, result in sorted(done.items()):
         out.payloads[name] = result.payloads
         out.sha256[name] = result.sha256
         if result.index is not None:
@@ -151,6 +161,76 @@ def encode_tensors(weights: Weights, base: Weights | None, chunk_bytes: int, car
         if result.sums is not None:
             out.carried.sums[name] = result.sums
     return out
+
+
+@dataclasses.dataclass
+class DecodedTensors:
+    """Tensors decoded from chunk payloads another process encoded (a trainer rank's
+    part), and those payloads as :func:`encode_tensors` would have returned them here:
+    their digests and what they leave for the next version (the indexes after their
+    changes; the sums moved by them where the base's were carried)."""
+
+    weights: dict[str, RawTensor]
+    encoded: EncodedTensors
+
+
+def decode_tensors(
+    payloads: Mapping[str, list[bytes]], base: Weights, chunk_bytes: int, carried: Carried | None = None, threads: int = 1
+) -> DecodedTensors:
+    """The tensors that ``payloads`` (per tensor, its chunks in order, each a delta or
+    keyframe chunk against ``base``'s tensor of the same name, as :func:`encode_tensors`
+    makes them with ``chunk_bytes``) describe, each decoded onto a copy of its base tensor
+    over ``carried``'s position indexes (built where missing or not the ones a payload
+    names). ``base`` is not changed. Raises CodecError when a tensor is not in ``base``,
+    or its chunks are not the ``chunk_bytes`` chunking of it, or do not decode."""
+    held_indexes = carried.indexes if carried is not None else None
+    held_sums = carried.sums if carried is not None else {}
+    for name in payloads:
+        if name not in base:
+            raise codec.CodecError(f"tensor {name!r} is not in the base version")
+    decoded: dict[str, RawTensor] = {}
+
+    def one(name: str) -> _EncodedTensor:
+        decoded[name], result = _decode_tensor(name, payloads[name], base[name], chunk_bytes, held_indexes, held_sums)
+        return result
+
+    done = _per_tensor(one, {n: base[n].nbytes for n in payloads}, threads, "ws-decode-part")
+    return DecodedTensors(dict(sorted(decoded.items())), _collect(done))
+
+
+def _decode_tensor(
+    name: str, payloads: list[bytes], old: RawTensor, chunk_bytes: int, held_indexes: Indexes | None, held_sums: Mapping[str, elementhash.Sums]
+) -> tuple[RawTensor, _EncodedTensor]:
+    """One tensor of :func:`decode_tensors`: decoded in place on a copy of ``old``."""
+    per_chunk = max(1, chunk_bytes // old.bits.itemsize)
+    numel = old.bits.shape[0]
+    starts = range(0, max(numel, 1), per_chunk)
+    if len(payloads) != len(starts):
+        raise codec.CodecError(f"tensor {name!r}: {len(payloads)} chunks, but its {numel} elements in chunks of {per_chunk} make {len(starts)}")
+    held = _chunk_indexes(held_indexes, name, numel, per_chunk)
+    out = old.bits.copy()
+    indexes: list[codec.ChunkIndex | None] = []
+    sums = held_sums.get(name)
+    for j, (start, payload) in enumerate(zip(starts, payloads)):
+        hdr = codec.parse_header(payload)
+        count = min(per_chunk, numel - start)
+        if (hdr.dtype, hdr.start, hdr.count, hdr.total) != (old.dtype, start, count, numel):
+            raise codec.CodecError(
+                f"tensor {name!r} chunk {j}: covers {hdr.dtype} [{hdr.start}, {hdr.start + hdr.count}) of {hdr.total} elements, "
+                f"expected {old.dtype} [{start}, {start + count}) of {numel}"
+            )
+        if hdr.mode == codec.MODE_KEYFRAME:
+            codec.decode_chunk_into(payload, out, None, header=hdr)
+            indexes.append(None)  # no changes listed: built from the values when next needed
+            sums = None
+            continue
+        index = codec.ensure_index(payload, out, held[j] if held is not None else None, header=hdr)
+        changes = codec.decode_chunk_into(payload, out, out, index=index, header=hdr)
+        assert changes is not None  # a delta chunk lists its changes
+        indexes.append(changes.index if changes.index is not None or index is None else codec.update_index(index, changes))
+        if sums is not None:
+            sums = elementhash.add(sums, elementhash.change_sums(changes.positions, changes.old, changes.new))
+    return RawTensor(old.dtype, old.shape, out), _EncodedTensor(payloads, indexes, sums, _sha256s(payloads))
 
 
 @dataclasses.dataclass

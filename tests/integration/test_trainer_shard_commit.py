@@ -1,5 +1,6 @@
 """The trainer service itself under torchrun with two CPU ranks (gloo, FSDP2), trained from a
-real Redis stream, publishing every version in parts to a real weightsync origin:
+real Redis stream, publishing every version in parts to a real weightsync origin (each rank
+encoding its own part from version 1 on: the origin's Status counts the encoded parts):
 
 - the origin's store holds byte for byte what one process publishing the same weights
   (the bf16 view of each checkpoint's masters, signed with the same key, its canary
@@ -23,7 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from meridian.grpc_runtime import open_channel
 from meridian.tensors import RawTensor, from_torch, weights_hash
+from meridian.v1 import weightsync_pb2 as pb
+from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from meridian.trajectory_transport import RedisGroupTransport, TransportConfig
 from services.trainer import checkpoint as ckpt
 from services.trainer.config import TrainerConfig
@@ -142,6 +146,10 @@ def test_fsdp_trainer_service_publishes_parts_that_store_like_one_process(tmp_pa
                     await _stop(proc)
             assert rc == 0, log.read_text(errors="replace")[-4000:]
             assert await weightsync.latest_version(address) == STEPS
+            # Versions 1.. came from both ranks as chunks they encoded themselves.
+            async with open_channel(address) as channel:
+                status = await pb_grpc.WeightSyncStub(channel).Status(pb.WeightSyncStatusRequest())
+            assert (status.encoded_parts, status.encoded_parts_refused) == (2 * STEPS, 0)
             return {v: dict((await weightsync.manifest(address, v)).trace_context) for v in range(STEPS + 1)}
 
     with open(log, "wb") as log_fh:

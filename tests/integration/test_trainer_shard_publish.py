@@ -1,6 +1,7 @@
-"""Two CPU ranks under torchrun (gloo, FSDP2) each publish their part of a version; the
-origin's store then holds byte for byte what a single-process publish of the same
-weights (signed with the same key) stores, and no rank gathered the whole model."""
+"""Two CPU ranks under torchrun (gloo, FSDP2) each publish their part of a version, the
+second one encoded by the ranks themselves; the origin's store then holds byte for byte
+what a single-process publish of the same weights (signed with the same key) stores, and
+no rank gathered the whole model."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from meridian.grpc_runtime import open_channel
 from meridian.tensors import from_torch
+from meridian.v1 import weightsync_pb2 as pb
+from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import save_batches
 from services.weightsync import client as weightsync
@@ -68,6 +72,10 @@ def test_two_ranks_publish_parts_that_store_like_one_process(tmp_path: Path, tin
                     await proc.wait()
             assert proc.returncode == 0, stderr.decode()[-4000:]
             assert await weightsync.latest_version(address) == 1
+            # Version 1 came from both ranks as chunks they encoded (version 0 raw: no base).
+            async with open_channel(address) as channel:
+                status = await pb_grpc.WeightSyncStub(channel).Status(pb.WeightSyncStatusRequest())
+            assert (status.encoded_parts, status.encoded_parts_refused) == (2, 0)
 
     asyncio.run(sharded())
 
@@ -95,6 +103,7 @@ def test_two_ranks_publish_parts_that_store_like_one_process(tmp_path: Path, tin
     split = parts.partition({n: t.nbytes for n, t in final.items()}, 2)
     shares = [sum(final[n].nbytes for n in names) for names in split]
     sent = [json.loads((out / f"rank-{r}.json").read_text())["published_bytes"] for r in (0, 1)]
+    assert [json.loads((out / f"rank-{r}.json").read_text())["published_encoded"] for r in (0, 1)] == [[False, True]] * 2
     for version in (0, 1):
         assert [sent[0][version], sent[1][version]] == shares, sent
         assert sum(shares) == total and all(0 < s < total for s in shares)
