@@ -31,7 +31,9 @@ from typing import Any
 import numpy as np
 
 #: (chunk KiB, message KiB, from_version): 0 sends the delta 0 -> 1, -1 the keyframe of 1.
-VARIANTS = ((16, 64, 0), (16, 1, 0), (256, 64, 0), (4096, 64, 0), (4096, 64, -1), (4096, 1024, -1))
+#: The last has many chunks in each large message (64 per MiB), as a 1T model's delta with
+#: ``--chunk-mb 32 --message-kib 1024`` has (~25).
+VARIANTS = ((16, 64, 0), (16, 1, 0), (256, 64, 0), (4096, 64, 0), (4096, 64, -1), (4096, 1024, -1), (16, 1024, -1))
 RECEIVE_VARIANTS = ((16, 64, 0), (256, 64, 0), (4096, 64, 0))
 TENSORS, ELEMENTS = 32, 1 << 20  # 64 MiB of bf16
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeridian/v1/weightsync.proto\x12\x0bmeridian.v1\"L\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.meridian.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x8d\x04\n\rPublishHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0cweights_hash\x18\x02 \x01(\t\x12\x43\n\rtrace_context\x18\x03 \x03(\x0b\x32,.meridian.v1.PublishHeader.TraceContextEntry\x12\x38\n\x07metrics\x18\x04 \x03(\x0b\x32\'.meridian.v1.PublishHeader.MetricsEntry\x12#\n\x06\x63\x61nary\x18\x05 \x01(\x0b\x32\x13.meridian.v1.Canary\x12\x30\n\tsignature\x18\x06 \x01(\x0b\x32\x1d.meridian.v1.VersionSignature\x12\x12\n\npart_index\x18\x07 \x01(\r\x12\x12\n\npart_count\x18\x08 \x01(\r\x12\x14\n\x0cpart_tensors\x18\t \x03(\t\x12\x11\n\tpart_hash\x18\n \x01(\t\x12\x14\n\x0cpart_encoded\x18\x0b \x01(\x08\x12\x19\n\x11part_base_version\x18\x0c \x01(\x03\x12\x18\n\x10part_chunk_bytes\x18\r \x01(\x04\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"M\n\x10VersionSignature\x12\x16\n\x0e\x63ontent_sha256\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"8\n\x06\x43\x61nary\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.meridian.v1.CanarySequence\"5\n\x0e\x43\x61narySequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"R\n\x0bTensorPiece\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.meridian.v1.TensorMeta\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"C\n\tPartChunk\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.meridian.v1.TensorMeta\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x9a\x01\n\x0ePublishRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.meridian.v1.PublishHeaderH\x00\x12)\n\x05piece\x18\x02 \x01(\x0b\x32\x18.meridian.v1.TensorPieceH\x00\x12\'\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x16.meridian.v1.PartChunkH\x00\x42\x06\n\x04item\"L\n\x0fPublishResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\traw_bytes\x18\x02 \x01(\x04\x12\x15\n\rencoded_bytes\x18\x03 \x01(\x04\"G\n\x08\x43hunkRef\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06tensor\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\x9d\x03\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.meridian.v1.TensorMeta\x12%\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x15.meridian.v1.ChunkRef\x12\x14\n\x0cweights_hash\x18\x05 \x01(\t\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x11\n\traw_bytes\x18\x07 \x01(\x04\x12\x15\n\rencoded_bytes\x18\x08 \x01(\x04\x12>\n\rtrace_context\x18\t \x03(\x0b\x32\'.meridian.v1.Manifest.TraceContextEntry\x12#\n\x06\x63\x61nary\x18\n \x01(\x0b\x32\x13.meridian.v1.Canary\x12\x30\n\tsignature\x18\x0b \x01(\x0b\x32\x1d.meridian.v1.VersionSignature\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8b\x01\n\x10SubscribeRequest\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\x02 \x01(\x08\x12\x0e\n\x06resume\x18\x03 \x01(\x08\x12\x16\n\x0eresume_version\x18\x04 \x01(\x03\x12\x13\n\x0bresume_base\x18\x05 \x01(\x03\x12\x14\n\x0cresume_chunk\x18\x06 \x01(\r\"\x93\x01\n\x0bWeightChunk\x12)\n\x08manifest\x18\x01 \x01(\x0b\x32\x15.meridian.v1.ManifestH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.meridian.v1.ChunkDataH\x00\x12(\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x17.meridian.v1.ChunkBatchH\x00\x42\x06\n\x04item\"4\n\nChunkBatch\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.meridian.v1.ChunkData\"9\n\tChunkData\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"I\n\x11\x46\x65tchChunkRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12\r\n\x05index\x18\x03 \x01(\r\"\x19\n\x17WeightSyncStatusRequest\"\xd6\x02\n\x10WeightSyncStatus\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12\x10\n\x08versions\x18\x02 \x03(\x03\x12\x14\n\x0cstored_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x13\n\x0b\x63hunks_sent\x18\x05 \x01(\x04\x12\x18\n\x10\x63hunk_bytes_sent\x18\x06 \x01(\x04\x12\x17\n\x0fresumed_streams\x18\x07 \x01(\x04\x12\x15\n\rchunk_fetches\x18\x08 \x01(\x04\x12\x17\n\x0f\x63ompacted_built\x18\t \x01(\x04\x12\x19\n\x11upstream_versions\x18\n \x01(\x04\x12\x16\n\x0eupstream_bytes\x18\x0b \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x0c \x01(\x04\x12\x15\n\rencoded_parts\x18\r \x01(\x04\x12\x1d\n\x15\x65ncoded_parts_refused\x18\x0e \x01(\x04*N\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03\x32\xf8\x02\n\nWeightSync\x12\x46\n\x07Publish\x12\x1b.meridian.v1.PublishRequest\x1a\x1c.meridian.v1.PublishResponse(\x01\x12\x46\n\tSubscribe\x12\x1d.meridian.v1.SubscribeRequest\x1a\x18.meridian.v1.WeightChunk0\x01\x12\x45\n\x0bGetManifest\x12\x1f.meridian.v1.GetManifestRequest\x1a\x15.meridian.v1.Manifest\x12\x44\n\nFetchChunk\x12\x1e.meridian.v1.FetchChunkRequest\x1a\x16.meridian.v1.ChunkData\x12M\n\x06Status\x12$.meridian.v1.WeightSyncStatusRequest\x1a\x1d.meridian.v1.WeightSyncStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeridian/v1/weightsync.proto\x12\x0bmeridian.v1\"L\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.meridian.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x8d\x04\n\rPublishHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0cweights_hash\x18\x02 \x01(\t\x12\x43\n\rtrace_context\x18\x03 \x03(\x0b\x32,.meridian.v1.PublishHeader.TraceContextEntry\x12\x38\n\x07metrics\x18\x04 \x03(\x0b\x32\'.meridian.v1.PublishHeader.MetricsEntry\x12#\n\x06\x63\x61nary\x18\x05 \x01(\x0b\x32\x13.meridian.v1.Canary\x12\x30\n\tsignature\x18\x06 \x01(\x0b\x32\x1d.meridian.v1.VersionSignature\x12\x12\n\npart_index\x18\x07 \x01(\r\x12\x12\n\npart_count\x18\x08 \x01(\r\x12\x14\n\x0cpart_tensors\x18\t \x03(\t\x12\x11\n\tpart_hash\x18\n \x01(\t\x12\x14\n\x0cpart_encoded\x18\x0b \x01(\x08\x12\x19\n\x11part_base_version\x18\x0c \x01(\x03\x12\x18\n\x10part_chunk_bytes\x18\r \x01(\x04\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"M\n\x10VersionSignature\x12\x16\n\x0e\x63ontent_sha256\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"8\n\x06\x43\x61nary\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.meridian.v1.CanarySequence\"5\n\x0e\x43\x61narySequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"R\n\x0bTensorPiece\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.meridian.v1.TensorMeta\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"E\n\nPartChunks\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.meridian.v1.TensorMeta\x12\x10\n\x08payloads\x18\x02 \x03(\x0c\"\x9c\x01\n\x0ePublishRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.meridian.v1.PublishHeaderH\x00\x12)\n\x05piece\x18\x02 \x01(\x0b\x32\x18.meridian.v1.TensorPieceH\x00\x12)\n\x06\x63hunks\x18\x03 \x01(\x0b\x32\x17.meridian.v1.PartChunksH\x00\x42\x06\n\x04item\"L\n\x0fPublishResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\traw_bytes\x18\x02 \x01(\x04\x12\x15\n\rencoded_bytes\x18\x03 \x01(\x04\"G\n\x08\x43hunkRef\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06tensor\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\x9d\x03\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.meridian.v1.TensorMeta\x12%\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x15.meridian.v1.ChunkRef\x12\x14\n\x0cweights_hash\x18\x05 \x01(\t\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x11\n\traw_bytes\x18\x07 \x01(\x04\x12\x15\n\rencoded_bytes\x18\x08 \x01(\x04\x12>\n\rtrace_context\x18\t \x03(\x0b\x32\'.meridian.v1.Manifest.TraceContextEntry\x12#\n\x06\x63\x61nary\x18\n \x01(\x0b\x32\x13.meridian.v1.Canary\x12\x30\n\tsignature\x18\x0b \x01(\x0b\x32\x1d.meridian.v1.VersionSignature\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8b\x01\n\x10SubscribeRequest\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\x02 \x01(\x08\x12\x0e\n\x06resume\x18\x03 \x01(\x08\x12\x16\n\x0eresume_version\x18\x04 \x01(\x03\x12\x13\n\x0bresume_base\x18\x05 \x01(\x03\x12\x14\n\x0cresume_chunk\x18\x06 \x01(\r\"\x93\x01\n\x0bWeightChunk\x12)\n\x08manifest\x18\x01 \x01(\x0b\x32\x15.meridian.v1.ManifestH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.meridian.v1.ChunkDataH\x00\x12(\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x17.meridian.v1.ChunkBatchH\x00\x42\x06\n\x04item\"4\n\nChunkBatch\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.meridian.v1.ChunkData\"9\n\tChunkData\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"I\n\x11\x46\x65tchChunkRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12\r\n\x05index\x18\x03 \x01(\r\"\x19\n\x17WeightSyncStatusRequest\"\xd6\x02\n\x10WeightSyncStatus\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12\x10\n\x08versions\x18\x02 \x03(\x03\x12\x14\n\x0cstored_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x13\n\x0b\x63hunks_sent\x18\x05 \x01(\x04\x12\x18\n\x10\x63hunk_bytes_sent\x18\x06 \x01(\x04\x12\x17\n\x0fresumed_streams\x18\x07 \x01(\x04\x12\x15\n\rchunk_fetches\x18\x08 \x01(\x04\x12\x17\n\x0f\x63ompacted_built\x18\t \x01(\x04\x12\x19\n\x11upstream_versions\x18\n \x01(\x04\x12\x16\n\x0eupstream_bytes\x18\x0b \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x0c \x01(\x04\x12\x15\n\rencoded_parts\x18\r \x01(\x04\x12\x1d\n\x15\x65ncoded_parts_refused\x18\x0e \x01(\x04*N\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03\x32\xf8\x02\n\nWeightSync\x12\x46\n\x07Publish\x12\x1b.meridian.v1.PublishRequest\x1a\x1c.meridian.v1.PublishResponse(\x01\x12\x46\n\tSubscribe\x12\x1d.meridian.v1.SubscribeRequest\x1a\x18.meridian.v1.WeightChunk0\x01\x12\x45\n\x0bGetManifest\x12\x1f.meridian.v1.GetManifestRequest\x1a\x15.meridian.v1.Manifest\x12\x44\n\nFetchChunk\x12\x1e.meridian.v1.FetchChunkRequest\x1a\x16.meridian.v1.ChunkData\x12M\n\x06Status\x12$.meridian.v1.WeightSyncStatusRequest\x1a\x1d.meridian.v1.WeightSyncStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUBLISHHEADER_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_MANIFEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_MANIFEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2611
-  _globals['_DTYPE']._serialized_end=2689
+  _globals['_DTYPE']._serialized_start=2615
+  _globals['_DTYPE']._serialized_end=2693
   _globals['_TENSORMETA']._serialized_start=45
   _globals['_TENSORMETA']._serialized_end=121
   _globals['_PUBLISHHEADER']._serialized_start=124
@@ -55,34 +55,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANARYSEQUENCE']._serialized_end=841
   _globals['_TENSORPIECE']._serialized_start=843
   _globals['_TENSORPIECE']._serialized_end=925
-  _globals['_PARTCHUNK']._serialized_start=927
-  _globals['_PARTCHUNK']._serialized_end=994
-  _globals['_PUBLISHREQUEST']._serialized_start=997
-  _globals['_PUBLISHREQUEST']._serialized_end=1151
-  _globals['_PUBLISHRESPONSE']._serialized_start=1153
-  _globals['_PUBLISHRESPONSE']._serialized_end=1229
-  _globals['_CHUNKREF']._serialized_start=1231
-  _globals['_CHUNKREF']._serialized_end=1302
-  _globals['_MANIFEST']._serialized_start=1305
-  _globals['_MANIFEST']._serialized_end=1718
+  _globals['_PARTCHUNKS']._serialized_start=927
+  _globals['_PARTCHUNKS']._serialized_end=996
+  _globals['_PUBLISHREQUEST']._serialized_start=999
+  _globals['_PUBLISHREQUEST']._serialized_end=1155
+  _globals['_PUBLISHRESPONSE']._serialized_start=1157
+  _globals['_PUBLISHRESPONSE']._serialized_end=1233
+  _globals['_CHUNKREF']._serialized_start=1235
+  _globals['_CHUNKREF']._serialized_end=1306
+  _globals['_MANIFEST']._serialized_start=1309
+  _globals['_MANIFEST']._serialized_end=1722
   _globals['_MANIFEST_TRACECONTEXTENTRY']._serialized_start=550
   _globals['_MANIFEST_TRACECONTEXTENTRY']._serialized_end=601
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1721
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1860
-  _globals['_WEIGHTCHUNK']._serialized_start=1863
-  _globals['_WEIGHTCHUNK']._serialized_end=2010
-  _globals['_CHUNKBATCH']._serialized_start=2012
-  _globals['_CHUNKBATCH']._serialized_end=2064
-  _globals['_CHUNKDATA']._serialized_start=2066
-  _globals['_CHUNKDATA']._serialized_end=2123
-  _globals['_GETMANIFESTREQUEST']._serialized_start=2125
-  _globals['_GETMANIFESTREQUEST']._serialized_end=2162
-  _globals['_FETCHCHUNKREQUEST']._serialized_start=2164
-  _globals['_FETCHCHUNKREQUEST']._serialized_end=2237
-  _globals['_WEIGHTSYNCSTATUSREQUEST']._serialized_start=2239
-  _globals['_WEIGHTSYNCSTATUSREQUEST']._serialized_end=2264
-  _globals['_WEIGHTSYNCSTATUS']._serialized_start=2267
-  _globals['_WEIGHTSYNCSTATUS']._serialized_end=2609
-  _globals['_WEIGHTSYNC']._serialized_start=2692
-  _globals['_WEIGHTSYNC']._serialized_end=3068
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1725
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1864
+  _globals['_WEIGHTCHUNK']._serialized_start=1867
+  _globals['_WEIGHTCHUNK']._serialized_end=2014
+  _globals['_CHUNKBATCH']._serialized_start=2016
+  _globals['_CHUNKBATCH']._serialized_end=2068
+  _globals['_CHUNKDATA']._serialized_start=2070
+  _globals['_CHUNKDATA']._serialized_end=2127
+  _globals['_GETMANIFESTREQUEST']._serialized_start=2129
+  _globals['_GETMANIFESTREQUEST']._serialized_end=2166
+  _globals['_FETCHCHUNKREQUEST']._serialized_start=2168
+  _globals['_FETCHCHUNKREQUEST']._serialized_end=2241
+  _globals['_WEIGHTSYNCSTATUSREQUEST']._serialized_start=2243
+  _globals['_WEIGHTSYNCSTATUSREQUEST']._serialized_end=2268
+  _globals['_WEIGHTSYNCSTATUS']._serialized_start=2271
+  _globals['_WEIGHTSYNCSTATUS']._serialized_end=2613
+  _globals['_WEIGHTSYNC']._serialized_start=2696
+  _globals['_WEIGHTSYNC']._serialized_end=3072
 # @@protoc_insertion_point(module_scope)

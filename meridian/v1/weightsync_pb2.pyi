@@ -106,23 +106,23 @@ class TensorPiece(_message.Message):
     data: bytes
     def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
-class PartChunk(_message.Message):
-    __slots__ = ("meta", "payload")
+class PartChunks(_message.Message):
+    __slots__ = ("meta", "payloads")
     META_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     meta: TensorMeta
-    payload: bytes
-    def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    payloads: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., payloads: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("header", "piece", "chunk")
+    __slots__ = ("header", "piece", "chunks")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     header: PublishHeader
     piece: TensorPiece
-    chunk: PartChunk
-    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., piece: _Optional[_Union[TensorPiece, _Mapping]] = ..., chunk: _Optional[_Union[PartChunk, _Mapping]] = ...) -> None: ...
+    chunks: PartChunks
+    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., piece: _Optional[_Union[TensorPiece, _Mapping]] = ..., chunks: _Optional[_Union[PartChunks, _Mapping]] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("version", "raw_bytes", "encoded_bytes")

@@ -187,13 +187,24 @@ async def _publish_encoded_part(
     return reply
 
 
-def encoded_part_requests(header: pb.PublishHeader, weights: Weights, payloads: Mapping[str, list[bytes]]) -> Iterator[pb.PublishRequest]:
+def encoded_part_requests(
+    header: pb.PublishHeader, weights: Weights, payloads: Mapping[str, list[bytes]], message_bytes: int = PIECE_BYTES
+) -> Iterator[pb.PublishRequest]:
     """A rank-encoded part's Publish stream: its header, then each tensor's chunk payloads
-    in order, the first with the tensor's meta."""
+    in order, consecutive ones coalesced into messages of up to ``message_bytes`` (one
+    larger payload goes alone), the tensor's first message with its meta."""
     yield pb.PublishRequest(header=header)
     for name in sorted(payloads):
-        for j, payload in enumerate(payloads[name]):
-            yield pb.PublishRequest(chunk=pb.PartChunk(meta=weights[name].meta(name) if j == 0 else None, payload=payload))
+        batch: list[bytes] = []
+        size = 0
+        first = True
+        for payload in payloads[name]:
+            if batch and size + len(payload) > message_bytes:
+                yield pb.PublishRequest(chunks=pb.PartChunks(meta=weights[name].meta(name) if first else None, payloads=batch))
+                batch, size, first = [], 0, False
+            batch.append(payload)
+            size += len(payload)
+        yield pb.PublishRequest(chunks=pb.PartChunks(meta=weights[name].meta(name) if first else None, payloads=batch))
 
 
 async def latest_version(address: str, timeout_s: float = 10.0) -> int:

@@ -23,6 +23,7 @@ from meridian.errors import (
 from meridian.grpc_runtime import CallLimit
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
+from services.weightsync.chunk_messages import serialize_response, weight_chunk_message
 from services.weightsync.client import WeightSubscriber
 from services.weightsync.config import WeightSyncConfig
 from services.weightsync.ratelimit import TokenBucket
@@ -126,7 +127,7 @@ class _Assembly:
 
 
 class _EncodedPart:
-    """Collects a rank-encoded part's chunk payloads (PartChunk messages), each tensor's
+    """Collects a rank-encoded part's chunk payloads (PartChunks messages), each tensor's
     in order, checking each tensor's meta against the base it is coded on and its chunk
     count and sizes against the origin's chunking. Decoding makes a buffer as large as the
     base tensor, so that is what is reserved in ``budget`` when the tensor starts."""
@@ -139,19 +140,20 @@ class _EncodedPart:
         self.declared = 0
         self._chunks_of: dict[str, int] = {}
 
-    def add(self, chunk: pb.PartChunk, current: str) -> str:
-        name = chunk.meta.name or current
-        if chunk.meta.name:
-            self._start(name, chunk.meta)
+    def add(self, chunks: pb.PartChunks, current: str) -> str:
+        name = chunks.meta.name or current
+        if chunks.meta.name:
+            self._start(name, chunks.meta)
         if not name:
-            raise InvalidArgument("the first chunk of a tensor must carry its meta (name, dtype, shape)")
+            raise InvalidArgument("the first message of a tensor's chunks must carry its meta (name, dtype, shape)")
         held = self.payloads[name]
-        if len(held) >= self._chunks_of[name]:
+        if len(held) + len(chunks.payloads) > self._chunks_of[name]:
             raise InvalidArgument(f"tensor {name!r}: more than the {self._chunks_of[name]} chunks of {self.chunk_bytes} raw bytes it is cut into")
-        # A keyframe chunk is the raw bytes and a header; nothing a codec writes is larger.
-        if len(chunk.payload) > self.chunk_bytes + (4 << 10):
-            raise InvalidArgument(f"tensor {name!r}: a chunk payload of {len(chunk.payload)} bytes, more than a chunk of {self.chunk_bytes} raw bytes needs")
-        held.append(chunk.payload)
+        for payload in chunks.payloads:
+            # A keyframe chunk is the raw bytes and a header; nothing a codec writes is larger.
+            if len(payload) > self.chunk_bytes + (4 << 10):
+                raise InvalidArgument(f"tensor {name!r}: a chunk payload of {len(payload)} bytes, more than a chunk of {self.chunk_bytes} raw bytes needs")
+        held.extend(chunks.payloads)
         return name
 
     def _start(self, name: str, meta: pb.TensorMeta) -> None:
@@ -180,6 +182,19 @@ class _EncodedPart:
         if self.budget is not None:
             self.budget.release(self.declared)
         self.declared = 0
+
+
+class _Handlers:
+    """Takes what the generated ``add_WeightSyncServicer_to_server`` registers."""
+
+    service = ""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same handlers come to add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.service, self.handlers = service, handlers
 
 
 class _NotTheBase(Exception):
@@ -284,7 +299,14 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self.metrics = metrics.ServiceMetrics("weightsync", self._metric_values)
 
     def register(self, server: grpc.aio.Server) -> None:
-        pb_grpc.add_WeightSyncServicer_to_server(self, server)
+        """The generated handlers, Subscribe's with a serialiser that passes the chunk
+        messages it serialised itself (see :mod:`~services.weightsync.chunk_messages`)."""
+        generated = _Handlers()
+        pb_grpc.add_WeightSyncServicer_to_server(self, generated)
+        handlers = dict(generated.handlers)
+        handlers["Subscribe"] = handlers["Subscribe"]._replace(response_serializer=serialize_response)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, handlers),))
+        server.add_registered_method_handlers(generated.service, handlers)
 
     async def start(self) -> None:
         if self.config.role == "relay":
@@ -537,9 +559,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         """The rest of a rank-encoded part's stream after its header: chunk payloads only."""
         current = ""
         async for item in request_iterator:
-            if not item.HasField("chunk"):
+            if not item.HasField("chunks"):
                 raise InvalidArgument("a rank-encoded part's stream carries one header, then chunks only")
-            current = receiving.add(item.chunk, current)
+            current = receiving.add(item.chunks, current)
         receiving.check_complete()
 
     async def _decode_part(
@@ -669,11 +691,12 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             return incoming
         return self.store.find(version, base)
 
-    async def _send_chunks(self, enc: Encoded, start: int) -> AsyncIterator[pb.WeightChunk]:
+    async def _send_chunks(self, enc: Encoded, start: int) -> AsyncIterator[bytes]:
         """Chunks ``start..`` of ``enc``, consecutive ones that are already here coalesced
-        into messages of up to ``message_kib``; for a version still arriving from upstream,
-        each as soon as it is here (a relay never waits to fill a message). Ends early
-        (Unavailable) if the arrival was abandoned."""
+        into messages of up to ``message_kib``, each a serialised ``WeightChunk`` (see
+        :mod:`~services.weightsync.chunk_messages`); for a version still arriving from
+        upstream, each as soon as it is here (a relay never waits to fill a message). Ends
+        early (Unavailable) if the arrival was abandoned."""
         total = len(enc.manifest.chunks)
         version, base = enc.manifest.version, enc.manifest.base_version
         limit = self.config.message_kib << 10
@@ -689,18 +712,16 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                     if replacement is None:
                         raise Unavailable(f"version {version} was abandoned mid-transfer upstream; subscribe again")
                     enc = replacement
-            batch: list[pb.ChunkData] = []
+            first = index
             size = 0
             # A relay's chunks list only grows with chunks that passed their checksum.
-            while index < min(total, len(enc.chunks)) and (not batch or size + len(enc.chunks[index]) <= limit):
-                payload = enc.chunks[index]
-                batch.append(pb.ChunkData(version=version, index=index, data=payload))
-                size += len(payload)
+            while index < min(total, len(enc.chunks)) and (index == first or size + len(enc.chunks[index]) <= limit):
+                size += len(enc.chunks[index])
                 index += 1
             await self._send.take(size)
-            self.counters["chunks_sent"] += len(batch)
+            self.counters["chunks_sent"] += index - first
             self.counters["chunk_bytes_sent"] += size
-            yield pb.WeightChunk(chunk=batch[0]) if len(batch) == 1 else pb.WeightChunk(batch=pb.ChunkBatch(chunks=batch))
+            yield weight_chunk_message(version, first, enc.chunks[first:index])
 
     async def _plan(self, held: int) -> list[Encoded]:
         async with self._store_lock:
@@ -712,7 +733,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             return [incoming]
         return plan
 
-    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WeightChunk]:
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WeightChunk | bytes]:
         held = request.from_version
         if held < -1:
             raise InvalidArgument(f"from_version must be >= -1, got {held}")

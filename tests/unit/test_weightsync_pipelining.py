@@ -28,8 +28,9 @@ def _version(n: int = 200_000, tensors: int = 24) -> Encoded:
     return encode_version(0, weights, None, -1, 1 << 22)
 
 
-def _messages(items: list[pb.WeightChunk]) -> list[list[pb.ChunkData]]:
-    return [list(m.batch.chunks) if m.HasField("batch") else [m.chunk] for m in items]
+def _messages(items: list[bytes]) -> list[list[pb.ChunkData]]:
+    parsed = [pb.WeightChunk.FromString(m) for m in items]
+    return [list(m.batch.chunks) if m.HasField("batch") else [m.chunk] for m in parsed]
 
 
 def test_chunks_are_coalesced_up_to_the_message_size(tmp_path: Path) -> None:
@@ -38,7 +39,7 @@ def test_chunks_are_coalesced_up_to_the_message_size(tmp_path: Path) -> None:
     limit_kib = max(1, 3 * max(sizes) // 1024)
     service = WeightSyncService(WeightSyncConfig(data_dir=str(tmp_path), message_kib=limit_kib))
 
-    async def main() -> list[pb.WeightChunk]:
+    async def main() -> list[bytes]:
         return [m async for m in service._send_chunks(enc, 2)]
 
     messages = _messages(asyncio.run(main()))

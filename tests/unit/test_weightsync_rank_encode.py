@@ -150,11 +150,13 @@ def test_forged_or_malformed_encoded_parts_are_refused_and_lose_nothing(tmp_path
     header = _header(1, versions[1])
     split = [_split(v, 2) for v in versions]
 
-    def part_requests(index: int, payloads: dict[str, list[bytes]], base_version: int = 0, chunk_bytes: int = 0) -> list[pb.PublishRequest]:
+    def part_requests(
+        index: int, payloads: dict[str, list[bytes]], base_version: int = 0, chunk_bytes: int = 0, message_bytes: int = 1 << 20
+    ) -> list[pb.PublishRequest]:
         coded = parts.part_header(header, index, 2, split[1][index])
         coded.part_encoded, coded.part_base_version = True, base_version
         coded.part_chunk_bytes = chunk_bytes or int(0.002 * (1 << 20))
-        return list(weightsync.encoded_part_requests(coded, split[1][index], payloads))
+        return list(weightsync.encoded_part_requests(coded, split[1][index], payloads, message_bytes))
 
     def encoded(index: int, new: Weights) -> dict[str, list[bytes]]:
         return encode_tensors(new, split[0][index], int(0.002 * (1 << 20))).payloads
@@ -185,8 +187,11 @@ def test_forged_or_malformed_encoded_parts_are_refused_and_lose_nothing(tmp_path
                     await _send(address, requests)
                 assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.value.details()
             assert await weightsync.latest_version(address) == 0, "nothing refused was stored"
-            # The version still goes in whole: both parts, honest and encoded.
-            await asyncio.gather(*(_send(address, part_requests(i, encoded(i, split[1][i]))) for i in (0, 1)))
+            # The version still goes in whole: both parts, honest and encoded (part 0 one
+            # chunk per message, part 1 each tensor's chunks in one).
+            honest = [part_requests(0, encoded(0, split[1][0]), message_bytes=1), part_requests(1, encoded(1, split[1][1]))]
+            assert len(honest[0]) - 1 == sum(len(p) for p in encoded(0, split[1][0]).values()) and len(honest[1]) - 1 == len(split[1][1])
+            await asyncio.gather(*(_send(address, requests) for requests in honest))
             assert await weightsync.latest_version(address) == 1
             got = await weightsync.manifest(address, 1)
             assert got.weights_hash == header.weights_hash
