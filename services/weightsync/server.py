@@ -31,7 +31,7 @@ from services.weightsync.signing import SignatureRefused, Verifier, load_verifie
 from services.weightsync.store import VersionStore
 from services.weightsync import parts
 from services.weightsync.codec import CodecError
-from services.weightsync.versions import Carried, Encoded, EncodedTensors, check_tensor_set, decode_tensors, encode_tensors
+from services.weightsync.versions import Carried, Changes, Encoded, EncodedTensors, Spare, check_tensor_set, decode_tensors, encode_tensors
 from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, element_count, hash_of_sums
 
 _T = TypeVar("_T")
@@ -215,6 +215,7 @@ class _PendingVersion:
     base: dict[str, RawTensor] | None
     base_carried: Carried  # what the store's encoding left for ``base``, coded over by every part
     encode: bool  # False: a republish of a held version, checked, not encoded
+    spare: Spare | None = None  # buffers rank-encoded parts are decoded into (store.take_spare)
     names: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # registered parts
     part_hashes: dict[int, str] = dataclasses.field(default_factory=dict)  # each registered part's part_hash
     done: set[int] = dataclasses.field(default_factory=set)  # parts received and encoded
@@ -222,6 +223,7 @@ class _PendingVersion:
     payloads: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
     sha256: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # the payloads', from the encoders
     carried: Carried = dataclasses.field(default_factory=Carried)  # what the parts leave for the next version
+    changes: Changes = dataclasses.field(default_factory=dict)  # of the tensors decoded from rank-encoded parts
     items: list[parts.HashItem] = dataclasses.field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     result: asyncio.Future[tuple[Encoded, bool]] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -230,8 +232,11 @@ class _PendingVersion:
         # An abort nobody is left to hear must not be logged as "never retrieved".
         self.result.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    def arrived(self, index: int, tensors: dict[str, RawTensor], encoded: EncodedTensors | None, items: list[parts.HashItem]) -> None:
+    def arrived(
+        self, index: int, tensors: dict[str, RawTensor], encoded: EncodedTensors | None, items: list[parts.HashItem], changes: Changes | None = None
+    ) -> None:
         self.tensors.update(tensors)
+        self.changes.update(changes or {})
         if encoded is not None:
             self.payloads.update(encoded.payloads)
             self.sha256.update(encoded.sha256)
@@ -505,9 +510,10 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         threads = max(1, self.store.encode_threads // pending.count)
         try:
             try:
+                changes: Changes | None = None
                 if isinstance(receiving, _EncodedPart):
                     await self._receive_chunks(request_iterator, receiving)
-                    tensors, encoded, items = await self._decode_part(header, pending, receiving, threads)
+                    tensors, encoded, items, changes = await self._decode_part(header, pending, receiving, threads)
                 else:
                     await self._receive_pieces(request_iterator, receiving)
                     tensors = receiving.tensors
@@ -528,7 +534,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 # One bad or broken part spoils the version: the other parts learn why.
                 self._abort(pending, Aborted(f"version {header.version} aborted: part {index} of {pending.count} failed: {exc or type(exc).__name__}"))
                 raise
-            pending.arrived(index, tensors, encoded, items)
+            pending.arrived(index, tensors, encoded, items, changes)
             if pending.complete:
                 await self._to_completion(self._store_parts(pending))
             return await asyncio.shield(pending.result)
@@ -566,22 +572,23 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
 
     async def _decode_part(
         self, header: pb.PublishHeader, pending: _PendingVersion, receiving: _EncodedPart, threads: int
-    ) -> tuple[dict[str, RawTensor], EncodedTensors, list[parts.HashItem]]:
-        """A rank-encoded part decoded onto the base and checked against its part hash (the
-        element-hash sums moved by the changes where the base's are known: no pass)."""
+    ) -> tuple[dict[str, RawTensor], EncodedTensors, list[parts.HashItem], Changes]:
+        """A rank-encoded part decoded onto the base (into the spare buffers where there
+        are some) and checked against its part hash (the element-hash sums moved by the
+        changes where the base's are known: no pass)."""
         assert pending.base is not None  # _check_encoded_part: encoded parts have a base
         with tracer.start_as_current_span("weightsync.decode_part", context=telemetry.extract(dict(header.trace_context))) as span:
             span.set_attribute("meridian.version", header.version)
             span.set_attribute("meridian.part", header.part_index)
             try:
                 decoded = await asyncio.to_thread(
-                    decode_tensors, receiving.payloads, pending.base, self.store.chunk_bytes, pending.base_carried, threads
+                    decode_tensors, receiving.payloads, pending.base, self.store.chunk_bytes, pending.base_carried, threads, pending.spare
                 )
                 items = await asyncio.to_thread(parts.check_part_tensors, header, decoded.weights, decoded.encoded.carried.sums)
             except (CodecError, InvalidArgument) as exc:
                 raise _NotTheBase(str(exc)) from None
         self.counters["encoded_parts"] += 1
-        return decoded.weights, decoded.encoded, items
+        return decoded.weights, decoded.encoded, items, decoded.changes
 
     def _join_part(self, header: pb.PublishHeader) -> _PendingVersion:
         """Registers a part's header with the version being assembled (starting one, and its
@@ -596,6 +603,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             pending = _PendingVersion(
                 version=v, count=n, fields=parts.version_fields(header), header=header, base_version=latest,
                 base=self.store.weights if latest >= 0 else None, base_carried=self.store.carried, encode=v > latest,
+                spare=self.store.take_spare() if v > latest else None,
             )
             pending.timer = asyncio.get_running_loop().call_later(self.config.part_timeout_s, self._expire, pending)
             self._pending = pending
@@ -665,7 +673,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 enc: Encoded = await asyncio.to_thread(
                     self.store.publish_assembled, v, tensors, pending.payloads, pending.base_version, hash_of_sums(pending.items),
                     header.weights_hash, dict(header.trace_context), header.canary, header.signature if header.HasField("signature") else None,
-                    pending.carried, pending.sha256,
+                    pending.carried, pending.sha256, pending.changes,
                 )
         except BaseException as exc:
             error = exc if isinstance(exc, MeridianError) else Aborted(f"version {v} aborted while storing: {exc}")

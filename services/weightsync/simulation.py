@@ -18,8 +18,9 @@ Two modes:
 
 ``current`` -- the code as it is. The origin encodes the whole version before announcing
 it, its tensors on one thread per core (``store.publish``: codec, the weights hash moved by
-its changes, each chunk's sha256 on the thread that encoded it), then writes it with fsync
-on one thread; every peer then streams it through one asyncio event loop per process:
+its changes, each chunk's sha256 on the thread that encoded it), or with ``rank_encode``
+the trainer's ranks encode their parts and the origin decodes them in place into the
+buffers of the version before (the Python of each chunk under the GIL), then writes it with fsync on one thread; every peer then streams it through one asyncio event loop per process:
 the sender pays per chunk, per message (consecutive chunks held are coalesced into
 ``--message-kib`` messages) and per byte, the receiver per chunk (its checksum, the
 bookkeeping, and the GIL-held Python part of decoding it). Those costs were measured apart
@@ -40,7 +41,8 @@ decoded.
 
 Left out on purpose (see the README): congestion and packet loss, TCP slow start, other
 traffic on the links, CPU or memory-bandwidth contention with the trainer or the engine,
-the trainer -> origin upload of the raw weights, keyframe versions (1 in
+the trainer -> origin upload of the raw weights (rank-encoded parts: their encoded bytes
+through the origin's NIC are modelled), keyframe versions (1 in
 ``keyframe_every``: the origin also encodes a keyframe before announcing), late joiners
 and catch-up, failures and retries, and versions overlapping one another (each version is
 simulated alone; ``bytes_per_day`` says whether the links keep up with the version rate).
@@ -189,11 +191,11 @@ class CodecRates:
     persist_bytes_s: float
     delta_fraction: float
     message_overhead_s: float
-    receive_chunk_s: float = 4e-6
+    receive_chunk_s: float = 6.5e-6
     decode_chunk_s: float = 31e-6
-    send_chunk_s: float = 2.45e-6
-    send_message_s: float = 38e-6
-    send_byte_s: float = 0.44e-9
+    send_chunk_s: float = 1.5e-6
+    send_message_s: float = 48e-6
+    send_byte_s: float = 0.31e-9
     engine_apply_bytes_s: float = 0.0
     source: str = ""
 
@@ -378,7 +380,9 @@ class SimConfig:
     every receiver verifies the trainer's signature, so each also checks the signed
     content digest, a sha256 pass over the decoded weights (each tensor hashed as its last
     chunk is decoded), before it holds the version (a verifying relay passes the
-    version's last chunk on only after that).
+    version's last chunk on only after that). ``rank_encode`` (current mode): the trainer
+    is sharded and its ranks encode their parts on ``origin_cores`` cores (a sharded
+    publish with :class:`~services.weightsync.parts.PartEncoder`); the origin decodes them.
     """
 
     model: ModelLayout
@@ -393,6 +397,7 @@ class SimConfig:
     max_segments: int = 256
     single_process: bool = False
     signed: bool = False
+    rank_encode: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -708,6 +713,23 @@ def simulate(config: SimConfig) -> dict[str, Any]:
             )
             for n_chunks, raw in segs
         ]
+    elif c.rank_encode:
+        # A sharded trainer's ranks encode their parts on the trainer's cores
+        # (parts.PartEncoder) and send the chunks; the origin decodes each part in place into
+        # the buffers of the version before (versions.Spare: brought to the base by replaying
+        # its changes, no copy) on all its cores, the chunks' Python one at a time under its
+        # process's GIL, and checks the part hashes from the element-hash sums moved by the
+        # changes (no pass).
+        ranks = _Resource("trainer.encode", c.origin_cores or c.cores)
+        at_ranks = g.job("encode", "trainer", ranks, 0.0, {"encode": raw_total / rates.encode_bytes_s}, width=c.model.tensors)
+        upload = g.job("NIC", "origin", nic["origin"], enc_total / nic_rate, after=(at_ranks,))
+        gil = g.job("decode", "origin", loop["origin"], 0.0, {"decode (per chunk, GIL)": chunks_total * rates.decode_chunk_s}, after=(upload,))
+        decoded = g.job(
+            "decode", "origin", encode_cpu, 0.0,
+            {"decode": raw_total / rates.decode_bytes_s, "sha256": enc_total / rates.sha256_bytes_s}, after=(upload,), width=c.model.tensors,
+        )  # fmt: skip
+        whole = g.job("persist", "origin", None, enc_total / rates.persist_bytes_s, after=(gil, decoded))
+        have["origin"] = [whole] * len(segs)
     else:
         encoded = g.job(
             "encode",
@@ -903,10 +925,19 @@ def _wan_depth(n: _Node) -> int:
 #: The frontier case of the targets: a 1T-parameter version served in four regions over
 #: 10 Gbit/s links. Latency: the worst of the planned 20-150 ms. Four subscribers per
 #: region. Relays and subscribers: 128 cores (a 1T replica spans at least two 8-GPU
-#: hosts, each decoding its own shard); the pipelined origin: the trainer's hosts encode
-#: their own shards, 1024 cores (16 hosts of 64); the current origin encodes on its own
-#: 128 cores (one process; the code takes one thread per core).
-FRONTIER = {"params": "1t", "regions": 4, "wan_gbit_s": 10.0, "latency_ms": 150.0, "subscribers_per_region": 4, "cores": 128, "origin_cores": 1024}
+#: hosts, each decoding its own shard). The trainer is sharded over 16 hosts of 64 cores,
+#: which encode their own parts (1024 cores; the origin decodes them). The service's flags
+#: sized for a model this large: 32 MiB chunks (``--chunk-mb 32``: 70,000 chunks, not
+#: 490,000, each with its per-chunk costs on every hop), 1 MiB messages (``--message-kib
+#: 1024``), and in each region two relays under the head that feed two subscribers each
+#: (a three-level tree: no node's event loop sends the version more than four times).
+FRONTIER = {
+    "params": "1t", "regions": 4, "wan_gbit_s": 10.0, "latency_ms": 150.0, "subscribers_per_region": 4, "cores": 128, "origin_cores": 1024,
+    "rank_encode": True, "chunk_mib": 32.0, "message_kib": 1024, "local_relays": 2,
+}  # fmt: skip
+#: The same with the service's default flags, for comparison: the origin encodes (a sharded
+#: publish sent raw), 4 MiB chunks, 64 KiB messages, each region's head feeds its subscribers.
+FRONTIER_DEFAULTS = {"rank_encode": False, "chunk_mib": 4.0, "message_kib": 64, "local_relays": 0}
 FRONTIER_TARGET_S = 15.0
 
 
@@ -916,8 +947,14 @@ def frontier_config(mode: str, rates: CodecRates = DEFAULT_RATES, **changes: Any
     if unknown:
         raise SimulationError(f"unknown frontier parameters {sorted(unknown)}; known: {sorted(FRONTIER)}")
     p = {**FRONTIER, **changes}
-    topology = Topology(regions=p["regions"], subscribers_per_region=p["subscribers_per_region"], wan=Link.gbit(p["wan_gbit_s"], p["latency_ms"]))
-    return SimConfig(model_layout(p["params"]), topology, rates, mode=mode, cores=p["cores"], origin_cores=p["origin_cores"], max_segments=128)
+    topology = Topology(
+        regions=p["regions"], subscribers_per_region=p["subscribers_per_region"], wan=Link.gbit(p["wan_gbit_s"], p["latency_ms"]),
+        local_relays=p["local_relays"],
+    )  # fmt: skip
+    return SimConfig(
+        model_layout(p["params"]), topology, rates, mode=mode, cores=p["cores"], origin_cores=p["origin_cores"], max_segments=128,
+        chunk_bytes=int(p["chunk_mib"] * MIB), message_bytes=int(p["message_kib"]) << 10, rank_encode=p["rank_encode"] and mode == "current",
+    )  # fmt: skip
 
 
 def _cores_for(target_s: float, rates: CodecRates, which: str) -> int | None:
@@ -972,8 +1009,13 @@ def frontier_figures(rates: CodecRates | Mapping[str, Any] | None = None, search
     # hashes the decoded weights once per version.
     signed = simulate(dataclasses.replace(frontier_config("current", rates), signed=True))
     out["current_signed"] = {"served_everywhere_s": signed["served_everywhere_s"], "where_the_time_goes": signed["where_the_time_goes"]}
+    defaults = simulate(frontier_config("current", rates, **FRONTIER_DEFAULTS))
+    out["current_default_flags"] = {
+        "flags": dict(FRONTIER_DEFAULTS), "served_everywhere_s": defaults["served_everywhere_s"], "where_the_time_goes": defaults["where_the_time_goes"],
+    }  # fmt: skip
     out["t_1t_4regions_10gbit_s"] = out["current"]["served_everywhere_s"]
     out["t_1t_4regions_10gbit_s_signed"] = signed["served_everywhere_s"]
+    out["t_1t_4regions_10gbit_s_default_flags"] = defaults["served_everywhere_s"]
     out["t_1t_4regions_10gbit_s_pipelined"] = out["pipelined"]["served_everywhere_s"]
     if search_cores:
         # What the pipelined design needs to meet the target, one kind of node at a time
@@ -1048,7 +1090,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--region-fanout", type=int, default=None, help="relays each node feeds across regions (default: all from the origin)")
     parser.add_argument("--local-relays", type=int, default=0, help="relays under each region's head that feed its subscribers (default 0)")
     parser.add_argument("--cores", type=int, default=64, help="cores of each relay and subscriber (default 64)")
-    parser.add_argument("--origin-cores", type=int, default=None, help="cores that encode at the origin in pipelined mode (default: --cores)")
+    parser.add_argument(
+        "--origin-cores", type=int, default=None, help="cores that encode: the trainer's, with --rank-encode or in pipelined mode (default: --cores)"
+    )
+    parser.add_argument(
+        "--rank-encode", action="store_true", help="current mode: a sharded trainer whose ranks encode their parts (the origin decodes them)"
+    )
     parser.add_argument("--chunk-mb", type=float, default=4.0, help="largest raw chunk, MiB, as the service's --chunk-mb (default 4)")
     parser.add_argument("--message-mb", type=float, default=None, help="encoded bytes coalesced per message, MiB (default: 1/16 in current mode, the service's --message-kib; 4 in pipelined mode)")
     parser.add_argument("--mode", choices=["current", "serial", "pipelined", "both"], default="both", help="which model (default both)")
@@ -1109,6 +1156,7 @@ def main(argv: Sequence[str]) -> int:
             chunk_bytes=_mib(ns.chunk_mb, "--chunk-mb"),
             message_bytes=None if ns.message_mb is None else _mib(ns.message_mb, "--message-mb"),
             signed=ns.signed,
+            rank_encode=ns.rank_encode,
             version_interval_s=ns.version_every_s,
             max_segments=ns.max_segments or (64 if ns.sweep else 256),
         )

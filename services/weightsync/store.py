@@ -26,7 +26,9 @@ from meridian.errors import Aborted, AlreadyExists, DataLoss, FailedPrecondition
 from meridian.tensors import RawTensor, Weights, weights_hash
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync.receiver import decode_all
-from services.weightsync.versions import CODEC_NAME, READABLE_CODECS, Carried, Encoded, assemble_version, check_tensor_set, encode_version
+from services.weightsync.versions import (
+    CODEC_NAME, READABLE_CODECS, Carried, Changes, Encoded, Spare, assemble_version, check_tensor_set, encode_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,10 @@ class VersionStore:
         # (version, base) -> compacted delta for late joiners; memory only, a few at most.
         self.compacted: dict[tuple[int, int], Encoded] = {}
         self.compacted_built = 0
+        # The previous weights' buffers, for decoding the next rank-encoded version into
+        # (see take_spare). Keeping them costs a second copy of the model between versions,
+        # which a version being decoded needs anyway.
+        self.spare: Spare | None = None
         self._recover()
 
     # ------------------------------------------------------------ publishing
@@ -132,13 +138,16 @@ class VersionStore:
         signature: pb.VersionSignature | None = None,
         carried: Carried | None = None,
         sha256: Mapping[str, list[str]] | None = None,
+        changes: Changes | None = None,
     ) -> Encoded:
         """:meth:`publish` for a version whose tensors were encoded apart (a sharded
         publish's parts, each against the weights of ``base_version`` and over
         :attr:`carried`) and whose weights hash ``digest`` was combined from the parts: the
         same checks, the same manifest and chunks as :meth:`publish` of the whole
         ``weights``; ``carried`` is what the parts left after it, ``sha256`` the payloads'
-        digests the parts' encoders computed. Refuses (ABORTED)
+        digests the parts' encoders computed, ``changes`` those of the tensors decoded from
+        rank-encoded parts (the base's buffers of those tensors then become the spare the
+        next version decodes into, see :meth:`take_spare`). Refuses (ABORTED)
         when the latest version moved past ``base_version`` while the parts were encoding."""
         if not weights:
             raise InvalidArgument(f"version {version} has no tensors")
@@ -151,7 +160,20 @@ class VersionStore:
             raise DataLoss(f"version {version}: received weights hash {digest[:12]} != publisher's {expected_hash[:12]}")
         enc = assemble_version(version, weights, payloads, base_version, digest, trace_context, canary, signature, sha256)
         enc.carried = carried or Carried()
-        return self.add_encoded(enc, weights)
+        previous = self.weights
+        stored = self.add_encoded(enc, weights)
+        if changes:
+            self.spare = Spare({n: previous[n] for n in changes if n in previous}, dict(changes))
+        return stored
+
+    def take_spare(self) -> Spare | None:
+        """Buffers the next version's rank-encoded parts can be decoded into instead of
+        fresh copies of the latest weights (see :class:`~services.weightsync.versions.Spare`):
+        the tensors of the version before the latest, which nothing reads any more, and the
+        latest's changes against them. Given once (the caller writes into them), and only
+        while the latest version is the one they lead to."""
+        spare, self.spare = self.spare, None
+        return spare
 
     def _republished(self, version: int, weights: Weights) -> Encoded:
         held = self.deltas.get(version) or self.keyframes.get(version)
@@ -170,6 +192,7 @@ class VersionStore:
         """Records an encoded version whose decoded ``weights`` the caller already holds
         (they must not change during the call: a keyframe may be encoded from them)."""
         version = enc.manifest.version
+        self.spare = None  # it led to the version before this one
         self._persist(enc)
         if enc.is_keyframe:
             self.keyframes[version] = enc

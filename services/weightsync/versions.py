@@ -163,53 +163,89 @@ def _collect(done: Mapping[str, _EncodedTensor]) -> EncodedTensors:
     return out
 
 
+#: Per tensor, the changes of each chunk of one delta (None: a chunk went as a keyframe).
+Changes = dict[str, list[codec.ChunkChanges] | None]
+
+
+@dataclasses.dataclass
+class Spare:
+    """Buffers to decode the next version into instead of fresh copies of its base: the
+    tensors of the version before the base, which no one reads any more, and the base's
+    changes against them (``Changes``). Replaying those changes makes a buffer the base in
+    O(changes), where a copy costs a pass over the model (and, into fresh memory, its page
+    faults): decoding a version then costs in proportion to two deltas."""
+
+    weights: dict[str, RawTensor]
+    changes: Changes
+
+    def buffer(self, name: str, base: RawTensor) -> np.ndarray | None:
+        """Tensor ``name``'s buffer holding ``base``'s values, or None when it cannot (no
+        spare or no changes for it, or another dtype or shape). Each buffer is given once."""
+        spare, changes = self.weights.pop(name, None), self.changes.pop(name, None)
+        if spare is None or changes is None or (spare.dtype, tuple(spare.shape)) != (base.dtype, tuple(base.shape)) or spare.bits is base.bits:
+            return None
+        for ch in changes:
+            spare.bits[ch.positions] = ch.new
+        return spare.bits
+
+
 @dataclasses.dataclass
 class DecodedTensors:
     """Tensors decoded from chunk payloads another process encoded (a trainer rank's
     part), and those payloads as :func:`encode_tensors` would have returned them here:
     their digests and what they leave for the next version (the indexes after their
-    changes; the sums moved by them where the base's were carried)."""
+    changes; the sums moved by them where the base's were carried), and the changes."""
 
     weights: dict[str, RawTensor]
     encoded: EncodedTensors
+    changes: Changes = dataclasses.field(default_factory=dict)
 
 
 def decode_tensors(
-    payloads: Mapping[str, list[bytes]], base: Weights, chunk_bytes: int, carried: Carried | None = None, threads: int = 1
+    payloads: Mapping[str, list[bytes]], base: Weights, chunk_bytes: int, carried: Carried | None = None, threads: int = 1, spare: Spare | None = None
 ) -> DecodedTensors:
     """The tensors that ``payloads`` (per tensor, its chunks in order, each a delta or
     keyframe chunk against ``base``'s tensor of the same name, as :func:`encode_tensors`
     makes them with ``chunk_bytes``) describe, each decoded onto a copy of its base tensor
-    over ``carried``'s position indexes (built where missing or not the ones a payload
-    names). ``base`` is not changed. Raises CodecError when a tensor is not in ``base``,
-    or its chunks are not the ``chunk_bytes`` chunking of it, or do not decode."""
+    (``spare``'s buffer where it has one) over ``carried``'s position indexes (built where
+    missing or not the ones a payload names). ``base`` is not changed. Raises CodecError
+    when a tensor is not in ``base``, or its chunks are not the ``chunk_bytes`` chunking of
+    it, or do not decode."""
     held_indexes = carried.indexes if carried is not None else None
     held_sums = carried.sums if carried is not None else {}
     for name in payloads:
         if name not in base:
             raise codec.CodecError(f"tensor {name!r} is not in the base version")
     decoded: dict[str, RawTensor] = {}
+    changes: Changes = {}
+    # Taken before the threads start: each tensor's buffer, given once.
+    buffers = {name: spare.buffer(name, base[name]) if spare is not None else None for name in payloads}
 
     def one(name: str) -> _EncodedTensor:
-        decoded[name], result = _decode_tensor(name, payloads[name], base[name], chunk_bytes, held_indexes, held_sums)
+        decoded[name], changes[name], result = _decode_tensor(
+            name, payloads[name], base[name], chunk_bytes, held_indexes, held_sums, buffers[name]
+        )  # fmt: skip
         return result
 
     done = _per_tensor(one, {n: base[n].nbytes for n in payloads}, threads, "ws-decode-part")
-    return DecodedTensors(dict(sorted(decoded.items())), _collect(done))
+    return DecodedTensors(dict(sorted(decoded.items())), _collect(done), changes)
 
 
 def _decode_tensor(
-    name: str, payloads: list[bytes], old: RawTensor, chunk_bytes: int, held_indexes: Indexes | None, held_sums: Mapping[str, elementhash.Sums]
-) -> tuple[RawTensor, _EncodedTensor]:
-    """One tensor of :func:`decode_tensors`: decoded in place on a copy of ``old``."""
+    name: str, payloads: list[bytes], old: RawTensor, chunk_bytes: int, held_indexes: Indexes | None, held_sums: Mapping[str, elementhash.Sums],
+    buffer: np.ndarray | None = None,
+) -> tuple[RawTensor, list[codec.ChunkChanges] | None, _EncodedTensor]:
+    """One tensor of :func:`decode_tensors`: decoded in place on a copy of ``old`` (or on
+    ``buffer``, which holds ``old``'s values)."""
     per_chunk = max(1, chunk_bytes // old.bits.itemsize)
     numel = old.bits.shape[0]
     starts = range(0, max(numel, 1), per_chunk)
     if len(payloads) != len(starts):
         raise codec.CodecError(f"tensor {name!r}: {len(payloads)} chunks, but its {numel} elements in chunks of {per_chunk} make {len(starts)}")
     held = _chunk_indexes(held_indexes, name, numel, per_chunk)
-    out = old.bits.copy()
+    out = old.bits.copy() if buffer is None else buffer
     indexes: list[codec.ChunkIndex | None] = []
+    changed: list[codec.ChunkChanges] | None = []
     sums = held_sums.get(name)
     for j, (start, payload) in enumerate(zip(starts, payloads)):
         hdr = codec.parse_header(payload)
@@ -222,7 +258,7 @@ def _decode_tensor(
         if hdr.mode == codec.MODE_KEYFRAME:
             codec.decode_chunk_into(payload, out, None, header=hdr)
             indexes.append(None)  # no changes listed: built from the values when next needed
-            sums = None
+            sums = changed = None
             continue
         index = codec.ensure_index(payload, out, held[j] if held is not None else None, header=hdr)
         changes = codec.decode_chunk_into(payload, out, out, index=index, header=hdr)
@@ -230,7 +266,9 @@ def _decode_tensor(
         indexes.append(changes.index if changes.index is not None or index is None else codec.update_index(index, changes))
         if sums is not None:
             sums = elementhash.add(sums, elementhash.change_sums(changes.positions, changes.old, changes.new))
-    return RawTensor(old.dtype, old.shape, out), _EncodedTensor(payloads, indexes, sums, _sha256s(payloads))
+        if changed is not None:
+            changed.append(changes)
+    return RawTensor(old.dtype, old.shape, out), changed, _EncodedTensor(payloads, indexes, sums, _sha256s(payloads))
 
 
 @dataclasses.dataclass

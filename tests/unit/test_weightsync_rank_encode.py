@@ -21,7 +21,7 @@ from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync import client as weightsync
 from services.weightsync import codec, parts
 from services.weightsync.server import WeightSyncService
-from services.weightsync.versions import Carried, decode_tensors, encode_tensors
+from services.weightsync.versions import Carried, Spare, decode_tensors, encode_tensors
 from tests.conftest import serving
 from tests.unit.test_weightsync_index_carry import CHUNK_BYTES, _versions
 from tests.unit.test_weightsync_parts import _config, _header, _split, _store_files
@@ -92,8 +92,20 @@ async def _publish_encoded(address: str, version: int, weights: Weights, encoder
     await asyncio.gather(*(weightsync.publish_part(address, header, i, len(encoders), split[i], enc) for i, enc in enumerate(encoders)))
 
 
-def test_ranks_that_encode_their_parts_store_exactly_what_one_publish_stores(tmp_path: Path) -> None:
+def test_ranks_that_encode_their_parts_store_exactly_what_one_publish_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     versions = _versions(5, seed=4)
+    # From the third version on the origin decodes into the buffers of the version before
+    # the base, made the base by replaying its changes (no copy of the base): count them.
+    given: list[str] = []
+    buffer = Spare.buffer
+
+    def counted(self: Spare, name: str, base: RawTensor) -> np.ndarray | None:
+        got = buffer(self, name, base)
+        if got is not None:
+            given.append(name)
+        return got
+
+    monkeypatch.setattr(Spare, "buffer", counted)
 
     async def body() -> None:
         async with serving(WeightSyncService(_config(tmp_path / "single"))) as single:
@@ -106,6 +118,7 @@ def test_ranks_that_encode_their_parts_store_exactly_what_one_publish_stores(tmp
                 assert [e.last_encoded for e in encoders] == [v > 0] * 3, f"version {v}"
             status = await _status(parted)
             assert (status.encoded_parts, status.encoded_parts_refused) == (3 * (len(versions) - 1), 0)
+            assert sorted(given) == sorted(list(versions[0]) * (len(versions) - 2)), "every tensor into a spare buffer from version 2 on"
 
     asyncio.run(body())
     single, parted = _store_files(tmp_path / "single"), _store_files(tmp_path / "parted")

@@ -121,6 +121,26 @@ def test_the_current_origin_encodes_the_whole_version_before_sending() -> None:
     assert piped["served_everywhere_s"] == pytest.approx(1e-3 + 2e-3)
 
 
+def test_ranks_that_encode_leave_the_origin_a_decode_and_its_per_chunk_python() -> None:
+    # 4000 raw bytes in two tensors: 4 ms of encoding on one core; decoding 1 ms (in
+    # place: each receiver, the origin too); 2 ms of GIL-held Python per chunk; the link free.
+    rates = LINKS_ONLY.replace(encode_bytes_s=1e6, decode_bytes_s=4e6, decode_chunk_s=2e-3)
+    model = ModelLayout("two", ((2, 1000),))
+    topology = Topology(regions=1, subscribers_per_region=1, lan=NO_LAN, nic_bytes_s=FAST)
+    origin = sim.simulate(SimConfig(model, topology, rates, mode="current", cores=1))
+    assert origin["available_at_origin_s"] == pytest.approx(4e-3)
+    # The trainer's 4 cores encode the two tensors at once (2 ms); the origin's one core
+    # decodes both (1 ms) while its GIL takes both chunks' Python (4 ms): 6 ms.
+    ranks = sim.simulate(SimConfig(model, topology, rates, mode="current", cores=1, origin_cores=4, rank_encode=True))
+    assert ranks["available_at_origin_s"] == pytest.approx(6e-3)
+    assert ranks["where_the_time_goes"]["encode"] == pytest.approx(2e-3)
+    # The subscriber pays the same per-chunk Python again (4 ms more on the path).
+    assert ranks["where_the_time_goes"]["decode (per chunk, GIL)"] == pytest.approx(8e-3, rel=1e-6)
+    # Without the per-chunk Python the decode on the origin's cores is what is left.
+    quick = sim.simulate(SimConfig(model, topology, rates.replace(decode_chunk_s=0.0), mode="current", cores=1, origin_cores=4, rank_encode=True))
+    assert quick["available_at_origin_s"] == pytest.approx(3e-3)
+
+
 def test_more_regions_are_never_faster() -> None:
     for mode in sim.MODES:
         times = [
@@ -242,6 +262,9 @@ def test_frontier_figures_name_both_modes(monkeypatch: pytest.MonkeyPatch) -> No
     assert figures["t_1t_4regions_10gbit_s_pipelined"] < figures["t_1t_4regions_10gbit_s"]
     assert figures["pipelined_origin_cores_for_target"] is None or figures["pipelined_origin_cores_for_target"] >= 1
     assert "pipelined_subscriber_cores_for_target" not in sim.frontier_figures(search_cores=False)
+    # The service's default flags (origin encoding, small chunks and messages, no local relays) are slower.
+    assert figures["current_default_flags"]["flags"] == sim.FRONTIER_DEFAULTS
+    assert figures["t_1t_4regions_10gbit_s_default_flags"] > figures["t_1t_4regions_10gbit_s"]
 
 
 def test_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
