@@ -24,8 +24,9 @@ model:
   depend only on that tensor and its base; see :func:`versions.encode_tensors`).
 - **Rank-side encoding.** A rank that holds its part of the version the origin holds
   (:class:`PartEncoder`) encodes its tensors itself and sends the chunk payloads; the
-  origin decodes them onto its copy (checking the part hash) and stores those payloads, the
-  same bytes it would have encoded. Encoding then takes 1/N of the time with N ranks.
+  origin decodes them (:func:`versions.decode_tensors`, checking the part hash) and stores
+  those payloads, the same bytes it would have encoded. Encoding then runs on every rank at
+  once, and a part the origin cannot take that way goes raw.
 
 Pure core: no gRPC, no torch.
 """

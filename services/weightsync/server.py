@@ -187,8 +187,9 @@ class _EncodedPart:
 class _Handlers:
     """Takes what the generated ``add_WeightSyncServicer_to_server`` registers."""
 
-    service = ""
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         pass  # the same handlers come to add_registered_method_handlers
@@ -308,6 +309,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         messages it serialised itself (see :mod:`~services.weightsync.chunk_messages`)."""
         generated = _Handlers()
         pb_grpc.add_WeightSyncServicer_to_server(self, generated)
+        if "Subscribe" not in generated.handlers:  # stubs from a grpcio-tools that registers otherwise
+            raise RuntimeError("the generated weightsync stubs registered no Subscribe handler (run `make protos`)")
         handlers = dict(generated.handlers)
         handlers["Subscribe"] = handlers["Subscribe"]._replace(response_serializer=serialize_response)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, handlers),))
