@@ -146,10 +146,11 @@ def test_fsdp_trainer_service_publishes_parts_that_store_like_one_process(tmp_pa
                     await _stop(proc)
             assert rc == 0, log.read_text(errors="replace")[-4000:]
             assert await weightsync.latest_version(address) == STEPS
-            # Versions 1.. came from both ranks as chunks they encoded themselves.
+            # Versions 1.. came from both ranks as chunks they encoded themselves (a part
+            # retried after a transient error counts again).
             async with open_channel(address) as channel:
                 status = await pb_grpc.WeightSyncStub(channel).Status(pb.WeightSyncStatusRequest())
-            assert (status.encoded_parts, status.encoded_parts_refused) == (2 * STEPS, 0)
+            assert status.encoded_parts >= 2 * STEPS and status.encoded_parts_refused == 0, status
             return {v: dict((await weightsync.manifest(address, v)).trace_context) for v in range(STEPS + 1)}
 
     with open(log, "wb") as log_fh:
