@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.weightsync.codec.format import _uv_encode
+
 # Field keys (field number << 3 | wire type) of weightsync.proto.
 _CHUNK_DATA_VERSION = b"\x08"  # ChunkData.version, varint
 _CHUNK_DATA_INDEX = b"\x10"  # ChunkData.index, varint
@@ -22,24 +24,14 @@ _WEIGHT_CHUNK_BATCH = b"\x1a"  # WeightChunk.batch, message
 
 _MASK64 = (1 << 64) - 1
 
-
-def _encode_varint(value: int) -> bytes:
-    value &= _MASK64
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 # Lengths and indexes below 2**14 (two bytes) are most of what a message frames.
-_SMALL = [_encode_varint(n) for n in range(1 << 14)]
+_SMALL = [_uv_encode(n) for n in range(1 << 14)]
 
 
 def _varint(value: int) -> bytes:
-    """A base-128 varint; negative values as their 64-bit two's complement (int64)."""
-    return _SMALL[value] if 0 <= value < 1 << 14 else _encode_varint(value)
+    """A protobuf varint (the codec's LEB128); negative values as their 64-bit two's
+    complement (int64)."""
+    return _SMALL[value] if 0 <= value < 1 << 14 else _uv_encode(value & _MASK64)
 
 
 def weight_chunk_message(version: int, first: int, payloads: Sequence[bytes]) -> bytes:

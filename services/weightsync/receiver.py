@@ -213,7 +213,7 @@ class Decoder:
                     self._indexes[key] = chunk_index  # built from the held weights: kept even if this version aborts
             changes = codec.decode_chunk_into(payload, out.bits, base.bits if base is not None else None, index=chunk_index, header=hdr)
             if changes is not None:
-                after = changes.index if changes.index is not None or chunk_index is None else codec.update_index(chunk_index, changes)
+                after = codec.next_index(chunk_index, changes)
                 if after is not None:
                     self._next_indexes[key] = after  # one key per chunk: safe from decode threads
         except codec.CodecError as exc:

@@ -263,7 +263,7 @@ def _decode_tensor(
         index = codec.ensure_index(payload, out, held[j] if held is not None else None, header=hdr)
         changes = codec.decode_chunk_into(payload, out, out, index=index, header=hdr)
         assert changes is not None  # a delta chunk lists its changes
-        indexes.append(changes.index if changes.index is not None or index is None else codec.update_index(index, changes))
+        indexes.append(codec.next_index(index, changes))
         if sums is not None:
             sums = elementhash.add(sums, elementhash.change_sums(changes.positions, changes.old, changes.new))
         if changed is not None:

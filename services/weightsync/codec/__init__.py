@@ -77,6 +77,7 @@ __all__ = [
     "ChunkIndex",
     "build_index",
     "update_index",
+    "next_index",
     "ensure_index",
     "index_threshold",
     "decode_tensor",
@@ -264,6 +265,15 @@ def update_index(index: ChunkIndex, changes: ChunkChanges) -> ChunkIndex:
     if rel.shape[0] and (rel[0] < 0 or rel[-1] >= index.count or np.any(np.diff(rel) <= 0)):
         raise CodecError(f"change positions are not ascending inside chunk [{index.start}, {index.start + index.count})")
     return _index_after(index, rel, np.ascontiguousarray(changes.old), np.ascontiguousarray(changes.new))
+
+
+def next_index(index: ChunkIndex | None, changes: ChunkChanges) -> ChunkIndex | None:
+    """The position index of a chunk after a delta chunk decoded over ``index`` (what
+    :func:`ensure_index` gave) made ``changes``: the one the decode left (format 3), else
+    ``index`` moved by the changes (a format-1 payload), else None (none was held)."""
+    if changes.index is not None or index is None:
+        return changes.index
+    return update_index(index, changes)
 
 
 def _payload_index(payload: bytes, hdr: ChunkHeader) -> tuple[int, int, int] | None:
