@@ -71,23 +71,48 @@ class PublishBudget:
         self.in_flight -= nbytes
 
 
-class _Assembly:
+class _PublishStream:
+    """What every Publish stream's receiver checks as a tensor starts (each tensor once, at
+    most MAX_TENSORS) and the tensor bytes it reserves in ``budget``, before the buffer
+    they need exists; :meth:`release` returns them."""
+
+    def __init__(self, budget: PublishBudget | None = None) -> None:
+        self.budget = budget
+        self.declared = 0
+        self._started: set[str] = set()
+
+    def _admit(self, name: str) -> None:
+        if name in self._started:
+            raise InvalidArgument(f"tensor {name!r} started twice")
+        if len(self._started) >= MAX_TENSORS:
+            raise InvalidArgument(f"more than {MAX_TENSORS} tensors")
+
+    def _reserve(self, name: str, nbytes: int) -> None:
+        if self.budget is not None:
+            self.budget.reserve(self.declared, nbytes, name)
+        self.declared += nbytes
+        self._started.add(name)
+
+    def release(self) -> None:
+        """Returns this stream's reservation (once its tensors are no longer needed)."""
+        if self.budget is not None:
+            self.budget.release(self.declared)
+        self.declared = 0
+
+
+class _Assembly(_PublishStream):
     """Collects one Publish stream's pieces into whole tensors, checking every offset;
     each tensor's bytes are reserved in ``budget`` before its buffer exists."""
 
     def __init__(self, budget: PublishBudget | None = None) -> None:
+        super().__init__(budget)
         self.tensors: dict[str, RawTensor] = {}
         self._filled: dict[str, int] = {}
-        self.budget = budget
-        self.declared = 0
 
     def add(self, piece: pb.TensorPiece, current: str) -> str:
         name = piece.meta.name or current
         if piece.meta.name:
-            if name in self.tensors:
-                raise InvalidArgument(f"tensor {name!r} started twice")
-            if len(self.tensors) >= MAX_TENSORS:
-                raise InvalidArgument(f"more than {MAX_TENSORS} tensors")
+            self._admit(name)
             dtype = PB_DTYPE_NAMES.get(piece.meta.dtype)
             if dtype is None:
                 raise InvalidArgument(f"tensor {name!r}: dtype must be BF16, FP16 or FP32")
@@ -95,10 +120,7 @@ class _Assembly:
                 numel = element_count(tuple(piece.meta.shape))
             except ValueError as exc:
                 raise InvalidArgument(f"tensor {name!r}: {exc}") from None
-            nbytes = numel * np.dtype(RAW_DTYPES[dtype]).itemsize
-            if self.budget is not None:
-                self.budget.reserve(self.declared, nbytes, name)
-            self.declared += nbytes
+            self._reserve(name, numel * np.dtype(RAW_DTYPES[dtype]).itemsize)
             self.tensors[name] = RawTensor(dtype, tuple(piece.meta.shape), np.zeros(numel, dtype=RAW_DTYPES[dtype]))
             self._filled[name] = 0
         if not name:
@@ -114,30 +136,23 @@ class _Assembly:
         self._filled[name] = end
         return name
 
-    def release(self) -> None:
-        """Returns this stream's reservation (once its tensors are no longer needed)."""
-        if self.budget is not None:
-            self.budget.release(self.declared)
-        self.declared = 0
-
     def check_complete(self) -> None:
         short = [n for n, t in self.tensors.items() if self._filled[n] != t.nbytes]
         if short:
             raise InvalidArgument(f"stream ended with incomplete tensors: {short[:5]}")
 
 
-class _EncodedPart:
+class _EncodedPart(_PublishStream):
     """Collects a rank-encoded part's chunk payloads (PartChunks messages), each tensor's
     in order, checking each tensor's meta against the base it is coded on and its chunk
     count and sizes against the origin's chunking. Decoding makes a buffer as large as the
     base tensor, so that is what is reserved in ``budget`` when the tensor starts."""
 
     def __init__(self, base: Mapping[str, RawTensor], chunk_bytes: int, budget: PublishBudget | None = None) -> None:
+        super().__init__(budget)
         self.payloads: dict[str, list[bytes]] = {}
         self.base = base
         self.chunk_bytes = chunk_bytes
-        self.budget = budget
-        self.declared = 0
         self._chunks_of: dict[str, int] = {}
 
     def add(self, chunks: pb.PartChunks, current: str) -> str:
@@ -157,19 +172,14 @@ class _EncodedPart:
         return name
 
     def _start(self, name: str, meta: pb.TensorMeta) -> None:
-        if name in self.payloads:
-            raise InvalidArgument(f"tensor {name!r} started twice")
-        if len(self.payloads) >= MAX_TENSORS:
-            raise InvalidArgument(f"more than {MAX_TENSORS} tensors")
+        self._admit(name)
         old = self.base.get(name)
         shape = tuple(meta.shape)
         if old is None or (PB_DTYPE_NAMES.get(meta.dtype), shape) != (old.dtype, tuple(old.shape)):
             held = f"{old.dtype}{list(old.shape)}" if old is not None else "no such tensor"
             # The rank's base is not the origin's: not a malformed stream, a reason to send it raw.
             raise _NotTheBase(f"tensor {name!r} is {PB_DTYPE_NAMES.get(meta.dtype)}{list(shape)}; the base holds {held}")
-        if self.budget is not None:
-            self.budget.reserve(self.declared, old.nbytes, name)
-        self.declared += old.nbytes
+        self._reserve(name, old.nbytes)
         self.payloads[name] = []
         self._chunks_of[name] = max(1, -(-old.bits.shape[0] // max(1, self.chunk_bytes // old.bits.itemsize)))
 
@@ -177,11 +187,6 @@ class _EncodedPart:
         short = [n for n, p in self.payloads.items() if len(p) != self._chunks_of[n]]
         if short:
             raise InvalidArgument(f"stream ended with tensors missing chunks: {short[:5]}")
-
-    def release(self) -> None:
-        if self.budget is not None:
-            self.budget.release(self.declared)
-        self.declared = 0
 
 
 class _Handlers:

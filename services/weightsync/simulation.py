@@ -20,7 +20,9 @@ Two modes:
 it, its tensors on one thread per core (``store.publish``: codec, the weights hash moved by
 its changes, each chunk's sha256 on the thread that encoded it), or with ``rank_encode``
 the trainer's ranks encode their parts and the origin decodes them in place into the
-buffers of the version before (the Python of each chunk under the GIL), then writes it with fsync on one thread; every peer then streams it through one asyncio event loop per process:
+buffers of the version before (the Python of each chunk under the GIL), then writes it
+with fsync on one thread; every peer then streams it through one asyncio event loop per
+process:
 the sender pays per chunk, per message (consecutive chunks held are coalesced into
 ``--message-kib`` messages) and per byte, the receiver per chunk (its checksum, the
 bookkeeping, and the GIL-held Python part of decoding it). Those costs were measured apart
