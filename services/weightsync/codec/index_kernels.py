@@ -17,8 +17,10 @@ import inspect
 import sys
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
 from numba.cpython.unsafe.numbers import trailing_zeros as _cttz
+from numba.extending import intrinsic
 
 from services.weightsync.codec import context_kernels as _k2
 from services.weightsync.codec import kernels as _k1
@@ -670,13 +672,44 @@ def _merge_positions(in_slot, in_pos, out_pos):
     return 0, pos, pslot
 
 
+@intrinsic
+def _prefetch(typingctx, arr, i):
+    """A hint to start loading the cache line of ``arr[i]`` (for a read, into
+    every cache level): LLVM's prefetch, which never faults, so ``i`` needs no
+    bound check. A no-op where the target has no prefetch instruction."""
+    sig = types.void(arr, i)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+        builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# How many changes ahead _old_values asks for a line: the loads of a cold
+# tensor then overlap beyond what the core's own miss buffers allow (the old
+# values of the built-in model's deltas: 4.6 -> 2.2 ms per version).
+_PREFETCH_AHEAD = 128
+
+
 @njit(cache=True, nogil=True)
 def _old_values(old, pos):
     """The old bits at the changed positions: a loop of its own, independent
-    loads, so that the cache misses (the tensor is cold) overlap. (Loading
-    them in the walk instead stalls the walk behind the misses.)"""
-    olds = np.empty(pos.shape[0], dtype=old.dtype)
-    for e in range(pos.shape[0]):
+    loads, so that the cache misses (the tensor is cold) overlap, each line
+    asked for _PREFETCH_AHEAD changes before it is read. (Loading them in
+    the walk instead stalls the walk behind the misses.)"""
+    n = pos.shape[0]
+    olds = np.empty(n, dtype=old.dtype)
+    for e in range(min(_PREFETCH_AHEAD, n)):
+        _prefetch(old, pos[e])
+    for e in range(n - _PREFETCH_AHEAD):
+        _prefetch(old, pos[e + _PREFETCH_AHEAD])
+        olds[e] = old[pos[e]]
+    for e in range(max(n - _PREFETCH_AHEAD, 0), n):
         olds[e] = old[pos[e]]
     return olds
 
