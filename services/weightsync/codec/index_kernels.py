@@ -875,20 +875,30 @@ def _decode_v3(
         return st, no_pos, no_bits, no_bits, no_pos, no_pos, 0
     # 4. Signs: flips of repeats (in the context list), signs of new changes.
     ne = pos.shape[0]
-    prev, n_rep = _repeats(pos, ctx_pos, ctx_old, ctx_new, sign_bit, full)
-    flips = np.empty(n_rep, dtype=np.int8)
-    nsign = np.empty(ne - n_rep, dtype=np.int8)
-    bp = _read_signs(words, bp, nbits, flips, n_rep, code[_G_FLIP], rmin[_G_FLIP])
-    if bp < 0:
-        return -1, no_pos, no_bits, no_bits, no_pos, no_pos, 0
-    bp = _read_signs(words, bp, nbits, nsign, ne - n_rep, code[_G_NEWSIGN], rmin[_G_NEWSIGN])
+    if ctx_pos.shape[0] == 0:
+        # No context (what the service sends): no repeats, and the new-sign
+        # bits are the changes' signs in order, read straight into place.
+        negs = np.empty(ne, dtype=np.int8)
+        bp = _read_signs(words, bp, nbits, negs[:0], 0, code[_G_FLIP], rmin[_G_FLIP])
+        if bp < 0:
+            return -1, no_pos, no_bits, no_bits, no_pos, no_pos, 0
+        bp = _read_signs(words, bp, nbits, negs, ne, code[_G_NEWSIGN], rmin[_G_NEWSIGN])
+    else:
+        prev, n_rep = _repeats(pos, ctx_pos, ctx_old, ctx_new, sign_bit, full)
+        flips = np.empty(n_rep, dtype=np.int8)
+        nsign = np.empty(ne - n_rep, dtype=np.int8)
+        bp = _read_signs(words, bp, nbits, flips, n_rep, code[_G_FLIP], rmin[_G_FLIP])
+        if bp < 0:
+            return -1, no_pos, no_bits, no_bits, no_pos, no_pos, 0
+        bp = _read_signs(words, bp, nbits, nsign, ne - n_rep, code[_G_NEWSIGN], rmin[_G_NEWSIGN])
+        negs = _signs(prev, flips, nsign)
     if bp < 0:
         return -1, no_pos, no_bits, no_bits, no_pos, no_pos, 0
     # 5. The old values, checked against the index; 6. the new ones, written.
     olds = _old_values(old, pos)
     if flags & _FLAG_INDEX and not _check_olds(olds, pslot, icls, t, shift, emask):
         return -5, no_pos, no_bits, no_bits, no_pos, no_pos, 0
-    rc, bp, news, ev, nev = _apply_steps(out, pos, olds, _signs(prev, flips, nsign), mrows, words, bp, nbits, et, shift, emask, sign_bit, full)
+    rc, bp, news, ev, nev = _apply_steps(out, pos, olds, negs, mrows, words, bp, nbits, et, shift, emask, sign_bit, full)
     if rc == 0 and nbits - bp >= 8:
         rc = -4
         for e in range(ne):
