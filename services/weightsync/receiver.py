@@ -100,6 +100,7 @@ class Decoder:
         self._indexes: dict[tuple[str, int], codec.ChunkIndex] = {}
         self._next_indexes: dict[tuple[str, int], codec.ChunkIndex] = {}
         self._pending: dict[str, RawTensor] = {}
+        self._based: set[str] = set()  # tensors of _pending decoded onto the held base
         self._manifest: pb.Manifest | None = None
         self._seen: set[int] = set()
         self._moves: list[tuple[str, elementhash.Sums]] = []
@@ -130,24 +131,28 @@ class Decoder:
             self.prepare()
         undo = UndoLog(manifest.version, manifest.base_version) if self.in_place else None
         pending: dict[str, RawTensor] = {}
+        based: set[str] = set()
         for meta in manifest.tensors:
+            name, shape = meta.name, tuple(meta.shape)
             dtype = PB_DTYPE_NAMES.get(meta.dtype)
             if dtype is None:
-                raise InvalidArgument(f"tensor {meta.name}: unknown dtype {meta.dtype}")
+                raise InvalidArgument(f"tensor {name}: unknown dtype {meta.dtype}")
             try:
-                numel = element_count(tuple(meta.shape))
+                numel = element_count(shape)
             except ValueError as exc:
-                raise InvalidArgument(f"tensor {meta.name}: {exc}") from None
-            base = self._base(meta.name, dtype, tuple(meta.shape)) if delta else None
-            if undo is not None and base is not None:
-                pending[meta.name] = base  # updated in place
-                continue
-            pending[meta.name] = RawTensor(dtype, tuple(meta.shape), np.empty(numel, dtype=RAW_DTYPES[dtype]))
+                raise InvalidArgument(f"tensor {name}: {exc}") from None
+            base = self._base(name, dtype, shape) if delta else None
+            if base is not None:
+                based.add(name)
+                if undo is not None:
+                    pending[name] = base  # updated in place
+                    continue
+            pending[name] = RawTensor(dtype, shape, np.empty(numel, dtype=RAW_DTYPES[dtype]))
             if undo is not None:
-                undo.replaced[meta.name] = self.weights.get(meta.name)
+                undo.replaced[name] = self.weights.get(name)
         if undo is not None:
             undo.replaced.update({n: t for n, t in self.weights.items() if n not in pending})
-        self._manifest, self._pending, self._undo = manifest, pending, undo
+        self._manifest, self._pending, self._undo, self._based = manifest, pending, undo, based
         self._seen, self._moves, self._next_indexes = set(), [], {}
         self._chunks_left = collections.Counter(ref.tensor for ref in manifest.chunks) if self.verifier is not None else collections.Counter()
         self._tensor_sha256 = {}
@@ -211,7 +216,9 @@ class Decoder:
                 chunk_index = codec.ensure_index(payload, base.bits, held, header=hdr)
                 if chunk_index is not None and chunk_index is not held:
                     self._indexes[key] = chunk_index  # built from the held weights: kept even if this version aborts
-            changes = codec.decode_chunk_into(payload, out.bits, base.bits if base is not None else None, index=chunk_index, header=hdr)
+            # The bytes matched the manifest's sha256 (verify, or the caller did): the
+            # codec's own CRC would only check them again.
+            changes = codec.decode_chunk_into(payload, out.bits, base.bits if base is not None else None, index=chunk_index, header=hdr, checksum=False)
             if changes is not None:
                 after = codec.next_index(chunk_index, changes)
                 if after is not None:
@@ -241,11 +248,9 @@ class Decoder:
         missing = len(manifest.chunks) - len(self._seen)
         if missing:
             raise DataLoss(f"version {manifest.version} ended with {missing} chunks missing")
-        delta = manifest.base_version >= 0
-        sums: dict[str, elementhash.Sums] = {}
-        for name, t in self._pending.items():
-            held = (self._sums or {}).get(name) if delta and self._base(name, t.dtype, t.shape) is not None else None
-            sums[name] = held or (0, 0)
+        held_sums = self._sums or {}
+        # A tensor decoded onto its held base moves that base's sums; any other starts at 0.
+        sums = {name: held_sums.get(name, (0, 0)) if name in self._based else (0, 0) for name in self._pending}
         for name, move in self._moves:
             sums[name] = elementhash.add(sums[name], move)
         got = hash_of_sums([(n, t.dtype, tuple(t.shape), sums[n]) for n, t in self._pending.items()])

@@ -558,6 +558,7 @@ def decode_chunk_into(
     context: ChunkChanges | None = None,
     index: ChunkIndex | None = None,
     header: ChunkHeader | None = None,
+    checksum: bool = True,
 ) -> ChunkChanges | None:
     """Decode one chunk payload into ``out[start:start+count]``.
 
@@ -583,13 +584,17 @@ def decode_chunk_into(
 
     ``header``: ``parse_header(payload)`` when the caller has it already (a
     receiver decoding many small chunks pays for each parse).
+
+    ``checksum=False`` skips the body's CRC: for a payload already checked
+    against a stronger digest (a manifest's sha256). A malformed body is
+    refused with CodecError either way.
     """
     hdr = header if header is not None else parse_header(payload)
     _check_array(out, hdr.dtype, "out")
     if out.shape[0] != hdr.total:
         raise CodecError(f"payload is for a tensor of {hdr.total} elements, out has {out.shape[0]}")
     body = memoryview(payload)[hdr.body_offset :]
-    if zlib.crc32(body) != hdr.crc:
+    if checksum and zlib.crc32(body) != hdr.crc:
         raise CodecError("payload body checksum mismatch (corrupt or truncated payload)")
     lo, hi = hdr.start, hdr.start + hdr.count
     if hdr.mode == MODE_KEYFRAME:
