@@ -319,6 +319,28 @@ def test_format_3_corrupt_and_truncated_payloads_raise():
         assert np.array_equal(buf, vs[1]), "a refused chunk must leave the buffer as it was"
 
 
+def test_checksum_false_skips_only_the_crc():
+    """checksum=False (a payload already checked against the manifest's sha256) decodes
+    a chunk whose CRC field is wrong; the default refuses it. A body that does not
+    parse is refused either way."""
+    vs = _chain(seed=5, steps=2)
+    first, second = _encode_chain(vs)
+    (c,), ctx, idx = second, first[0].changes, first[0].index
+    hdr = codec.parse_header(c.payload)
+    at = hdr.body_offset - 4
+    wrong_crc = c.payload[:at] + struct.pack("<I", hdr.crc ^ 1) + c.payload[hdr.body_offset :]
+    buf = vs[1].copy()
+    with pytest.raises(CodecError, match="checksum"):
+        decode_chunk_into(wrong_crc, buf, buf, context=ctx, index=idx)
+    decode_chunk_into(wrong_crc, buf, buf, context=ctx, index=idx, checksum=False)
+    assert np.array_equal(buf, vs[2])
+    truncated = wrong_crc[: hdr.body_offset + (len(wrong_crc) - hdr.body_offset) // 2]
+    buf = vs[1].copy()
+    with pytest.raises(CodecError):
+        decode_chunk_into(truncated, buf, buf, context=ctx, index=idx, checksum=False)
+    assert np.array_equal(buf, vs[1])
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.binary(min_size=0, max_size=160), st.integers(0, 2), st.booleans(), st.booleans())
 def test_format_3_garbage_body_with_valid_checksum_never_crashes(blob, dtype_code, with_context, with_index):
