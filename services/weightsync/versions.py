@@ -350,9 +350,9 @@ def assemble_version(
     sha256: Mapping[str, list[str]] | None = None,
 ) -> Encoded:
     """One version's manifest and chunks from each tensor's payloads: tensors in name
-    order, chunks indexed in :func:`stream_order`, ``digest`` as its weights hash (the
-    caller's :func:`weights_hash` of ``weights``, or the same hash combined from per-part
-    sums). ``sha256``: the payloads' digests where the encoder computed them already."""
+    order, chunks indexed in that order, ``digest`` as its weights hash (the caller's
+    :func:`weights_hash` of ``weights``, or the same hash combined from per-part sums).
+    ``sha256``: the payloads' digests where the encoder computed them already."""
     manifest = pb.Manifest(
         version=version,
         base_version=base_version,
@@ -362,66 +362,14 @@ def assemble_version(
         canary=canary,
         signature=signature,
     )
-    names = sorted(weights)
-    digests: dict[str, list[str]] = {}
-    for name in names:
+    chunks: list[bytes] = []
+    for name in sorted(weights):
         t = weights[name]
         manifest.tensors.append(t.meta(name))
         manifest.raw_bytes += t.nbytes
         known = (sha256 or {}).get(name)
-        digests[name] = known if known is not None else _sha256s(payloads[name])
-        if len(digests[name]) != len(payloads[name]):
-            raise ValueError(f"tensor {name}: {len(payloads[name])} payloads, {len(digests[name])} digests")
-    chunks: list[bytes] = []
-    for name, j in stream_order([(name, [len(p) for p in payloads[name]]) for name in names]):
-        payload = payloads[name][j]
-        manifest.chunks.append(pb.ChunkRef(index=len(chunks), tensor=name, size=len(payload), sha256=digests[name][j]))
-        chunks.append(payload)
+        for payload, hexdigest in zip(payloads[name], known if known is not None else _sha256s(payloads[name]), strict=True):
+            manifest.chunks.append(pb.ChunkRef(index=len(chunks), tensor=name, size=len(payload), sha256=hexdigest))
+            chunks.append(payload)
     manifest.encoded_bytes = sum(len(c) for c in chunks)
     return Encoded(manifest, chunks)
-
-
-#: What a receiver's decode of one chunk costs beyond its payload bytes, as the payload
-#: bytes that cost as much to decode: measured on the built-in model's deltas, about 20 us
-#: of set-up (Python, kernel calls) per chunk against 50 ns per payload byte.
-CHUNK_DECODE_OVERHEAD_BYTES = 400
-
-
-def stream_order(sizes: list[tuple[str, list[int]]]) -> list[tuple[str, int]]:
-    """The order a version's chunks travel in, as (tensor, chunk number) pairs, from each
-    tensor's chunk payload sizes (tensors in name order).
-
-    A receiver decodes chunks as they arrive, so the stream should bring decode work in
-    step with its bytes. Tensors differ: a dense delta (an embedding) is a few large
-    chunks, mostly bytes; most tensors are many small chunks, mostly per-chunk work. In
-    name order a receiver got the bytes first and most of its work with the last ones,
-    decoding long after the transfer. Here the chunks of tensors whose share of the work
-    exceeds their share of the bytes are interleaved with the others, the next chunk
-    taken from whichever side has fallen behind, so the share of work that arrived follows
-    the share of bytes. Each tensor's chunks keep their order; each side keeps name order.
-    """
-    cost = CHUNK_DECODE_OVERHEAD_BYTES
-    total_bytes = sum(sum(s) for _, s in sizes)
-    total_work = total_bytes + cost * sum(len(s) for _, s in sizes)
-    bytes_side: list[tuple[str, int, int]] = []
-    work_side: list[tuple[str, int, int]] = []
-    for name, s in sizes:
-        work = sum(s) + cost * len(s)
-        side = work_side if work * total_bytes > sum(s) * total_work else bytes_side
-        side.extend((name, j, size) for j, size in enumerate(s))
-    order: list[tuple[str, int]] = []
-    sent = done = 0  # bytes and work sent so far
-    i = k = 0
-    while i < len(bytes_side) or k < len(work_side):
-        # The work sent lags the bytes sent (each as a share of its total): send work.
-        lagging = sent * total_work > done * total_bytes
-        if k < len(work_side) and (lagging or i == len(bytes_side)):
-            name, j, size = work_side[k]
-            k += 1
-        else:
-            name, j, size = bytes_side[i]
-            i += 1
-        order.append((name, j))
-        sent += size
-        done += size + cost
-    return order
