@@ -116,9 +116,23 @@ async def _measure(versions: list[Any], workdir: Path, mbit: float | None, laten
 # ---------------------------------------------------------------- the model of those runs
 
 
-def _layout(weights: dict[str, Any]) -> sim.ModelLayout:
-    """The recorded model's real tensors, in the encoder's order."""
-    return sim.ModelLayout("recorded", tuple((1, int(weights[name].bits.size)) for name in sorted(weights)))
+def _layout(versions: list[Any]) -> sim.ModelLayout:
+    """The recorded model's real tensors, in the encoder's order, each with the density
+    of its deltas (encoded bytes per raw byte over all the steps, relative to the whole
+    model's): the order the stream brings bytes and decode work in."""
+    from services.weightsync.versions import encode_version
+
+    names = sorted(versions[0])
+    encoded = dict.fromkeys(names, 0)
+    for v in range(1, len(versions)):
+        enc = encode_version(v, versions[v], versions[v - 1], v - 1, CHUNK_BYTES)
+        for ref in enc.manifest.chunks:
+            encoded[ref.tensor] += ref.size
+    raw = {n: versions[0][n].nbytes for n in names}
+    average = sum(encoded.values()) / sum(raw.values())
+    return sim.ModelLayout(
+        "recorded", tuple((1, int(versions[0][n].bits.size)) for n in names), tuple(encoded[n] / raw[n] / average for n in names)
+    )
 
 
 def _config(layout: sim.ModelLayout, rates: sim.CodecRates, mbit: float | None, latency_ms: float, relay: bool, subscribers: int) -> sim.SimConfig:
@@ -216,7 +230,7 @@ def _apply_s(enc: Any, old: dict[str, Any], in_place: bool) -> float:
 def validate(versions: list[Any], rounds: int, log: Any) -> dict[str, Any]:
     """Runs every configuration ``rounds`` times, interleaved (the machine's load drifts),
     fits the per-chunk contention cost on the calibration configuration and predicts the others."""
-    layout = _layout(versions[0])
+    layout = _layout(versions)
     codec = _codec_rates(versions)
     log("codec rates now: " + ", ".join(f"{k} {v:.4g}" for k, v in codec.items()))
     measured: dict[str, list[float]] = {name: [] for name in CONFIGS}
@@ -284,7 +298,7 @@ def main(argv: list[str]) -> int:
         rates = sim.rates_from_bench(bench, sim.CodecRates(**result["model_rates"]))
         # Wall-clock decode, as the run saw it (the CPU-time figure describes a free core).
         rates = rates.replace(decode_bytes_s=bench["summary"]["decode_gbps"] * 1e9)
-        layout = _layout(versions[0])
+        layout = _layout(versions)
         predicted = sim.simulate(_config(layout, rates, *CONFIGS["bench link: relay, 100 Mbit/s 50 ms, 1 subscriber"]))["propagation_s"]
         result["bench_run"] = {
             "measured_s": real,

@@ -262,10 +262,17 @@ def rates_from_bench(result: Mapping[str, Any], base: CodecRates = DEFAULT_RATES
 
 @dataclasses.dataclass(frozen=True)
 class ModelLayout:
-    """The tensors of a model, as ``(count, elements)`` groups of equal tensors (bf16)."""
+    """The tensors of a model, as ``(count, elements)`` groups of equal tensors (bf16).
+
+    ``density``: per group, its delta's encoded bytes per raw byte relative to the whole
+    version's (1: the average; None: every group at the average). Where it is known (a
+    recorded model: a dense embedding delta is most of the bytes of a small share of the
+    elements), the segments carry their own bytes and the transfer brings the decode work
+    as unevenly as the real stream does."""
 
     name: str
     groups: tuple[tuple[int, int], ...]
+    density: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -273,6 +280,11 @@ class ModelLayout:
         for count, numel in self.groups:
             _count("tensor count", count, 1)
             _count("tensor elements", numel, 1)
+        if self.density is not None:
+            if len(self.density) != len(self.groups):
+                raise SimulationError(f"model {self.name!r}: {len(self.density)} densities for {len(self.groups)} groups")
+            for d in self.density:
+                _non_negative("density", d)
 
     @property
     def params(self) -> int:
@@ -286,19 +298,21 @@ class ModelLayout:
     def raw_bytes(self) -> int:
         return BF16_BYTES * self.params
 
-    def chunk_runs(self, chunk_bytes: int) -> Iterator[tuple[int, int]]:
-        """``(chunks, raw bytes each)`` runs, in order: each tensor cut into chunks of at
-        most ``chunk_bytes`` raw bytes (whole elements), as the encoder cuts it."""
+    def chunk_runs(self, chunk_bytes: int) -> Iterator[tuple[int, int, float]]:
+        """``(chunks, raw bytes each, density)`` runs, in order: each tensor cut into
+        chunks of at most ``chunk_bytes`` raw bytes (whole elements), as the encoder cuts
+        it; the density of its group (see the class)."""
         per_chunk = max(1, chunk_bytes // BF16_BYTES)
-        for count, numel in self.groups:
+        for g, (count, numel) in enumerate(self.groups):
+            density = 1.0 if self.density is None else self.density[g]
             full, rest = divmod(numel, per_chunk)
             if full:
-                yield count * full, per_chunk * BF16_BYTES
+                yield count * full, per_chunk * BF16_BYTES, density
             if rest:
-                yield count, rest * BF16_BYTES
+                yield count, rest * BF16_BYTES, density
 
     def chunks(self, chunk_bytes: int) -> int:
-        return sum(n for n, _ in self.chunk_runs(chunk_bytes))
+        return sum(n for n, _, _ in self.chunk_runs(chunk_bytes))
 
 
 def _llama(name: str, hidden: int, layers: int, inter: int, kv_dim: int, vocab: int, tied: bool) -> ModelLayout:
@@ -616,31 +630,34 @@ def _nodes(t: Topology) -> list[_Node]:
     return out
 
 
-def _segments(model: ModelLayout, chunk_bytes: int, max_segments: int) -> list[tuple[int, float]]:
-    """The version as ``(chunks, raw bytes)`` segments of consecutive chunks, about equal
-    in raw bytes, at most ``max_segments`` (chunks are never split)."""
+def _segments(model: ModelLayout, chunk_bytes: int, max_segments: int) -> list[tuple[int, float, float]]:
+    """The version as ``(chunks, raw bytes, encoded share)`` segments of consecutive
+    chunks, about equal in raw bytes, at most ``max_segments`` (chunks are never split).
+    The encoded share is the raw bytes weighted by their density: the segment's encoded
+    bytes are it times the delta fraction."""
     runs = list(model.chunk_runs(chunk_bytes))
     target = model.raw_bytes / max_segments
-    segs: list[tuple[int, float]] = []
-    n_acc, raw_acc = 0, 0.0
-    for count, size in runs:
+    segs: list[tuple[int, float, float]] = []
+    n_acc, raw_acc, enc_acc = 0, 0.0, 0.0
+    for count, size, density in runs:
         left = count
         while left:
             # Whole chunks of this run that still fit the current segment (at least one).
             room = max(1, int((target - raw_acc) // size)) if raw_acc < target else 0
             take = min(left, room)
             if take == 0:
-                segs.append((n_acc, raw_acc))
-                n_acc, raw_acc = 0, 0.0
+                segs.append((n_acc, raw_acc, enc_acc))
+                n_acc, raw_acc, enc_acc = 0, 0.0, 0.0
                 continue
             n_acc += take
             raw_acc += take * size
+            enc_acc += take * size * density
             left -= take
             if raw_acc >= target * (1 - 1e-9):
-                segs.append((n_acc, raw_acc))
-                n_acc, raw_acc = 0, 0.0
+                segs.append((n_acc, raw_acc, enc_acc))
+                n_acc, raw_acc, enc_acc = 0, 0.0, 0.0
     if n_acc:
-        segs.append((n_acc, raw_acc))
+        segs.append((n_acc, raw_acc, enc_acc))
     return segs
 
 
@@ -653,8 +670,8 @@ def simulate(config: SimConfig) -> dict[str, Any]:
     segs = _segments(c.model, c.chunk_bytes, c.max_segments)
     f = rates.delta_fraction
     raw_total = float(c.model.raw_bytes)
-    enc_total = raw_total * f
-    chunks_total = sum(n for n, _ in segs)
+    enc_total = f * sum(share for _, _, share in segs)  # raw_total * f when the densities average 1
+    chunks_total = sum(n for n, _, _ in segs)
     g = _Graph()
 
     message_bytes = c.message_bytes or (4 * MIB if pipelined else CURRENT_MESSAGE_BYTES)
@@ -710,11 +727,11 @@ def simulate(config: SimConfig) -> dict[str, Any]:
                 0.0,
                 {
                     "encode": raw / rates.encode_bytes_s,
-                    "sha256": raw * f / rates.sha256_bytes_s,
+                    "sha256": share * f / rates.sha256_bytes_s,
                 },
                 width=n_chunks,
             )
-            for n_chunks, raw in segs
+            for n_chunks, raw, share in segs
         ]
     elif c.rank_encode:
         # A sharded trainer's ranks encode their parts on the trainer's cores
@@ -767,8 +784,8 @@ def simulate(config: SimConfig) -> dict[str, Any]:
         recvs: list[_Job] = []
         decodes: list[_Job] = []
         applies: list[_Job] = []
-        for k, (n_chunks, raw) in enumerate(segs):
-            enc = raw * f
+        for k, (n_chunks, raw, share) in enumerate(segs):
+            enc = share * f
             msgs = messages(n_chunks, enc)
             send = g.job(
                 "send",

@@ -203,8 +203,34 @@ def test_segments_keep_every_chunk_and_byte() -> None:
         model = sim.model_layout(size)
         segs = sim._segments(model, 4 << 20, 64)
         assert len(segs) <= 64 + 1
-        assert sum(n for n, _ in segs) == model.chunks(4 << 20)
-        assert sum(raw for _, raw in segs) == pytest.approx(model.raw_bytes)
+        assert sum(n for n, _, _ in segs) == model.chunks(4 << 20)
+        assert sum(raw for _, raw, _ in segs) == pytest.approx(model.raw_bytes)
+        assert sum(share for _, _, share in segs) == pytest.approx(model.raw_bytes)
+
+
+def test_density_puts_the_bytes_where_they_are() -> None:
+    """Two equal tensors, the first with 1.8x the average encoded bytes per raw byte (a
+    dense embedding delta), the second 0.2x: the version's bytes are the same, but they
+    come first, so the second tensor's decode waits behind most of the transfer. Hand
+    numbers: 1000 raw bytes per tensor, encoded = raw, a 1000 B/s WAN link to the
+    subscriber's relay, 1 s of decode per tensor on one core: light first, its decode
+    overlaps the dense tensor's 1.8 s of transfer, served at 2 + 1 s; dense first, the
+    light one's 0.2 s of transfer overlaps the dense one's decode, served at 1.8 + 1 + 1 s."""
+    rates = LINKS_ONLY.replace(decode_bytes_s=1000.0)
+    topology = Topology(regions=2, subscribers_per_region=1, origin_subscribers=0, wan=Link(1000.0, 0.0), lan=NO_LAN, nic_bytes_s=FAST)
+    groups = ((1, 500), (1, 500))
+
+    def served(density: tuple[float, float]) -> float:
+        model = ModelLayout("two", groups, density)
+        segs = sim._segments(model, 1000, 2)
+        assert [share for _, _, share in segs] == pytest.approx([1000 * d for d in density])
+        return _served(SimConfig(model, topology, rates, mode="current", cores=1, max_segments=2))
+
+    assert served((0.2, 1.8)) == pytest.approx(3.0, rel=1e-6)
+    assert served((1.8, 0.2)) == pytest.approx(3.8, rel=1e-6)
+    assert _served(SimConfig(ModelLayout("two", groups), topology, rates, mode="current", cores=1, max_segments=2)) == pytest.approx(3.0, rel=1e-6)
+    with pytest.raises(SimulationError, match="densities"):
+        ModelLayout("two", groups, (1.0,))
 
 
 def test_bytes_per_day() -> None:
