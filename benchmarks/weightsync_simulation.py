@@ -168,7 +168,7 @@ def _codec_rates(versions: list[Any]) -> dict[str, float]:
     from services.weightsync.versions import encode_version
 
     raw = sum(t.nbytes for t in versions[0].values())
-    t_enc, t_hash, t_apply, t_copy, sizes, per_chunk = [], [], [], [], [], []
+    t_enc, t_hash, t_apply, t_version, t_copy, sizes, per_chunk = [], [], [], [], [], [], []
     encode_version(1, versions[1], versions[0], 0, CHUNK_BYTES)  # compile the kernels outside the timing
     for v in range(1, len(versions)):
         old, new = versions[v - 1], versions[v]
@@ -180,31 +180,36 @@ def _codec_rates(versions: list[Any]) -> dict[str, float]:
         t_enc.append(t1 - t0 - (t2 - t1))
         t_hash.append(t2 - t1)
         sizes.append(enc.size)
-        for in_place, times in ((True, t_apply), (False, t_copy)):
-            times.append(_apply_s(enc, old, in_place))
+        applied, version_s = _apply_s(enc, old, True)
+        t_apply.append(applied)
+        t_version.append(version_s)
+        t_copy.append(_apply_s(enc, old, False)[0])
         # The same delta in 64x smaller chunks costs the same per byte and more per chunk:
         # the difference is the Python (GIL-held) part of decoding one chunk.
         small = encode_version(v, new, old, v - 1, CHUNK_BYTES // 64)
         extra = len(small.chunks) - len(enc.chunks)
-        per_chunk.append(max(0.0, (_apply_s(small, old, True) - t_apply[-1]) / extra) if extra > 0 else 0.0)
+        per_chunk.append(max(0.0, (_apply_s(small, old, True)[0] - t_apply[-1]) / extra) if extra > 0 else 0.0)
     med = statistics.median
     chunk_s = med(per_chunk)
     chunks = len(enc.chunks)
     return {
         "encode_bytes_s": raw / med(t_enc),
         "weights_hash_bytes_s": raw / med(t_hash),
-        # Per byte: what is left of an apply without its chunks' Python part.
-        "decode_bytes_s": raw / max(med(t_apply) - chunks * chunk_s, med(t_apply) / 10),
+        # Per byte: what is left of an apply without its chunks' Python part and the version's.
+        "decode_bytes_s": raw / max(med(t_apply) - chunks * chunk_s - med(t_version), med(t_apply) / 10),
         "decode_chunk_s": chunk_s,
+        "version_tensor_s": med(t_version) / len(versions[0]),
         "decode_copy_bytes_s": raw / med(t_copy),
         "delta_fraction": med(sizes) / raw,
     }
 
 
-def _apply_s(enc: Any, old: dict[str, Any], in_place: bool) -> float:
-    """Seconds to apply ``enc`` to a copy of ``old``. In place as a follower does: its
-    position indexes built already (by applying it once and reverting it; a follower
-    builds them once, at its first delta). Into fresh buffers: the first apply."""
+def _apply_s(enc: Any, old: dict[str, Any], in_place: bool) -> tuple[float, float]:
+    """Seconds to apply ``enc`` to a copy of ``old``, and of those the decoder's start and
+    end of the version (``begin``, ``finish``: per tensor, not per chunk). In place as a
+    follower does: its position indexes built already (by applying it once and reverting
+    it; a follower builds them once, at its first delta). Into fresh buffers: the first
+    apply."""
     from meridian.tensors import RawTensor
     from services.weightsync.receiver import Decoder
 
@@ -212,13 +217,16 @@ def _apply_s(enc: Any, old: dict[str, Any], in_place: bool) -> float:
     decoder = Decoder(held, enc.manifest.base_version, in_place=in_place)
     decoder.prepare()  # once per subscriber, not per version
 
-    def apply() -> float:
+    def apply() -> tuple[float, float]:
         t0 = time.perf_counter()
         decoder.begin(enc.manifest)
+        t1 = time.perf_counter()
         for i, payload in enumerate(enc.chunks):
             decoder.add_chunk(i, payload, verified=True)
+        t2 = time.perf_counter()
         decoder.finish()
-        return time.perf_counter() - t0
+        t3 = time.perf_counter()
+        return t3 - t0, (t1 - t0) + (t3 - t2)
 
     if not in_place:
         return apply()

@@ -181,6 +181,9 @@ class CodecRates:
     the 2-core development machine lose to each other (GIL, cores, the link emulator) on
     top of those; fitted on real runs (``benchmarks/weightsync_simulation.py``) and only
     charged when ``single_process`` (one process per node at scale has its own cores).
+    ``version_tensor_s``: what each receiver spends per tensor per version besides its
+    chunks, under its GIL (the decoder's start of a version and its weights-hash check at
+    the end; measured on the built-in model, 1.3 ms for 272 tensors).
     ``engine_apply``: raw-equivalent bytes/s a subscriber writes a decoded version into
     its inference engine (0: not modelled; served means held, verified, in memory).
     ``source`` says where the figures come from."""
@@ -198,6 +201,7 @@ class CodecRates:
     send_chunk_s: float = 1.5e-6
     send_message_s: float = 48e-6
     send_byte_s: float = 0.31e-9
+    version_tensor_s: float = 4.8e-6
     engine_apply_bytes_s: float = 0.0
     source: str = ""
 
@@ -207,7 +211,7 @@ class CodecRates:
         _positive("delta_fraction", self.delta_fraction)
         if self.delta_fraction > 1.5:
             raise SimulationError(f"delta_fraction is encoded/raw bytes; {self.delta_fraction} is more than a keyframe costs")
-        for name in ("message_overhead_s", "receive_chunk_s", "decode_chunk_s", "send_chunk_s", "send_message_s", "send_byte_s"):
+        for name in ("message_overhead_s", "receive_chunk_s", "decode_chunk_s", "send_chunk_s", "send_message_s", "send_byte_s", "version_tensor_s"):
             _non_negative(name, getattr(self, name))
         _non_negative("engine_apply_bytes_s", self.engine_apply_bytes_s)
 
@@ -837,7 +841,9 @@ def simulate(config: SimConfig) -> dict[str, Any]:
         first_chunk[n.name] = recvs[0]
         # A relay passes chunks on once they arrived and passed their checksum.
         have[n.name] = recvs
-        held = g.job("verify version", n.name, None, 0.0, after=decodes + recvs[-1:])
+        held = g.job(
+            "verify version", n.name, loop[n.name], 0.0, {"version (per tensor)": c.model.tensors * rates.version_tensor_s}, after=decodes + recvs[-1:]
+        )
         if n.kind != "subscriber" and c.signed:
             # A verifying relay holds the version's last chunk back until the version
             # passed that check and is stored.

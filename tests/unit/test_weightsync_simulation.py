@@ -28,6 +28,7 @@ LINKS_ONLY = CodecRates(
     send_chunk_s=0.0,
     send_message_s=0.0,
     send_byte_s=0.0,
+    version_tensor_s=0.0,
     source="test",
 )
 NO_LAN = Link(FAST, 0.0)
@@ -76,6 +77,11 @@ def test_loop_costs_per_chunk_message_and_byte_in_the_current_mode() -> None:
     assert sim.simulate(SimConfig(model, topology, contended, mode="current", max_segments=1))["served_everywhere_s"] == pytest.approx(26e-3)
     report = sim.simulate(SimConfig(model, topology, contended, mode="current", max_segments=1, single_process=True))
     assert report["served_everywhere_s"] == pytest.approx((26 + 4 * 7) * 1e-3, rel=1e-6)  # 2 chunks, both sides
+    # Per version, each receiver's start and hash check: per tensor, on its event loop.
+    per_tensor = rates.replace(version_tensor_s=4e-3)
+    report = sim.simulate(SimConfig(model, topology, per_tensor, mode="current", max_segments=1))
+    assert report["served_everywhere_s"] == pytest.approx((26 + 2 * 4) * 1e-3, rel=1e-6)
+    assert report["where_the_time_goes"]["version (per tensor)"] == pytest.approx(8e-3)
 
 
 def test_signed_versions_cost_each_receiver_a_hash_of_the_weights() -> None:
