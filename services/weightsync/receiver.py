@@ -195,11 +195,11 @@ class Decoder:
         manifest = self._require_manifest()
         if not verified:
             self.verify(index, payload)
-        ref = manifest.chunks[index]
-        if ref.tensor not in self._pending:
-            raise DataLoss(f"chunk {index} of version {manifest.version} is for {ref.tensor!r}, not in its manifest")
-        out = self._pending[ref.tensor]
-        base = self._base(ref.tensor, out.dtype, out.shape) if manifest.base_version >= 0 else None
+        name = manifest.chunks[index].tensor
+        out = self._pending.get(name)
+        if out is None:
+            raise DataLoss(f"chunk {index} of version {manifest.version} is for {name!r}, not in its manifest")
+        base = self.weights[name] if name in self._based else None
         try:
             hdr = codec.parse_header(payload)
             lo, hi = hdr.start, hdr.start + hdr.count
@@ -208,8 +208,8 @@ class Decoder:
             if rewrite and base is not None:
                 before = elementhash.range_sums(base.bits, lo, hi)
                 if self._undo is not None and out is base:
-                    self._undo.ranges.append((ref.tensor, lo, base.bits[lo:hi].copy()))
-            key = (ref.tensor, lo)
+                    self._undo.ranges.append((name, lo, base.bits[lo:hi].copy()))
+            key = (name, lo)
             held = self._indexes.get(key) if base is not None else None
             chunk_index = held
             if base is not None and not rewrite:
@@ -224,21 +224,21 @@ class Decoder:
                 if after is not None:
                     self._next_indexes[key] = after  # one key per chunk: safe from decode threads
         except codec.CodecError as exc:
-            raise DataLoss(f"chunk {index} of version {manifest.version} ({ref.tensor}): {exc}") from exc
+            raise DataLoss(f"chunk {index} of version {manifest.version} ({name}): {exc}") from exc
         if changes is not None:
             move = elementhash.change_sums(changes.positions, changes.old, changes.new)
             if self._undo is not None and out is base:
-                self._undo.changes.append((ref.tensor, changes.positions, changes.old))
+                self._undo.changes.append((name, changes.positions, changes.old))
         else:
             after = elementhash.range_sums(out.bits, lo, hi)
             move = ((after[0] - before[0]) & _MASK64, (after[1] - before[1]) & _MASK64)
-        self._moves.append((ref.tensor, move))  # list.append is atomic: safe from decode threads
+        self._moves.append((name, move))  # list.append is atomic: safe from decode threads
         if self.verifier is not None and index not in self._seen:
             with self._count_lock:
-                self._chunks_left[ref.tensor] -= 1
-                last = self._chunks_left[ref.tensor] == 0
+                self._chunks_left[name] -= 1
+                last = self._chunks_left[name] == 0
             if last:  # every chunk of this tensor is written: its bytes are final
-                self._tensor_sha256[ref.tensor] = tensor_sha256(out)
+                self._tensor_sha256[name] = tensor_sha256(out)
         self._seen.add(index)
 
     def finish(self) -> int:

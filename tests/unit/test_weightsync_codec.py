@@ -254,6 +254,12 @@ def test_bad_magic_version_mode_dtype_raise():
     # fp16 header on a bf16 body still needs matching arrays: wrong length.
     with pytest.raises(CodecError, match="elements"):
         decode_chunk_into(payload, np.empty(old.size + 1, dtype=np.uint16), old)
+    # A start field of ten continuation bytes would pass 64 bits; one that ends
+    # the payload is truncated.
+    with pytest.raises(CodecError, match="varint too long while reading start"):
+        decode_chunk_into(payload[:5] + b"\x80" * 10 + payload[5:], out, old)
+    with pytest.raises(CodecError, match="truncated payload while reading start"):
+        decode_chunk_into(payload[:5] + b"\x80" * 3, out, old)
 
 
 @pytest.mark.parametrize("fmt", codec.FORMAT_VERSIONS)

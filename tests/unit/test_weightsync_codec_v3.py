@@ -266,13 +266,13 @@ def test_wrong_or_missing_index_raises_before_writing():
     refused("different position index", steps[0][1].index)  # stale: two versions old
     refused("different position index", build_index(vs[2], "bf16", 10_000, 10_000, idx.threshold - 1))
     refused("not bf16 chunk", steps[1][0].index)  # another chunk's
-    tampered = codec.ChunkIndex(**{**idx.__dict__, "fingerprint": idx.fingerprint ^ 1})
+    tampered = idx._replace(fingerprint=idx.fingerprint ^ 1)
     refused("different position index", tampered)
     # An index whose entries disagree with the weights (same fingerprint: its
     # arrays were edited): the class check at the changed positions refuses it.
     cls = idx.classes.copy()
     cls[:] = (cls.astype(np.int64) + 1) % idx.threshold
-    refused("index", codec.ChunkIndex(**{**idx.__dict__, "classes": cls}))
+    refused("index", idx._replace(classes=cls))
     refused("different context", idx, codec.ChunkChanges(ctx.positions[:-1], ctx.old[:-1], ctx.new[:-1]))
     refused("different context", idx, codec.ChunkChanges(ctx.positions, ctx.new, ctx.old))  # same count, signs reversed
     # ensure_index rebuilds from the weights when the index does not fit.

@@ -66,7 +66,7 @@ def test_index_whose_class_counts_disagree_is_refused_before_writing(edit):
         counts[present[-1]] -= 1
     buf = vs[1].copy()
     with pytest.raises(CodecError):
-        decode_chunk_into(payload, buf, buf, context=ctx, index=codec.ChunkIndex(**{**idx.__dict__, "class_counts": counts}))
+        decode_chunk_into(payload, buf, buf, context=ctx, index=idx._replace(class_counts=counts))
     assert np.array_equal(buf, vs[1]), "a refused chunk must not write anything"
     got = decode_chunk_into(payload, buf, buf, context=ctx, index=idx)  # the true index still decodes
     assert got is not None and np.array_equal(buf[chunk.start : chunk.start + chunk.count], vs[2][chunk.start : chunk.start + chunk.count])

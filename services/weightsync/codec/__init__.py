@@ -110,12 +110,17 @@ def _words16(src: np.ndarray) -> np.ndarray | None:
 # --------------------------------------------------------------------------
 
 
+# Comparing an array's dtype with a dtype is a few times cheaper than with a
+# scalar type, and this check runs twice per chunk decoded.
+_NP_DTYPES = {name: np.dtype(t) for name, t in DTYPES.items()}
+
+
 def _check_array(arr: np.ndarray, dtype: str, what: str) -> None:
-    want = DTYPES[dtype]
+    want = _NP_DTYPES[dtype]
     if not isinstance(arr, np.ndarray) or arr.ndim != 1:
         raise CodecError(f"{what} must be a 1-D numpy array")
     if arr.dtype != want:
-        raise CodecError(f"{what} has dtype {arr.dtype}, {dtype} needs raw bits as {np.dtype(want)}")
+        raise CodecError(f"{what} has dtype {arr.dtype}, {dtype} needs raw bits as {want}")
 
 
 def _check_dtype(dtype: str) -> None:
@@ -149,6 +154,7 @@ _NO_INT = np.empty(0, np.int64)
 _NO_BOOL = np.empty(0, np.bool_)
 _NO_U8 = np.empty(0, np.uint8)
 _NO_COUNTS = np.zeros(256, np.int64)
+_NO_BITS = {name: np.empty(0, t) for name, t in DTYPES.items()}  # no context's bits
 
 
 def _checked_context(context: ChunkChanges | None, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -204,7 +210,8 @@ def index_threshold(values: np.ndarray, dtype: str, *, fraction: float = _INDEX_
 
 def _make_index(dtype: str, start: int, count: int, t: int, pos: np.ndarray, cls: np.ndarray, counts: np.ndarray, h, fp: int | None = None) -> ChunkIndex:
     for a in (pos, cls, counts):
-        a.flags.writeable = False  # shared between successive indexes
+        if a.flags.writeable:  # an array kept from the index before is read-only already
+            a.flags.writeable = False  # shared between successive indexes
     h = int(h)
     if fp is None:
         fp = int(_index_fingerprint(np.uint64(h), pos.shape[0], t))
@@ -639,11 +646,11 @@ def _base_into(dst: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return dst, src
 
 
-def _decoder_context(hdr: ChunkHeader, old: np.ndarray, context: ChunkChanges | None) -> tuple[bool, np.ndarray, np.ndarray, np.ndarray]:
+def _decoder_context(hdr: ChunkHeader, context: ChunkChanges | None) -> tuple[bool, np.ndarray, np.ndarray, np.ndarray]:
     """(has context, positions, old bits, new bits) of the previous delta's changes, checked."""
     checked = _checked_context(context, hdr.dtype)
     if checked is None:
-        return False, _NO_INT, old[:0], old[:0]
+        return False, _NO_INT, _NO_BITS[hdr.dtype], _NO_BITS[hdr.dtype]
     return (True, *checked)
 
 
@@ -666,7 +673,7 @@ def _decode_delta2(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.
     """Decode a version-2 delta chunk (see decode_chunk_into): one kernel call,
     since per-call overhead is a real share of applying a sparse version."""
     lo, hi = hdr.start, hdr.start + hdr.count
-    has_ctx, ctx_pos, ctx_old, ctx_new = _decoder_context(hdr, old, context)
+    has_ctx, ctx_pos, ctx_old, ctx_new = _decoder_context(hdr, context)
     if out is old:
         dst = src = out[lo:hi]  # in place: reads and writes only the changed elements
     else:
@@ -687,7 +694,7 @@ def _decode_delta3(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.
     """Decode a version-3 delta chunk (see decode_chunk_into): one kernel call
     that also updates the index."""
     lo, hi = hdr.start, hdr.start + hdr.count
-    has_ctx, ctx_pos, ctx_old, ctx_new = _decoder_context(hdr, old, context)
+    has_ctx, ctx_pos, ctx_old, ctx_new = _decoder_context(hdr, context)
     if index is None:
         has_idx, ipos, icls, icounts, ih, ifp, it = False, _NO_INT, _NO_U8, _NO_COUNTS, np.uint64(0), 0, 0
     else:

@@ -322,6 +322,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import zstandard
@@ -380,15 +381,16 @@ class ChunkChanges:
     index: ChunkIndex | None = field(default=None, compare=False, repr=False)
 
 
-@dataclass(frozen=True)
-class ChunkIndex:
+class ChunkIndex(NamedTuple):
     """A chunk's position index (format version 3): the ascending
     chunk-relative positions of the elements whose exponent field is below
     ``threshold``, with each one's exponent field (its class). A pure function
     of the chunk's values and the threshold; ``fingerprint`` (32 bits, over
     the entries, their count and the threshold) is what a payload names.
     Immutable: updating one (``update_index``) returns a new one that may
-    share arrays with it."""
+    share arrays with it. (A named tuple, not a frozen dataclass: a receiver
+    makes one per chunk per version, and a frozen dataclass costs 1.5 us to
+    build, a tuple 0.3.)"""
 
     dtype: str
     start: int
@@ -418,9 +420,9 @@ class EncodedChunk:
     index: ChunkIndex | None = field(default=None, compare=False, repr=False)
 
 
-@dataclass(frozen=True)
-class ChunkHeader:
-    """Decoded payload header; ``body_offset`` is where the body starts."""
+class ChunkHeader(NamedTuple):
+    """Decoded payload header; ``body_offset`` is where the body starts. (A
+    named tuple: parsed once per chunk received, see ChunkIndex.)"""
 
     mode: int
     dtype: str
@@ -456,17 +458,19 @@ def _uv_decode(buf: bytes, pos: int, what: str) -> tuple[int, int]:
     """Read an unsigned LEB128 at ``pos``; return (value, new_pos)."""
     value = 0
     shift = 0
-    while True:
-        if pos >= len(buf):
-            raise CodecError(f"truncated payload while reading {what}")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise CodecError(f"varint too long while reading {what}")
+    # An IndexError ends a truncated varint: cheaper than a length check per
+    # byte on the per-chunk path (a header has three of these).
+    try:
+        while shift <= 63:
+            byte = buf[pos]
+            pos += 1
+            if byte < 0x80:
+                return value | (byte << shift), pos
+            value |= (byte & 0x7F) << shift
+            shift += 7
+    except IndexError:
+        raise CodecError(f"truncated payload while reading {what}") from None
+    raise CodecError(f"varint too long while reading {what}")
 
 
 def _header_bytes(mode: int, dtype: str, start: int, count: int, total: int, body: bytes, version: int = _VERSION) -> bytes:
