@@ -137,16 +137,16 @@ class Decoder:
             dtype = PB_DTYPE_NAMES.get(meta.dtype)
             if dtype is None:
                 raise InvalidArgument(f"tensor {name}: unknown dtype {meta.dtype}")
-            try:
-                numel = element_count(shape)
-            except ValueError as exc:
-                raise InvalidArgument(f"tensor {name}: {exc}") from None
             base = self._base(name, dtype, shape) if delta else None
             if base is not None:
                 based.add(name)
                 if undo is not None:
-                    pending[name] = base  # updated in place
+                    pending[name] = base  # updated in place (its shape is the held one's)
                     continue
+            try:
+                numel = element_count(shape)
+            except ValueError as exc:
+                raise InvalidArgument(f"tensor {name}: {exc}") from None
             pending[name] = RawTensor(dtype, shape, np.empty(numel, dtype=RAW_DTYPES[dtype]))
             if undo is not None:
                 undo.replaced[name] = self.weights.get(name)

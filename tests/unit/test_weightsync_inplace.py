@@ -10,7 +10,7 @@ from meridian.errors import DataLoss
 from meridian import elementhash
 from services.weightsync.receiver import Decoder
 from services.weightsync.versions import Encoded, encode_version
-from meridian.tensors import RawTensor, weights_hash
+from meridian.tensors import RawTensor, hash_of_sums, weights_hash
 
 Weights = dict[str, RawTensor]
 CHUNK_BYTES = 64
@@ -84,6 +84,13 @@ def test_weights_hash_sees_a_moved_or_swapped_element() -> None:
     flipped = _copy(w)
     flipped["b"].bits[3] ^= 1 << 31
     assert weights_hash(flipped) != h
+
+
+def test_weights_hash_format_is_pinned() -> None:
+    """The weights hash is a contract between processes and releases (manifests name it,
+    stores keep it): a faster way to compute it must give the same digest."""
+    items = [("model.norm.weight", "bf16", (576,), (1, (1 << 64) - 1)), ("lm_head", "fp32", (49152, 576), (12345678901234567890, 42)), ("a", "fp16", (), (0, 0))]
+    assert hash_of_sums(items) == "06ef61b1d4cc88e93318398c157d90bd8dde7c4ffb24facf561a63cdf3590144"
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.05, 1.0])  # no change, sparse, total (keyframe chunks)
