@@ -305,6 +305,24 @@ def _apply_in_place(
     return statistics.median(walls), statistics.median(cpus), exact
 
 
+def per_chunk_version(version: int, new: dict[str, RawTensor], old: dict[str, RawTensor], chunk_bytes: int) -> Any:
+    """``new`` as a delta on ``old`` in chunks of ``chunk_bytes``, every delta chunk in
+    codec format 3: what an apply of it costs beyond an apply in the service's chunks is
+    per-chunk work. (The service also sends a chunk in format 1 where that is smaller,
+    which small chunks often are by a few bytes; format 1 decodes in a pass over its
+    chunk, per-byte work that would be counted as per-chunk here: 26-39 instead of
+    22 us per chunk.)"""
+    from meridian.tensors import weights_hash
+    from services.weightsync import codec
+    from services.weightsync.versions import assemble_version
+
+    payloads = {
+        name: [c.payload for c in codec.encode_tensor(name, t.bits, old[name].bits, t.dtype, chunk_elems=max(1, chunk_bytes // t.bits.itemsize), format_version=3)]
+        for name, t in new.items()
+    }
+    return assemble_version(version, new, payloads, version - 1, weights_hash(new))
+
+
 def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[list[dict[str, Any]], bool]:
     """Per-step sizes and speeds of what the service sends (``versions.encode_tensors``:
     codec format 3 over the position indexes the previous step left, as the origin keeps
@@ -313,7 +331,7 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
 
     from meridian.tensors import weights_hash
     from services.weightsync import codec
-    from services.weightsync.versions import Carried, assemble_version, encode_tensors, encode_version
+    from services.weightsync.versions import Carried, assemble_version, encode_tensors
 
     cctx = zstandard.ZstdCompressor(level=3)
     steps, exact = [], True
@@ -344,7 +362,7 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
         t_apply_mt, _, applied_mt = _apply_in_place(enc, held, version, new, APPLY_REPEATS, threads)
         # The same delta in 64x smaller chunks: what an apply costs per chunk beyond its
         # bytes (the Python part of decoding a chunk, which holds the GIL).
-        small = encode_version(version, new, old, version - 1, CHUNK_ELEMS * 2 // 64)
+        small = per_chunk_version(version, new, old, CHUNK_ELEMS * 2 // 64)
         t_small, _, applied_small = _apply_in_place(small, held, version, new, APPLY_REPEATS)
         exact = exact and applied and applied_mt and applied_small
         steps.append({
@@ -500,8 +518,9 @@ def main(argv: list[str]) -> int:
             "decode_gbps_cpu": "the same, over the decoding thread's CPU seconds (robust to a shared machine)",
             "decode_copy_gbps": "raw bytes / wall seconds to decode one delta into fresh buffers on one thread (no hash)",
             "decode_copy_gbps_threads": "decode_copy_gbps on decode_threads threads",
-            "decode_chunk_us": "what an in-place apply costs per chunk beyond its bytes (the same delta in 64x smaller chunks, "
-                               "the difference over the extra chunks): the Python part of decoding a chunk, which holds the GIL",
+            "decode_chunk_us": "what an in-place apply costs per chunk beyond its bytes (the same delta in 64x smaller chunks, all "
+                               "in format 3, the difference over the extra chunks): the Python part of decoding a chunk, which "
+                               "holds the GIL, and the kernel's fixed cost per call",
             "encode_gbps_threads": "raw bytes / wall seconds to encode one delta with its tensors on decode_threads threads (the origin's --encode-threads)",
             "apply_gbps_threads": "apply_gbps (in place, as a subscriber) with the chunks on decode_threads threads, median",
             "propagation_vs_bound": "seconds from the origin holding a version to the subscriber holding it verified and applied, "

@@ -164,6 +164,7 @@ def _codec_rates(versions: list[Any]) -> dict[str, float]:
     (``encode_version``: codec, sha256 per chunk; its full weights hash timed apart), a
     subscriber's in-place apply (per byte, and per chunk its Python part) and a relay's
     decode into fresh buffers (``Decoder``)."""
+    from benchmarks.weightsync import per_chunk_version
     from meridian.tensors import weights_hash
     from services.weightsync.versions import encode_version
 
@@ -185,8 +186,9 @@ def _codec_rates(versions: list[Any]) -> dict[str, float]:
         t_version.append(version_s)
         t_copy.append(_apply_s(enc, old, False)[0])
         # The same delta in 64x smaller chunks costs the same per byte and more per chunk:
-        # the difference is the Python (GIL-held) part of decoding one chunk.
-        small = encode_version(v, new, old, v - 1, CHUNK_BYTES // 64)
+        # the difference is the Python (GIL-held) part of decoding one chunk (and the
+        # kernel's fixed part of a call).
+        small = per_chunk_version(v, new, old, CHUNK_BYTES // 64)
         extra = len(small.chunks) - len(enc.chunks)
         per_chunk.append(max(0.0, (_apply_s(small, old, True)[0] - t_apply[-1]) / extra) if extra > 0 else 0.0)
     med = statistics.median
