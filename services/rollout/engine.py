@@ -8,14 +8,13 @@ import asyncio
 import dataclasses
 import logging
 import os
-import shutil
-import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from meridian.errors import InvalidArgument
+from services.rollout import engine_ipc
 from services.rollout.admission import AdmissionConfig, RlScheduler, RlTicket
 
 if TYPE_CHECKING:
@@ -101,6 +100,7 @@ class Engine:
         self._llm = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.ipc_dir = ""  # this engine's folder for vLLM's socket files (see start)
+        self._ipc: engine_ipc.IpcDir | None = None
         self.update_lock = asyncio.Lock()
         self.scheduler = RlScheduler(admission or AdmissionConfig())
         self.tokens_generated = {PRIORITY_PRODUCTION: 0, PRIORITY_RL: 0}
@@ -133,11 +133,13 @@ class Engine:
         )
         # vLLM binds its processes' sockets as files in VLLM_RPC_BASE_PATH (the temp folder
         # by default) and never removes them: thousands were left after a day of tests. This
-        # engine gets a folder of its own, removed at shutdown (a user's setting is kept).
+        # engine gets a folder of its own, removed at shutdown or, if it is killed, by the
+        # next engine to start (see engine_ipc; a user's setting is kept).
         # Set only while vLLM starts its processes (it picks the paths then): left in the
         # environment, it would send later engines and child processes to a removed folder.
         if _USER_RPC_PATH is None:
-            self.ipc_dir = tempfile.mkdtemp(prefix="meridian-vllm-")
+            self._ipc = engine_ipc.create()
+            self.ipc_dir = self._ipc.path
             os.environ["VLLM_RPC_BASE_PATH"] = self.ipc_dir
         try:
             self._llm = AsyncLLM.from_engine_args(args)
@@ -151,8 +153,9 @@ class Engine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
-        if self.ipc_dir:
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if self._ipc is not None:
+            self._ipc.remove()
+            self._ipc = None
             self.ipc_dir = ""
 
     @property
