@@ -18,13 +18,19 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import functools
 import math
 import time
-from collections.abc import Sequence
+import urllib.parse
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
+from meridian.errors import Unavailable
 from meridian.v1 import common_pb2
+
+_T = TypeVar("_T")
 
 DEFAULT_URL = "redis://127.0.0.1:6390/0"
 DEFAULT_STREAM = "meridian:trajectories"
@@ -202,11 +208,32 @@ def open_transport(config: TransportConfig) -> GroupTransport:
 # ------------------------------------------------------------------ Redis
 
 
+def _redis_down_is_unavailable(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
+    """Raises :class:`~meridian.errors.Unavailable` for a Redis that cannot be reached or is
+    still loading after a restart, so the caller reads UNAVAILABLE (retry later), not an
+    INTERNAL error. Wrong credentials are a configuration fault and pass as they are."""
+
+    @functools.wraps(method)
+    async def call(self: RedisGroupTransport, *args: Any, **kwargs: Any) -> _T:
+        try:
+            return await method(self, *args, **kwargs)
+        except self._down as exc:
+            if isinstance(exc, self._auth):
+                raise
+            raise Unavailable(
+                f"trajectory stream {self.config.stream!r}: Redis at {self._where} is unreachable or restarting "
+                f"({type(exc).__name__}: {exc}); retry later"
+            ) from exc
+
+    return call
+
+
 class RedisGroupTransport(GroupTransport):
     """Redis streams: XADD (capped), a consumer group, XACK, XAUTOCLAIM."""
 
     def __init__(self, config: TransportConfig) -> None:
         import redis.asyncio as aioredis
+        from redis import exceptions
 
         from meridian.credentials import redis_login
 
@@ -214,11 +241,17 @@ class RedisGroupTransport(GroupTransport):
         # Logs in as the caller's role's Redis user (meridian up's Redis has no other).
         self.redis = aioredis.from_url(config.url, **redis_login(config.url))
         self._errors = aioredis.ResponseError
+        self._down = (exceptions.ConnectionError, exceptions.TimeoutError)
+        self._auth = (exceptions.AuthenticationError, exceptions.AuthorizationError)
+        url = urllib.parse.urlsplit(config.url)
+        self._where = f"{url.hostname}:{url.port or 6379}"  # never the password
 
+    @_redis_down_is_unavailable
     async def _append(self, stream: str, fields: dict[str, bytes | str]) -> str:
         entry_id = await self.redis.xadd(stream, fields, maxlen=self.config.maxlen, approximate=True)
         return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
+    @_redis_down_is_unavailable
     async def ensure_consumer_group(self) -> None:
         try:
             await self.redis.xgroup_create(self.config.stream, self.config.consumer_group, id="0", mkstream=True)
@@ -226,14 +259,17 @@ class RedisGroupTransport(GroupTransport):
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    @_redis_down_is_unavailable
     async def read(self, consumer: str, count: int, block_ms: int) -> list[GroupEntry]:
         reply = await self.redis.xreadgroup(self.config.consumer_group, consumer, {self.config.stream: ">"}, count=count, block=block_ms)
         return [decode_entry(eid, fields) for _, entries in reply or [] for eid, fields in entries]
 
+    @_redis_down_is_unavailable
     async def read_own_pending(self, consumer: str, count: int) -> list[GroupEntry]:
         reply = await self.redis.xreadgroup(self.config.consumer_group, consumer, {self.config.stream: "0"}, count=count)
         return [decode_entry(eid, fields) for _, entries in reply or [] for eid, fields in entries if fields]
 
+    @_redis_down_is_unavailable
     async def claim_stale(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[GroupEntry]:
         # XAUTOCLAIM's cursor is walked through the whole pending list.
         claimed: list[GroupEntry] = []
@@ -250,14 +286,17 @@ class RedisGroupTransport(GroupTransport):
                 break
         return claimed
 
+    @_redis_down_is_unavailable
     async def ack(self, entry_ids: list[str]) -> int:
         if not entry_ids:
             return 0
         return int(await self.redis.xack(self.config.stream, self.config.consumer_group, *entry_ids))
 
+    @_redis_down_is_unavailable
     async def length(self) -> int:
         return int(await self.redis.xlen(self.config.stream))
 
+    @_redis_down_is_unavailable
     async def pending(self) -> int:
         try:
             info = await self.redis.xpending(self.config.stream, self.config.consumer_group)
@@ -265,6 +304,7 @@ class RedisGroupTransport(GroupTransport):
             return 0
         return int(info["pending"]) if info else 0
 
+    @_redis_down_is_unavailable
     async def backlog(self) -> int:
         try:
             groups = await self.redis.xinfo_groups(self.config.stream)

@@ -8,6 +8,7 @@ from typing import TypeVar
 
 import pytest
 
+from meridian.errors import Unavailable
 from meridian.trajectory_transport import (
     DEAD_LETTER_SUFFIX,
     GroupTransport,
@@ -316,6 +317,38 @@ def test_maxlen_caps_the_stream(make_transport: Callable[..., GroupTransport]) -
             for g in range(60):
                 await t.publish_group(_group(g))
             assert 10 <= await t.length() <= 10 + 4
+        finally:
+            await t.close()
+
+    run(body)
+
+
+def test_a_redis_that_is_down_answers_unavailable_naming_it(pick_port: Callable[[], int]) -> None:
+    """Nothing listens on the port (Redis down or restarting): every call the services make
+    raises Unavailable (the gRPC boundary's UNAVAILABLE: retry later), naming the stream
+    and the address, never the password; not a redis-py error read as INTERNAL."""
+    port = pick_port()
+    config = TransportConfig(url=f"redis://rollout:s3cret@127.0.0.1:{port}/0", stream=NAME, consumer_group="trainer")
+
+    async def body() -> None:
+        t = RedisGroupTransport(config)
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
+            "publish_group": lambda: t.publish_group(_group(0)),
+            "ensure_consumer_group": t.ensure_consumer_group,
+            "read": lambda: t.read("c", 10, 0),
+            "read_own_pending": lambda: t.read_own_pending("c", 10),
+            "claim_stale": lambda: t.claim_stale("c", 0),
+            "ack": lambda: t.ack(["1-0"]),
+            "length": t.length,
+            "pending": t.pending,
+            "backlog": t.backlog,
+        }
+        try:
+            for name, call in calls.items():
+                with pytest.raises(Unavailable) as caught:
+                    await call()
+                message = str(caught.value)
+                assert f"127.0.0.1:{port}" in message and repr(NAME) in message and "s3cret" not in message, (name, message)
         finally:
             await t.close()
 
