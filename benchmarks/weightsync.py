@@ -305,14 +305,13 @@ def _apply_in_place(
     return statistics.median(walls), statistics.median(cpus), exact
 
 
-def per_chunk_version(version: int, new: dict[str, RawTensor], old: dict[str, RawTensor], chunk_bytes: int) -> Any:
-    """``new`` as a delta on ``old`` in chunks of ``chunk_bytes``, every delta chunk in
-    codec format 3: what an apply of it costs beyond an apply in the service's chunks is
-    per-chunk work. (The service also sends a chunk in format 1 where that is smaller,
-    which small chunks often are by a few bytes; format 1 decodes in a pass over its
-    chunk, per-byte work that would be counted as per-chunk here: 26-39 instead of
+def per_chunk_version(enc: Any, new: dict[str, RawTensor], old: dict[str, RawTensor], chunk_bytes: int) -> Any:
+    """The version ``enc`` (``new`` as a delta on ``old``) again in chunks of ``chunk_bytes``,
+    every delta chunk in codec format 3: what an apply of it costs beyond an apply of
+    ``enc`` is per-chunk work. (The service also sends a chunk in format 1 where that is
+    smaller, which small chunks often are by a few bytes; format 1 decodes in a pass over
+    its chunk, per-byte work that would be counted as per-chunk here: 26-39 instead of
     22 us per chunk.)"""
-    from meridian.tensors import weights_hash
     from services.weightsync import codec
     from services.weightsync.versions import assemble_version
 
@@ -320,7 +319,8 @@ def per_chunk_version(version: int, new: dict[str, RawTensor], old: dict[str, Ra
         name: [c.payload for c in codec.encode_tensor(name, t.bits, old[name].bits, t.dtype, chunk_elems=max(1, chunk_bytes // t.bits.itemsize), format_version=3)]
         for name, t in new.items()
     }
-    return assemble_version(version, new, payloads, version - 1, weights_hash(new))
+    m = enc.manifest
+    return assemble_version(m.version, new, payloads, m.base_version, m.weights_hash)
 
 
 def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[list[dict[str, Any]], bool]:
@@ -362,7 +362,7 @@ def codec_figures(versions: list[dict[str, RawTensor]], threads: int) -> tuple[l
         t_apply_mt, _, applied_mt = _apply_in_place(enc, held, version, new, APPLY_REPEATS, threads)
         # The same delta in 64x smaller chunks: what an apply costs per chunk beyond its
         # bytes (the Python part of decoding a chunk, which holds the GIL).
-        small = per_chunk_version(version, new, old, CHUNK_ELEMS * 2 // 64)
+        small = per_chunk_version(enc, new, old, CHUNK_ELEMS * 2 // 64)
         t_small, _, applied_small = _apply_in_place(small, held, version, new, APPLY_REPEATS)
         exact = exact and applied and applied_mt and applied_small
         steps.append({

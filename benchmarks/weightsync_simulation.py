@@ -188,7 +188,7 @@ def _codec_rates(versions: list[Any]) -> dict[str, float]:
         # The same delta in 64x smaller chunks costs the same per byte and more per chunk:
         # the difference is the Python (GIL-held) part of decoding one chunk (and the
         # kernel's fixed part of a call).
-        small = per_chunk_version(v, new, old, CHUNK_BYTES // 64)
+        small = per_chunk_version(enc, new, old, CHUNK_BYTES // 64)
         extra = len(small.chunks) - len(enc.chunks)
         per_chunk.append(max(0.0, (_apply_s(small, old, True)[0] - t_apply[-1]) / extra) if extra > 0 else 0.0)
     med = statistics.median

@@ -99,8 +99,7 @@ class Engine:
         self.version = 0
         self._llm = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
-        self.ipc_dir = ""  # this engine's folder for vLLM's socket files (see start)
-        self._ipc: engine_ipc.IpcDir | None = None
+        self._ipc: engine_ipc.IpcDir | None = None  # this engine's folder for vLLM's socket files (see start)
         self.update_lock = asyncio.Lock()
         self.scheduler = RlScheduler(admission or AdmissionConfig())
         self.tokens_generated = {PRIORITY_PRODUCTION: 0, PRIORITY_RL: 0}
@@ -139,8 +138,7 @@ class Engine:
         # environment, it would send later engines and child processes to a removed folder.
         if _USER_RPC_PATH is None:
             self._ipc = engine_ipc.create()
-            self.ipc_dir = self._ipc.path
-            os.environ["VLLM_RPC_BASE_PATH"] = self.ipc_dir
+            os.environ["VLLM_RPC_BASE_PATH"] = self._ipc.path
         try:
             self._llm = AsyncLLM.from_engine_args(args)
         finally:
@@ -156,7 +154,11 @@ class Engine:
         if self._ipc is not None:
             self._ipc.remove()
             self._ipc = None
-            self.ipc_dir = ""
+
+    @property
+    def ipc_dir(self) -> str:
+        """This engine's folder for vLLM's socket files ('' when it has none)."""
+        return self._ipc.path if self._ipc is not None else ""
 
     @property
     def vocab_size(self) -> int:

@@ -67,11 +67,10 @@ def sweep_stale(parent: str | Path | None = None) -> list[str]:
         except OSError:
             continue  # no lock file (not ours to judge) or not readable (another user's)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # its engine still runs
-        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its engine still runs
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(str(folder))
         finally:
