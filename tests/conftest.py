@@ -51,11 +51,13 @@ def _redis_ping(port: int) -> bool:
         return False
 
 
-def _start_redis(workdir: Path, attempts: int = 3) -> tuple[subprocess.Popen[bytes], int]:
-    """Starts a private redis-server; retries with a new port if another process won the race."""
+def _start_redis(workdir: Path, attempts: int = 3, port: int = 0) -> tuple[subprocess.Popen[bytes], int]:
+    """Starts a private redis-server on ``port`` (0: a free one; then it retries with a new
+    port if another process won the race)."""
     last_error = ""
-    for _ in range(attempts):
-        port = free_port()
+    fixed = port
+    for _ in range(1 if fixed else attempts):
+        port = fixed or free_port()
         log = workdir / f"redis-{port}.log"
         proc = subprocess.Popen(
             [
@@ -101,6 +103,37 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         _stop_process(proc)
+
+
+class RestartableRedis:
+    """A private redis-server that a test can stop and start again on the same port (an
+    outage), always stopped at the end."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._workdir = workdir
+        self._proc, self.port = _start_redis(workdir)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        _stop_process(self._proc)
+
+    def start(self) -> None:
+        """Starts it again, empty, on the same port."""
+        if self._proc.poll() is None:
+            raise RuntimeError("redis-server is still running")
+        self._proc, _ = _start_redis(self._workdir, port=self.port)
+
+
+@pytest.fixture
+def restartable_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
+    """A :class:`RestartableRedis` (``url``, ``stop()``, ``start()``)."""
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    redis = RestartableRedis(workdir)
+    try:
+        yield redis
+    finally:
+        redis.stop()
 
 
 @contextlib.asynccontextmanager

@@ -9,6 +9,8 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+from meridian.errors import Unavailable
+
 log = logging.getLogger(__name__)
 
 BACKOFF_S = 1.0
@@ -50,6 +52,10 @@ class RLWorkers:
                 await asyncio.sleep(0)
             except asyncio.CancelledError:
                 raise
+            except Unavailable as exc:  # the group is held and published later (publish_outbox)
+                log.warning("RL worker %d: %s", index, exc)
+                self.state = "backoff: trajectory stream unavailable"
+                await asyncio.sleep(BACKOFF_S)
             except Exception:  # noqa: BLE001 - a failed group must not end the worker
                 log.exception("RL worker %d: group failed; retrying", index)
                 self.state = "backoff: error"

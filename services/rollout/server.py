@@ -58,6 +58,7 @@ class RolloutService(pb_grpc.RolloutServicer):
     service_names = (pb.DESCRIPTOR.services_by_name["Rollout"].full_name,)
 
     def __init__(self, config: RolloutConfig) -> None:
+        from services.rollout.publish_outbox import PublishOutbox
         from services.rollout.rl_workers import RLWorkers
 
         self.config = config
@@ -72,6 +73,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         self.follower: WeightFollower | None = None
         self._follow: asyncio.Task[None] | None = None
         self._http = None
+        self.outbox = PublishOutbox(self._publish_group)
         self.workers = RLWorkers(config.rl_workers, self._background_group, self._backpressure)
         # With credentials (meridian serve's default) every caller needs a key; each key
         # is also a gRPC caller of role production (see meridian.access).
@@ -112,6 +114,7 @@ class RolloutService(pb_grpc.RolloutServicer):
             print(f"meridian rollout http listening on {self.config.http_host}:{port}", flush=True)
         if self.follower is not None:
             self._follow = asyncio.create_task(self.follower.run())
+        self.outbox.start()
         self.workers.start()
 
     async def stop(self) -> None:
@@ -119,6 +122,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         # step runs even when one before it failed, so the engine's processes never outlive us.
         try:
             await self.workers.stop()
+            await self.outbox.stop()
             if self._http is not None:
                 await self._http.stop()
             if self._follow:
@@ -137,6 +141,8 @@ class RolloutService(pb_grpc.RolloutServicer):
 
     async def _backpressure(self) -> str:
         """Why RL workers should wait now ('' when they may run)."""
+        if self.outbox.held:
+            return f"{self.outbox.held} sampled groups wait for the trajectory stream"
         backlog = await self.transport.backlog()
         if backlog > self.config.rl_high_water:
             return f"stream backlog {backlog} groups > {self.config.rl_high_water}"
@@ -147,8 +153,7 @@ class RolloutService(pb_grpc.RolloutServicer):
 
     async def _background_group(self) -> int:
         groups = await self._run_groups(await self._pick_tasks(1), self.config.group_size, self._sampling(pb.SamplingParams(), self.config.temperature))
-        for group in groups:
-            await self._publish_group(group)
+        await self.outbox.publish(groups)
         return sum(len(g) for g in groups)
 
     async def _publish_group(self, group: list[common_pb2.Trajectory]) -> None:
@@ -248,14 +253,17 @@ class RolloutService(pb_grpc.RolloutServicer):
         if len(request.task_ids) > MAX_TASKS or not 0 <= request.num_tasks <= MAX_TASKS:
             raise InvalidArgument(f"at most {MAX_TASKS} tasks per call")
         sampling = self._sampling(request.sampling, default_temperature=self.config.temperature)
+        if request.publish:
+            # Groups held from an outage go first; while the stream is still down, say so
+            # before sampling more that could not be published either.
+            await self.outbox.flush()
         if request.task_ids:
             tasks = [await fetch_task(self.sandboxes, tid) for tid in request.task_ids]
         else:
             tasks = await self._pick_tasks(request.num_tasks or 1)
         groups = await self._run_groups(tasks, group_size, sampling)
         if request.publish:
-            for group in groups:
-                await self._publish_group(group)
+            await self.outbox.publish(groups)
         return pb.RunEpisodesResponse(trajectories=[t for g in groups for t in g])
 
     async def Status(self, request: pb.RolloutStatusRequest, context: grpc.aio.ServicerContext) -> pb.RolloutStatus:

@@ -6,6 +6,7 @@ every write."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import os
 import shutil
@@ -377,7 +378,7 @@ def rollout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any
     monkeypatch.setattr(server, "load_checkpoint_weights", lambda model_dir: {})
     monkeypatch.setattr(server, "weights_hash", lambda weights: "")
     config = RolloutConfig(model="fake", envsandbox="127.0.0.1:1", http_port=0, max_prompt_bytes=256 * KiB, http_max_body_bytes=512 * KiB)
-    return lambda: server.RolloutService(config)
+    return lambda **changes: server.RolloutService(dataclasses.replace(config, **changes))
 
 
 async def _generate(stub: Any, prompt: str) -> list[Any]:
@@ -451,6 +452,33 @@ def test_http_api_answers_413_for_a_body_or_prompt_over_its_bound(rollout: Calla
             chat = http.post("/chat/completions", json={"messages": [{"role": "user", "content": "d" * (200 * KiB)}], "max_tokens": 1})
             reply = await _healthy_while_tokenising(address, tokenizer, chat)
             assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "x"
+
+    run(main())
+
+
+def test_run_episodes_samples_nothing_while_held_groups_cannot_be_published(rollout: Callable[..., Any], grpc_serving: Serving, pick_port: Callable[[], int]) -> None:
+    """The stream went away with a group sampled: the group is held, RunEpisodes with
+    publish answers UNAVAILABLE saying so before it asks envsandbox for anything (more
+    groups could not be published either), and the RL workers back off."""
+    from meridian.errors import Unavailable
+    from meridian.v1 import common_pb2
+    from meridian.v1 import rollout_pb2 as ro
+    from meridian.v1 import rollout_pb2_grpc as ro_grpc
+
+    async def main() -> None:
+        service = rollout(redis_url=f"redis://127.0.0.1:{pick_port()}/0", http_port=-1)
+        group = [
+            common_pb2.Trajectory(trajectory_id=f"t{k}", task_id="python/add", group_id="g", group_size=2, prompt_token_ids=[1], completion_token_ids=[2], logprobs=[-0.5], loss_mask=[1], policy_versions=[0])
+            for k in range(2)
+        ]
+        async with grpc_serving(service) as address, grpc.aio.insecure_channel(address) as channel:
+            with pytest.raises(Unavailable):
+                await service.outbox.publish([group])
+            request = ro.RunEpisodesRequest(task_ids=["python/add"], group_size=2, publish=True)
+            details = await expect_code(grpc.StatusCode.UNAVAILABLE, ro_grpc.RolloutStub(channel).RunEpisodes(request))
+            assert "trajectory stream" in details and "1 sampled groups are held" in details, details
+            assert await service._backpressure() == "1 sampled groups wait for the trajectory stream"
+            assert service.outbox.held_ids() == ["g"]
 
     run(main())
 
