@@ -30,7 +30,6 @@ import collections
 import copy
 import dataclasses
 import logging
-import os
 import time
 import typing
 from pathlib import Path
@@ -46,7 +45,7 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.consumer import GroupConsumer
 from services.trainer.learner_protocol import PolicyLearner
 from services.weightsync import client as weightsync
-from services.weightsync.parts import PartEncoder
+from services.weightsync.parts import PartEncoder, rank_encode_threads
 from services.weightsync.signing import Signer, load_signer
 
 if TYPE_CHECKING:  # torch: imported only where a sharded learner runs
@@ -130,7 +129,7 @@ class Committer:
         self.last_step_at = time.monotonic()
         self._in_parts = bool(getattr(learner, "publishes_in_parts", False))
         # Rank 0's part of the last version published, so that it encodes its next part itself.
-        self._part_encoder = PartEncoder(os.cpu_count() or 1) if self._in_parts else None
+        self._part_encoder = PartEncoder(rank_encode_threads()) if self._in_parts else None
 
     def _root(self) -> Path | None:
         return Path(self.config.checkpoint_dir) if self.config.checkpoint_dir else None

@@ -37,7 +37,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import queue
 import threading
 from collections.abc import Mapping, Sequence
@@ -208,7 +207,7 @@ class PartSender:
         self.refusals = refusals
         self._queue: queue.Queue[PreparedPart | None] = queue.Queue()
         # This rank's part of the last version sent, so that it encodes its next part itself.
-        self.encoder = parts.PartEncoder(os.cpu_count() or 1)
+        self.encoder = parts.PartEncoder(parts.rank_encode_threads())
         self._thread = threading.Thread(target=self._run, name="part-sender", daemon=True)
         self._thread.start()
 

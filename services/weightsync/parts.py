@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -168,6 +169,19 @@ def check_part_tensors(
     if got != header.part_hash:
         raise InvalidArgument(f"version {v} part {i}: its tensors hash to {got[:12]}, its header says {header.part_hash[:12]}")
     return items
+
+
+def rank_encode_threads() -> int:
+    """Encode threads for one trainer rank: its share of the cores this process may run
+    on (its CPU affinity, not the host's count) among the ranks on its host (torchrun's
+    ``LOCAL_WORLD_SIZE``), at least one. Every rank encodes at once, beside training:
+    ``cpu_count`` threads each would put ranks x cores threads on the host's cores."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    except ValueError:
+        local_ranks = 1
+    return max(1, cores // max(1, local_ranks))
 
 
 class PartEncoder:

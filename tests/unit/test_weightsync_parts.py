@@ -233,3 +233,25 @@ def test_signed_parts_verify_at_an_origin_with_the_key(tmp_path: Path) -> None:
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
     asyncio.run(body())
+
+
+def test_a_rank_encodes_on_its_share_of_the_cores_it_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank on a host encodes at once: each takes its share of the cores its
+    affinity allows, not the host's count (8 ranks x 64 threads on 64 cores before)."""
+    import os
+
+    from services.trainer.shard_publish import PartSender
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert parts.rank_encode_threads() == 8
+    for local, threads in (("4", 2), ("16", 1), ("", 8), ("x", 8)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert parts.rank_encode_threads() == threads, local
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    sender = PartSender("127.0.0.1:1", (), frozenset())
+    try:
+        assert sender.encoder.threads == 4
+    finally:
+        sender.close()
