@@ -262,7 +262,7 @@ class WeightSubscriber:
     of each delta into it (see :class:`Decoder`): the cheapest way to follow, for a
     holder that only needs the latest version (or rolls back with ``update.undo``).
     The default gives every version fresh buffers, so earlier updates stay valid.
-    ``decode_threads``: chunks decoded at once (0: one thread per CPU core).
+    ``decode_threads``: chunks decoded at once (0: one thread per CPU core this process may run on).
     ``decode_nice`` lowers the decode threads' CPU priority (a relay, whose decoding
     is off its forwarding path). ``window_bytes`` fixes the stream's HTTP/2 flow-control
     window (see :func:`window_options`); size it to the link's bandwidth-delay product.
@@ -296,7 +296,7 @@ class WeightSubscriber:
         self._bucket = TokenBucket.mib_per_s(max_mib_s)
         # Every core by default: a frontier model's version is terabytes of weights, and
         # the decode threads only run while a version arrives.
-        self._threads = decode_threads or os.cpu_count() or 1
+        self._threads = decode_threads or len(os.sched_getaffinity(0))
         self._pool = concurrent.futures.ThreadPoolExecutor(
             self._threads, thread_name_prefix="ws-decode", initializer=_lower_priority, initargs=(decode_nice,)
         )

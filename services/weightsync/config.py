@@ -13,7 +13,7 @@ class WeightSyncConfig:
     upstream: str = opt("", "relay only: address of the weightsync this relay mirrors")
     keep_versions: int = opt(16, "published versions kept; older ones are deleted")
     chunk_mb: float = opt(4.0, "largest chunk of raw tensor bytes, MiB, before encoding (bounds memory and re-fetch cost; a model of hundreds of billions of parameters wants more, e.g. 32: fewer chunks, each with its own per-chunk costs)")
-    encode_threads: int = opt(0, "threads the origin encodes a version on, over its tensors (0: one per CPU core); keyframes and late joiners' deltas too")
+    encode_threads: int = opt(0, "threads the origin encodes a version on, over its tensors (0: one per CPU core this process may run on); keyframes and late joiners' deltas too")
     keyframe_every: int = opt(8, "a keyframe is stored beside every Nth version (recovery starts there)")
     send_mib_s: float = opt(0.0, "cap on what this server sends to subscribers, MiB/s in total (0: none)")
     upstream_mib_s: float = opt(0.0, "relay only: cap on what it reads from its upstream, MiB/s (0: none)")
@@ -35,7 +35,7 @@ class WeightSyncConfig:
         if self.send_mib_s < 0 or self.upstream_mib_s < 0:
             raise ValueError("send_mib_s and upstream_mib_s must be >= 0 (0: no cap)")
         if self.encode_threads < 0:
-            raise ValueError(f"encode_threads must be >= 0 (0: one per CPU core), got {self.encode_threads}")
+            raise ValueError(f"encode_threads must be >= 0 (0: one per CPU core this process may run on), got {self.encode_threads}")
         if self.message_kib < 1 or self.window_mib < 0:
             raise ValueError("message_kib must be >= 1 and window_mib >= 0")
         if self.max_subscribe_streams < 1:

@@ -279,7 +279,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         data_dir = Path(config.data_dir or self._tmp.name)  # type: ignore[union-attr]
         self.store = VersionStore(
             data_dir, keep=config.keep_versions, chunk_bytes=int(config.chunk_mb * (1 << 20)), keyframe_every=config.keyframe_every,
-            live_weights=config.role == "relay", encode_threads=config.encode_threads or os.cpu_count() or 1,
+            live_weights=config.role == "relay", encode_threads=config.encode_threads or len(os.sched_getaffinity(0)),
         )
         self._changed = asyncio.Condition()
         # The store is mutated in worker threads (encoding is CPU-bound); every access
