@@ -203,7 +203,17 @@ def _codec_rates(versions: list[Any]) -> dict[str, float]:
         "version_tensor_s": med(t_version) / len(versions[0]),
         "decode_copy_bytes_s": raw / med(t_copy),
         "delta_fraction": med(sizes) / raw,
+        **_manifest_sizes(enc.manifest),
     }
+
+
+def _manifest_sizes(manifest: Any) -> dict[str, float]:
+    """What a manifest costs per chunk reference and per tensor (with its fixed fields)."""
+    bare = type(manifest)()
+    bare.CopyFrom(manifest)
+    del bare.chunks[:]
+    refs = manifest.ByteSize() - bare.ByteSize()
+    return {"manifest_chunk_bytes": refs / len(manifest.chunks), "manifest_tensor_bytes": bare.ByteSize() / len(manifest.tensors)}
 
 
 def _apply_s(enc: Any, old: dict[str, Any], in_place: bool) -> tuple[float, float]:

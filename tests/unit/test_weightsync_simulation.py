@@ -29,6 +29,8 @@ LINKS_ONLY = CodecRates(
     send_message_s=0.0,
     send_byte_s=0.0,
     version_tensor_s=0.0,
+    manifest_chunk_bytes=0.0,
+    manifest_tensor_bytes=0.0,
     source="test",
 )
 NO_LAN = Link(FAST, 0.0)
@@ -239,11 +241,34 @@ def test_density_puts_the_bytes_where_they_are() -> None:
         ModelLayout("two", groups, (1.0,))
 
 
+def test_the_manifest_crosses_every_link_before_the_chunks() -> None:
+    """A version's manifest (600 bytes for its chunk, 400 for its tensor here) goes ahead
+    of its chunks on each hop (current), or its tensor part ahead and the chunk's reference
+    with the chunk (pipelined): the same 1000 bytes on the link either way."""
+    bandwidth, latency = 1e6, 0.02
+    rates = LINKS_ONLY.replace(manifest_chunk_bytes=600.0, manifest_tensor_bytes=400.0)
+    topology = Topology(regions=2, subscribers_per_region=1, origin_subscribers=0, wan=Link(bandwidth, latency), lan=NO_LAN, nic_bytes_s=FAST)
+    for mode in sim.MODES:
+        report = sim.simulate(SimConfig(_one_chunk(), topology, rates, mode=mode))
+        assert report["served_everywhere_s"] == pytest.approx(latency + (1000 + 2000) / bandwidth, rel=1e-6), mode
+        assert report["model"]["manifest_bytes"] == 1000
+        assert report["link_bound_s"] == pytest.approx(latency + 2000 / bandwidth, rel=1e-9)  # the version's own bytes
+    current = sim.simulate(SimConfig(_one_chunk(), topology, rates, mode="current"))["where_the_time_goes"]
+    assert current["WAN transfer (manifest)"] == pytest.approx(1000 / bandwidth)
+    # Over a LAN too (the subscriber next to the origin): through the sender's NIC, or
+    # through a link slower than that NIC, the manifest first.
+    for nic in (None, FAST):
+        lan = Topology(regions=1, subscribers_per_region=1, lan=Link(bandwidth, latency), nic_bytes_s=nic)
+        assert _served(SimConfig(_one_chunk(), lan, rates, mode="current")) == pytest.approx(latency + 3000 / bandwidth, rel=1e-6), nic
+
+
 def test_bytes_per_day() -> None:
     topology = Topology(regions=4, subscribers_per_region=1, wan=Link.gbit(10, 50))
     r = sim.simulate(SimConfig(sim.model_layout("135m"), topology, mode="current", version_interval_s=60))
     per_day = r["bytes_per_day"]
-    assert per_day["per_wan_link"] == pytest.approx(r["model"]["encoded_bytes"] * 1440, rel=1e-6)
+    model = r["model"]
+    assert model["manifest_bytes"] == pytest.approx(model["chunks"] * 113 + model["tensors"] * 50, abs=1)
+    assert per_day["per_wan_link"] == pytest.approx((model["encoded_bytes"] + model["manifest_bytes"]) * 1440, rel=1e-6)
     assert per_day["wan_links"] == 3 and per_day["lan_links"] == 4
     assert per_day["origin_egress"] == pytest.approx(per_day["per_wan_link"] * 4)  # three relays and its own subscriber
     assert per_day["keeps_up"]
