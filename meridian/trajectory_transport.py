@@ -36,17 +36,23 @@ DEFAULT_URL = "redis://127.0.0.1:6390/0"
 DEFAULT_STREAM = "meridian:trajectories"
 DEFAULT_CONSUMER_GROUP = "trainer"
 DEFAULT_MAXLEN = 100_000
+#: Seconds a Redis command may go unanswered before the stream counts as unavailable.
+DEFAULT_TIMEOUT_S = 10.0
 DEAD_LETTER_SUFFIX = ":dead"
 
 
 @dataclasses.dataclass(frozen=True)
 class TransportConfig:
-    """Where trajectory groups travel: shared by every rollout and trainer of one job."""
+    """Where trajectory groups travel: shared by every rollout and trainer of one job.
+    ``timeout_s``: how long a command (or a connection attempt) may go unanswered before
+    the call raises Unavailable; a hung Redis must not hang the RPC waiting on it. A
+    read's block time must stay below it."""
 
     url: str = DEFAULT_URL
     stream: str = DEFAULT_STREAM
     consumer_group: str = DEFAULT_CONSUMER_GROUP
     maxlen: int = DEFAULT_MAXLEN
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +245,7 @@ class RedisGroupTransport(GroupTransport):
 
         super().__init__(config)
         # Logs in as the caller's role's Redis user (meridian up's Redis has no other).
-        self.redis = aioredis.from_url(config.url, **redis_login(config.url))
+        self.redis = aioredis.from_url(config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s, **redis_login(config.url))
         self._errors = aioredis.ResponseError
         self._down = (exceptions.ConnectionError, exceptions.TimeoutError)
         self._auth = (exceptions.AuthenticationError, exceptions.AuthorizationError)
@@ -261,6 +267,8 @@ class RedisGroupTransport(GroupTransport):
 
     @_redis_down_is_unavailable
     async def read(self, consumer: str, count: int, block_ms: int) -> list[GroupEntry]:
+        if block_ms >= self.config.timeout_s * 1000:
+            raise ValueError(f"block_ms={block_ms} would outlast the transport's timeout_s={self.config.timeout_s}")
         reply = await self.redis.xreadgroup(self.config.consumer_group, consumer, {self.config.stream: ">"}, count=count, block=block_ms)
         return [decode_entry(eid, fields) for _, entries in reply or [] for eid, fields in entries]
 

@@ -353,3 +353,42 @@ def test_a_redis_that_is_down_answers_unavailable_naming_it(pick_port: Callable[
             await t.close()
 
     run(body)
+
+
+def test_a_redis_that_accepts_but_never_answers_is_unavailable_not_a_stall() -> None:
+    """A hung Redis (stopped, or a partition that drops replies): the kernel completes the
+    connection, no reply ever comes. Every call gives up after the transport's timeout
+    with Unavailable instead of hanging the RPC that made it."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)  # never accepted, never answered
+        port = hung.getsockname()[1]
+        config = TransportConfig(url=f"redis://127.0.0.1:{port}/0", stream=NAME, consumer_group="trainer", timeout_s=0.3)
+
+        async def body() -> None:
+            t = RedisGroupTransport(config)
+            try:
+                for call in (lambda: t.publish_group(_group(0)), lambda: t.read("c", 10, 100), t.backlog):
+                    with pytest.raises(Unavailable, match=f"127.0.0.1:{port}"):
+                        # 10x the timeout given, and below redis-py's own default (5 s in
+                        # recent versions, none in older ones): ours must be the one acting.
+                        await asyncio.wait_for(call(), 3)
+            finally:
+                await t.close()
+
+        run(body)
+
+
+def test_a_read_may_not_block_longer_than_the_timeout() -> None:
+    t = RedisGroupTransport(TransportConfig(url="redis://127.0.0.1:1/0", stream=NAME, timeout_s=1.0))
+
+    async def body() -> None:
+        try:
+            with pytest.raises(ValueError, match="block_ms"):
+                await t.read("c", 10, 1000)
+        finally:
+            await t.close()
+
+    run(body)
