@@ -26,6 +26,7 @@ from meridian.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 Group = list[common_pb2.Trajectory]
+Landed = Callable[[Group], None]
 
 
 class PublishOutbox:
@@ -34,7 +35,7 @@ class PublishOutbox:
     def __init__(self, send: Callable[[Group], Awaitable[None]], retry_s: float = 1.0) -> None:
         self._send = send
         self._retry_s = retry_s
-        self._held: collections.deque[Group] = collections.deque()
+        self._held: collections.deque[tuple[Group, Landed | None]] = collections.deque()
         # One publisher at a time, so held groups leave in the order they came.
         self._lock = asyncio.Lock()
         self._retrier: asyncio.Task[None] | None = None
@@ -47,14 +48,15 @@ class PublishOutbox:
 
     def held_ids(self) -> list[str]:
         """The group ids waiting, oldest first."""
-        return [g[0].group_id for g in self._held if g]
+        return [g[0].group_id for g, _ in self._held if g]
 
-    async def publish(self, groups: Sequence[Group]) -> None:
-        """Publishes ``groups`` after every held one. When the stream is unavailable, this
-        group and the rest are held and ``Unavailable`` says how many wait; any other
-        error is the group's own (it is not held: retrying would fail the same way)."""
+    async def publish(self, groups: Sequence[Group], landed: Landed | None = None) -> None:
+        """Publishes ``groups`` after every held one, calling ``landed`` with each once it is
+        in the stream (now, or after an outage). When the stream is unavailable, this group
+        and the rest are held and ``Unavailable`` says how many wait; any other error is
+        the group's own (it is not held: retrying would fail the same way)."""
         async with self._lock:
-            self._held.extend(list(g) for g in groups if g)
+            self._held.extend((list(g), landed) for g in groups if g)
             await self._drain()
 
     async def flush(self) -> None:
@@ -64,7 +66,7 @@ class PublishOutbox:
 
     async def _drain(self) -> None:
         while self._held:
-            group = self._held[0]
+            group, landed = self._held[0]
             try:
                 await self._send(group)
             except Unavailable as exc:
@@ -74,6 +76,8 @@ class PublishOutbox:
                 raise
             self._held.popleft()
             self.published += 1
+            if landed is not None:
+                landed(group)
 
     def start(self) -> None:
         """Starts the loop that retries held groups every ``retry_s``."""

@@ -17,14 +17,17 @@ BACKOFF_S = 1.0
 
 
 class RLWorkers:
-    """``count`` loops, each: check back-pressure, else run one group."""
+    """``count`` loops, each: check back-pressure, else run one group (which counts what
+    it publishes in :attr:`published` as it lands)."""
 
-    def __init__(self, count: int, run_group: Callable[[], Awaitable[int]], backpressure: Callable[[], Awaitable[str]]) -> None:
+    def __init__(self, count: int, run_group: Callable[[], Awaitable[None]], backpressure: Callable[[], Awaitable[str]]) -> None:
         self.count = count
         self._run_group = run_group
         self._backpressure = backpressure
         self._tasks: list[asyncio.Task[None]] = []
         self.state = "off" if count == 0 else "starting"
+        #: trajectories of the workers' groups in the stream (counted as they land, which
+        #: for a group held through an outage is later than its run)
         self.published = 0
 
     def start(self) -> None:
@@ -46,7 +49,7 @@ class RLWorkers:
                     await asyncio.sleep(BACKOFF_S)
                     continue
                 self.state = "running"
-                self.published += await self._run_group()
+                await self._run_group()
                 # Yield every round, even when a group finished without awaiting anything,
                 # so one worker can never monopolise the event loop the servers share.
                 await asyncio.sleep(0)

@@ -151,10 +151,12 @@ class RolloutService(pb_grpc.RolloutServicer):
             return f"policy lag {lag} > {self.config.rl_max_lag}"
         return ""
 
-    async def _background_group(self) -> int:
+    async def _background_group(self) -> None:
         groups = await self._run_groups(await self._pick_tasks(1), self.config.group_size, self._sampling(pb.SamplingParams(), self.config.temperature))
-        await self.outbox.publish(groups)
-        return sum(len(g) for g in groups)
+        await self.outbox.publish(groups, landed=self._rl_group_landed)
+
+    def _rl_group_landed(self, group: list[common_pb2.Trajectory]) -> None:
+        self.workers.published += len(group)
 
     async def _publish_group(self, group: list[common_pb2.Trajectory]) -> None:
         """XADDs one group under a PRODUCER span linked to each trajectory's episode span

@@ -87,7 +87,7 @@ def test_rl_workers_back_off_then_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(rl_workers, "BACKOFF_S", 0.01)
 
-    async def scenario() -> tuple[list[str], int]:
+    async def scenario() -> list[str]:
         reasons = ["policy lag 3 > 2", "stream backlog 9 > 5", ""]
         seen: list[str] = []
         ran = 0
@@ -96,23 +96,22 @@ def test_rl_workers_back_off_then_run(monkeypatch: pytest.MonkeyPatch) -> None:
             seen.append(workers.state)
             return reasons.pop(0) if reasons else ""
 
-        async def run_group() -> int:
+        async def run_group() -> None:
             nonlocal ran
             ran += 1
             if ran == 2:
                 raise RuntimeError("a failed group must not end the worker")
             if ran > 3:
                 await asyncio.Event().wait()  # park until stop() cancels the worker
-            return 4
 
         workers = RLWorkers(1, run_group, backpressure)
         workers.start()
         while ran < 3:
             await asyncio.sleep(0.01)
         await workers.stop()
-        return seen, workers.published
+        return seen
 
-    seen, published = asyncio.run(scenario())
+    seen = asyncio.run(scenario())
     # States as seen at each back-pressure check: backed off twice, then running.
     assert seen[:4] == ["starting", "backoff: policy lag 3 > 2", "backoff: stream backlog 9 > 5", "running"]
-    assert "backoff: error" in seen and published == 8
+    assert "backoff: error" in seen

@@ -83,21 +83,25 @@ def test_groups_refused_by_a_down_stream_are_held_and_published_first_in_order()
 
 
 def test_the_retry_loop_publishes_held_groups_once_the_stream_answers() -> None:
+    """... and each group's caller hears when it landed (what the RL workers count)."""
+
     async def body() -> None:
         link, streams = _memory()
         outbox = PublishOutbox(link.send, retry_s=0.01)
+        landed: list[str] = []
         outbox.start()
         try:
+            await outbox.publish([_group(0)], landed=lambda g: landed.append(g[0].group_id))
             link.up = False
             with pytest.raises(Unavailable):
-                await outbox.publish([_group(0), _group(1)])
+                await outbox.publish([_group(1), _group(2)], landed=lambda g: landed.append(g[0].group_id))
             await asyncio.sleep(0.05)
-            assert outbox.held == 2 and _stream_ids(streams) == []
+            assert outbox.held == 2 and _stream_ids(streams) == ["group-0"] and landed == ["group-0"]
             link.up = True
             async with asyncio.timeout(5):
                 while outbox.held:
                     await asyncio.sleep(0.01)
-            assert _stream_ids(streams) == ["group-0", "group-1"]
+            assert _stream_ids(streams) == ["group-0", "group-1", "group-2"] == landed
         finally:
             await outbox.stop()
 

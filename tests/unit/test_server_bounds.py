@@ -483,6 +483,52 @@ def test_run_episodes_samples_nothing_while_held_groups_cannot_be_published(roll
     run(main())
 
 
+def test_rl_workers_hold_their_groups_through_a_redis_restart_and_count_them_once_landed(
+    rollout: Callable[..., Any], grpc_serving: Serving, restartable_redis: Any
+) -> None:
+    """Redis goes down while a background RL worker samples: its group is held, the
+    workers back off, and once Redis is back the group lands in the stream and counts in
+    ``rl_trajectories_published`` (sampling itself is stubbed: no envsandbox here)."""
+    from meridian.trajectory_transport import decode_entry
+    from meridian.v1 import common_pb2
+
+    async def main() -> None:
+        service = rollout(redis_url=restartable_redis.url, http_port=-1, rl_workers=1)
+        sampled: list[str] = []
+
+        async def pick_tasks(count: int) -> list[Any]:
+            return [object()]
+
+        async def run_groups(tasks: list[Any], group_size: int, sampling: Any) -> list[list[Any]]:
+            if sampled:
+                await asyncio.Event().wait()  # one group is enough: park this worker
+            group_id = f"g{len(sampled)}"
+            sampled.append(group_id)
+            restartable_redis.stop()  # the outage begins while the group is being sampled
+            return [[
+                common_pb2.Trajectory(trajectory_id=f"{group_id}-{k}", task_id="python/add", group_id=group_id, group_size=2,
+                                      prompt_token_ids=[1], completion_token_ids=[2], logprobs=[-0.5], loss_mask=[1], policy_versions=[0])
+                for k in range(2)
+            ]]  # fmt: skip
+
+        service._pick_tasks, service._run_groups = pick_tasks, run_groups
+        async with grpc_serving(service):
+            async with asyncio.timeout(30):
+                while service.outbox.held == 0 or service.workers.state == "running":
+                    await asyncio.sleep(0.02)
+            # What Status reports as rl_trajectories_published and rl_state.
+            assert service.workers.published == 0 and service.workers.state.startswith("backoff")
+            restartable_redis.start()
+            async with asyncio.timeout(30):
+                while service.outbox.held:
+                    await asyncio.sleep(0.05)
+            assert service.workers.published == 2
+            entries = await service.transport.redis.xrange(service.config.stream)
+            assert [decode_entry(eid, f).group.group_id for eid, f in entries] == ["g0"]
+
+    run(main())
+
+
 # ---------------------------------------------------------------- durability
 
 
