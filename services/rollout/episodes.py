@@ -29,6 +29,10 @@ from services.rollout.engine import PRIORITY_RL, PolicyEngine, Sampling
 tracer = telemetry.tracer(__name__)
 
 TOOL_TIMEOUT_S = 10.0
+#: Client deadline of an envsandbox call (on top of a tool's own timeout for Exec). A live
+#: envsandbox bounds every call itself; this catches one that stopped answering (frozen,
+#: or a partition that drops replies), which would otherwise hang the episode for good.
+SANDBOX_CALL_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,17 +104,18 @@ async def _run_tool(sandboxes: sbx_grpc.EnvSandboxStub, sandbox_id: str, call: T
             out = bytearray()
             code = 0
             request = sbx.ExecRequest(sandbox_id=sandbox_id, argv=["bash", "-c", args["command"]], timeout_seconds=TOOL_TIMEOUT_S)
-            async for chunk in sandboxes.Exec(request):
+            async for chunk in sandboxes.Exec(request, timeout=TOOL_TIMEOUT_S + SANDBOX_CALL_S):
                 if chunk.HasField("result"):
                     code = chunk.result.exit_code if not chunk.result.timed_out else -1
                 else:
                     out += chunk.stdout or chunk.stderr
             return f"{out.decode(errors='replace')}\n[exit code {code}]"
         if call.name == "write_file":
-            await sandboxes.WriteFiles(sbx.WriteFilesRequest(sandbox_id=sandbox_id, files=[sbx.File(path=args["path"], content=args["content"].encode())]))
+            files = [sbx.File(path=args["path"], content=args["content"].encode())]
+            await sandboxes.WriteFiles(sbx.WriteFilesRequest(sandbox_id=sandbox_id, files=files), timeout=SANDBOX_CALL_S)
             return f"wrote {len(args['content'])} characters to {args['path']}"
         if call.name == "read_file":
-            reply = await sandboxes.ReadFiles(sbx.ReadFilesRequest(sandbox_id=sandbox_id, paths=[args["path"]]))
+            reply = await sandboxes.ReadFiles(sbx.ReadFilesRequest(sandbox_id=sandbox_id, paths=[args["path"]]), timeout=SANDBOX_CALL_S)
             return reply.files[0].content.decode(errors="replace")
     except grpc.aio.AioRpcError as exc:
         return f"error: {exc.details()}"
@@ -166,8 +171,10 @@ async def run_episode(
     t2 = time.perf_counter()
     if not wrote_files and parse_tool_call(last_text) is None:
         answer = extract_answer(last_text).encode()
-        await sandboxes.WriteFiles(sbx.WriteFilesRequest(sandbox_id=sandbox_id, files=[sbx.File(path=task.answer_path, content=answer)]))
-    result = await sandboxes.RunTests(sbx.RunTestsRequest(sandbox_id=sandbox_id))
+        await sandboxes.WriteFiles(sbx.WriteFilesRequest(sandbox_id=sandbox_id, files=[sbx.File(path=task.answer_path, content=answer)]), timeout=SANDBOX_CALL_S)
+    # The tests run under the task's own wall limit on envsandbox's side, unknown here: the
+    # episode's budget bounds them instead.
+    result = await sandboxes.RunTests(sbx.RunTestsRequest(sandbox_id=sandbox_id), timeout=max(limits.wall_s, SANDBOX_CALL_S))
     sandbox_s += time.perf_counter() - t2
     return EpisodeResult(ledger, last_text, reason, turns, result.reward, generate_s, sandbox_s)
 
@@ -184,11 +191,11 @@ async def run_group(
     """One GRPO group for ``task``: ``group_size`` episodes, each in a forked sandbox."""
     prompt_ids = chat_prompt(engine, task)
     group_id = uuid.uuid4().hex
-    base = await sandboxes.Create(sbx.CreateRequest(task_id=task.id, client_request_id=f"{group_id}-base"))
+    base = await sandboxes.Create(sbx.CreateRequest(task_id=task.id, client_request_id=f"{group_id}-base"), timeout=SANDBOX_CALL_S)
     try:
-        forks = await sandboxes.Fork(sbx.ForkRequest(sandbox_id=base.sandbox_id, count=group_size))
+        forks = await sandboxes.Fork(sbx.ForkRequest(sandbox_id=base.sandbox_id, count=group_size), timeout=SANDBOX_CALL_S)
     finally:
-        await sandboxes.Close(sbx.CloseRequest(sandbox_id=base.sandbox_id))
+        await sandboxes.Close(sbx.CloseRequest(sandbox_id=base.sandbox_id), timeout=SANDBOX_CALL_S)
 
     async def episode(index: int, sandbox_id: str) -> common_pb2.Trajectory:
         started = time.time()
@@ -199,7 +206,7 @@ async def run_group(
             try:
                 res = await run_episode(engine, sandboxes, sandbox_id, task, prompt_ids, dataclasses.replace(sampling, seed=seed), limits)
             finally:
-                await sandboxes.Close(sbx.CloseRequest(sandbox_id=sandbox_id))
+                await sandboxes.Close(sbx.CloseRequest(sandbox_id=sandbox_id), timeout=SANDBOX_CALL_S)
             span.set_attribute("meridian.reward", res.reward)
             span.set_attribute("meridian.turns", res.turns)
             return common_pb2.Trajectory(
@@ -225,7 +232,7 @@ async def run_group(
 
 async def fetch_task(sandboxes: sbx_grpc.EnvSandboxStub, task_id: str) -> sbx.Task:
     try:
-        return await sandboxes.GetTask(sbx.GetTaskRequest(task_id=task_id))
+        return await sandboxes.GetTask(sbx.GetTaskRequest(task_id=task_id), timeout=SANDBOX_CALL_S)
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.NOT_FOUND:
             raise NotFound(f"no task {task_id!r} at envsandbox") from None

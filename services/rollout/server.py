@@ -28,7 +28,7 @@ from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from services.rollout.callers import CallerClasses
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_VERSION, Engine, Sampling
-from services.rollout.episodes import EpisodeLimits, fetch_task, run_group
+from services.rollout.episodes import SANDBOX_CALL_S, EpisodeLimits, fetch_task, run_group
 from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
 from services.rollout.weight_follower import WeightFollower
 from services.weightsync.signing import load_verifier
@@ -171,7 +171,7 @@ class RolloutService(pb_grpc.RolloutServicer):
             await self.transport.publish_group(group)
 
     async def _pick_tasks(self, count: int) -> list[sbx.Task]:
-        listed = (await self.sandboxes.ListTasks(sbx.ListTasksRequest(split="train"))).tasks
+        listed = (await self.sandboxes.ListTasks(sbx.ListTasksRequest(split="train"), timeout=SANDBOX_CALL_S)).tasks
         if not listed:
             raise FailedPrecondition("envsandbox has no training tasks")
         return random.sample(list(listed), k=min(len(listed), count))

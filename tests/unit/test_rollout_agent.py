@@ -115,3 +115,60 @@ def test_rl_workers_back_off_then_run(monkeypatch: pytest.MonkeyPatch) -> None:
     # States as seen at each back-pressure check: backed off twice, then running.
     assert seen[:4] == ["starting", "backoff: policy lag 3 > 2", "backoff: stream backlog 9 > 5", "running"]
     assert "backoff: error" in seen
+
+
+def test_a_frozen_envsandbox_ends_the_group_at_the_deadline_and_still_closes_its_sandbox(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An envsandbox that stops answering (frozen, or replies dropped) while a group forks:
+    the call ends at the client deadline (DEADLINE_EXCEEDED), not never, and the base
+    sandbox is still closed (under its own deadline)."""
+    import asyncio
+
+    import grpc
+
+    from meridian.v1 import envsandbox_pb2 as sbx
+    from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
+    from services.rollout import episodes
+    from services.rollout.engine import Sampling
+
+    monkeypatch.setattr(episodes, "SANDBOX_CALL_S", 0.3)
+
+    class Frozen(sbx_grpc.EnvSandboxServicer):
+        def __init__(self) -> None:
+            self.closed: list[str] = []
+
+        async def Create(self, request: sbx.CreateRequest, context: object) -> sbx.SandboxInfo:
+            return sbx.SandboxInfo(sandbox_id="base", task_id=request.task_id)
+
+        async def Fork(self, request: sbx.ForkRequest, context: object) -> sbx.ForkResponse:
+            await asyncio.Event().wait()  # never answers
+            raise AssertionError("unreachable")
+
+        async def Close(self, request: sbx.CloseRequest, context: object) -> sbx.CloseResponse:
+            self.closed.append(request.sandbox_id)
+            return sbx.CloseResponse()
+
+    class Tokenizer:
+        def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool) -> list[int]:
+            return [1, 2, 3]
+
+    class Engine:
+        tokenizer = Tokenizer()
+
+    async def scenario() -> tuple[grpc.StatusCode, list[str]]:
+        servicer = Frozen()
+        server = grpc.aio.server()
+        sbx_grpc.add_EnvSandboxServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                task = sbx.Task(id="python/add", instruction="add", answer_path="answer.py")
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    # 10x the deadline given: a stall fails the test here, not the suite.
+                    await asyncio.wait_for(episodes.run_group(Engine(), sbx_grpc.EnvSandboxStub(channel), task, 2, Sampling(), "m"), 3)  # type: ignore[arg-type]
+                return caught.value.code(), servicer.closed
+        finally:
+            await server.stop(grace=None)
+
+    code, closed = asyncio.run(scenario())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and closed == ["base"]
