@@ -93,18 +93,6 @@ def _stop_process(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=10)
 
 
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    """``redis://127.0.0.1:PORT/0`` of a fresh, empty, non-persistent redis-server."""
-    workdir = tmp_path / "redis"
-    workdir.mkdir()
-    proc, port = _start_redis(workdir)
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        _stop_process(proc)
-
-
 class RestartableRedis:
     """A private redis-server that a test can stop and start again on the same port (an
     outage), always stopped at the end."""
@@ -134,6 +122,12 @@ def restartable_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
         yield redis
     finally:
         redis.stop()
+
+
+@pytest.fixture
+def redis_url(restartable_redis: RestartableRedis) -> str:
+    """``redis://127.0.0.1:PORT/0`` of a fresh, empty, non-persistent redis-server."""
+    return restartable_redis.url
 
 
 @contextlib.asynccontextmanager
