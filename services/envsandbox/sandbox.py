@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import json
 import math
 import time
 import uuid
@@ -19,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from services.envsandbox import workspace_files
+from services.envsandbox import swebench, workspace_files
 from services.envsandbox.tasks import TESTS_DIR, Task, TestOutcome, score_output
 
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 HARNESS_PATH = f"{TESTS_DIR}/_harness.py"
 HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text()
+SWEBENCH_RUNNER_ARGS = [f"{TESTS_DIR}/{swebench.RUNNER_PATH}", f"{TESTS_DIR}/{swebench.TEST_LIST_PATH}"]
 SANDBOX_UID = 61000
 MAX_FORK = 64
 
@@ -200,8 +202,11 @@ def tests_invocation(task: Task) -> tuple[list[str], bytes, dict[str, bytes]]:
     """How RunTests runs a task's tests: (argv, stdin, hidden files to write first).
 
     A test command of the harness's shape (``python3 ... .tests/_harness.py .tests/<m>``)
-    runs the harness from its source in memory with the test module on stdin: neither is
-    ever on the sandbox's disk. Any other test command gets its files under ``.tests/``."""
+    runs the harness from its source in memory with the test module on stdin; one of the
+    SWE-bench runner's (``python3 ... .tests/_swebench_runner.py .tests/_swebench_tests.json``)
+    runs this service's runner from memory with the test ids and hidden files on stdin:
+    neither is ever on the sandbox's disk. Any other test command gets its files under
+    ``.tests/``."""
     argv = task.test_command
     if HARNESS_PATH in argv:
         at = argv.index(HARNESS_PATH)
@@ -210,6 +215,11 @@ def tests_invocation(task: Task) -> tuple[list[str], bytes, dict[str, bytes]]:
         name = module.removeprefix(f"{TESTS_DIR}/")
         if module.startswith(f"{TESTS_DIR}/") and name in task.tests:
             return [*argv[:at], "-c", HARNESS_SOURCE, "--stdin", module], task.tests[name].encode(), {}
+    if SWEBENCH_RUNNER_ARGS == argv[-2:] and swebench.TEST_LIST_PATH in task.tests:
+        files = {p: c for p, c in task.tests.items() if p not in (swebench.RUNNER_PATH, swebench.TEST_LIST_PATH)}
+        request = {"tests": json.loads(task.tests[swebench.TEST_LIST_PATH]), "files": files}
+        # The runner is this service's own, whatever the task's copy says.
+        return [*argv[:-2], "-c", swebench.RUNNER_SOURCE, "--stdin"], json.dumps(request).encode(), {}
     hidden = {f"{TESTS_DIR}/{p}": c.encode() for p, c in task.tests.items()}
     return list(argv), b"", hidden
 

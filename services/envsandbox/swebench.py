@@ -13,8 +13,9 @@ One JSONL line is one instance::
     }
 
 The task's hidden tests are the files the test patch touches and the files the named
-tests live in (in their patched form), plus a stdlib runner, ``.tests/_swebench_runner.py``, that imports each named test file
-by path and calls the named function or method. A test id is ``path::function`` or
+tests live in (in their patched form). RunTests hands them, with the test ids, to a
+stdlib runner (``swebench_runner.py``, run from memory: see its docstring) that loads each
+named test file in a child process and calls the named function or method. A test id is ``path::function`` or
 ``path::Class::method``; ``unittest.TestCase`` classes run through unittest, plain
 classes are instantiated and their method called (with ``setup_method`` /
 ``teardown_method`` when defined). Parametrised ids and fixtures are not supported.

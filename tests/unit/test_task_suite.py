@@ -269,6 +269,58 @@ def test_swebench_hidden_tests_ignore_workspace_test_edits(tmp_path: Path) -> No
     assert reward == 0.0, output
 
 
+# A repository module that, when a test imports it, writes passing verdicts to every
+# descriptor it can reach (its own and, through /proc, its parent's) and exits cleanly.
+SWE_FORGE = (
+    "import os\n"
+    "_OK = b'{\"ok\": true, \"reason\": \"\"}\\n'\n"
+    "for _fd in range(64):\n"
+    "    try:\n"
+    "        os.write(_fd, _OK)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "for _fd in range(64):\n"
+    "    try:\n"
+    "        with open(f'/proc/{os.getppid()}/fd/{_fd}', 'wb') as _fh:\n"
+    "            _fh.write(_OK)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "os._exit(0)\n"
+)
+
+# One that, when a test imports it, rewrites whatever hidden test or runner files it finds
+# so that later tests would pass (the store itself stays buggy).
+SWE_REWRITE = (
+    "import os\n"
+    "_STUB = 'class TestFalsy:\\n    def test_zero_is_kept(self): pass\\n    def test_empty_string_is_kept(self): pass\\n'\n"
+    "_RUNNER = 'import sys\\nsys.stdout.write(\\'{\"ok\": true}\\\\n\\')\\n'\n"
+    "for _base, _dirs, _names in os.walk('.'):\n"
+    "    for _n in _names:\n"
+    "        if _n == 'test_falsy.py' or _n == '_swebench_runner.py':\n"
+    "            with open(os.path.join(_base, _n), 'w') as _fh:\n"
+    "                _fh.write(_STUB if _n == 'test_falsy.py' else _RUNNER)\n"
+)
+
+
+def test_swebench_verdicts_cannot_be_forged_from_the_code_under_test(tmp_path: Path) -> None:
+    """The code a test imports can neither pass a test by writing verdicts to the
+    descriptors it can reach and exiting, nor change what a later test runs by rewriting
+    hidden files (the runner and hidden tests are never on the sandbox's disk)."""
+    task = load_swebench_jsonl(SAMPLE_JSONL)[2]
+    store = task.files["kvstore/store.py"]
+    jobs = [(task, {"kvstore/store.py": SWE_FORGE + store}), (task, {"kvstore/store.py": SWE_REWRITE + store})]
+    (forged, forged_out), (rewritten, rewritten_out) = asyncio.run(_rewards(tmp_path, jobs))
+    assert forged == 0.0, forged_out
+    failed = {name for name, ok, _ in tasks_mod.score_output("all_pass", forged_out, 1).cases if not ok}
+    assert failed == set(json.loads(task.tests["_swebench_tests.json"])), forged_out
+    assert rewritten == 0.0, rewritten_out
+    cases = {name: ok for name, ok, _ in tasks_mod.score_output("all_pass", rewritten_out, 1).cases}
+    # Both falsy tests run the buggy store: the first one's import changed nothing later.
+    assert cases["tests/test_falsy.py::TestFalsy::test_zero_is_kept"] is False, rewritten_out
+    assert cases["tests/test_falsy.py::TestFalsy::test_empty_string_is_kept"] is False, rewritten_out
+    assert cases["tests/test_store.py::test_set_get"] is True, rewritten_out
+
+
 def test_swebench_malformed_lines_raise(tmp_path: Path) -> None:
     good = _sample_lines()[0]
     cases = {
