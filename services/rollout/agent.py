@@ -65,7 +65,20 @@ def parse_tool_call(text: str) -> ToolCall | str | None:
     missing = [k for k in required if not isinstance(args.get(k), str)]
     if missing:
         return f"{data['name']} needs string argument(s): {', '.join(missing)}"
+    # JSON's \\uD800-style escapes decode to lone surrogates, which no UTF-8 request to
+    # envsandbox can carry: the model's mistake, answered as one, not a failed group.
+    unencodable = [k for k in required if not _is_utf8(args[k])]
+    if unencodable:
+        return f"{data['name']} argument(s) {', '.join(unencodable)} hold an unpaired surrogate escape (not text)"
     return ToolCall(data["name"], args)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def format_observation(text: str) -> str:

@@ -18,6 +18,10 @@ def test_parse_tool_call_variants() -> None:
     assert "one of" in parse_tool_call('<tool_call>{"name": "rm"}</tool_call>')  # type: ignore[operator]
     assert "content" in parse_tool_call('<tool_call>{"name": "write_file", "arguments": {"path": "a"}}</tool_call>')  # type: ignore[operator]
     assert "object" in parse_tool_call('<tool_call>{"name": "bash", "arguments": [1]}</tool_call>')  # type: ignore[operator]
+    # A lone surrogate escape is the model's error, not an exception that ends its group.
+    assert "surrogate" in parse_tool_call('<tool_call>{"name": "bash", "arguments": {"command": "echo \\ud800"}}</tool_call>')  # type: ignore[operator]
+    assert "path" in parse_tool_call('<tool_call>{"name": "write_file", "arguments": {"path": "\\udfff", "content": "x"}}</tool_call>')  # type: ignore[operator]
+    assert parse_tool_call('<tool_call>{"name": "bash", "arguments": {"command": "echo \\ud83d\\ude00"}}</tool_call>') == ToolCall("bash", {"command": "echo \U0001f600"})
 
 
 def test_ledger_masks_observations_and_keeps_model_tokens() -> None:
