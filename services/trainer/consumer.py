@@ -5,7 +5,9 @@ is either ready (received, not trained on), trained but unacked (its effect is i
 weights, not yet in a checkpoint), or trained and acked (remembered by id, in
 checkpoints, for ``dedupe_window`` groups). A delivery of a group in any of those
 states is a duplicate: acked at once unless it is the very entry held, which is acked
-with its commit. Poison entries go to the dead letters.
+with its commit. Poison entries go to the dead letters: those that do not decode, groups
+the model cannot take (``check``, the learner's :meth:`check_group`), and batches whose
+step kept failing (:meth:`GroupConsumer.dead_letter_taken`).
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from meridian.trajectory_transport import GroupEntry, GroupTransport
+from meridian.trajectory_transport import GroupEntry, GroupTransport, encode_fields
 from meridian.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,8 @@ class ConsumerConfig:
 
 
 Taken = tuple[str, common_pb2.TrajectoryGroup]  # (entry id, group)
+#: Why the model cannot train on a group's trajectories, or '' (see PolicyLearner.check_group).
+GroupCheck = Callable[[Sequence[common_pb2.Trajectory]], str]
 
 
 class GroupConsumer:
@@ -66,12 +71,18 @@ class GroupConsumer:
     Usage: :meth:`start` and :meth:`recover`, then :meth:`poll` in a loop, :meth:`take` batches, report them
     with :meth:`trained_on` once the learner stepped on them, and :meth:`ack` what
     :meth:`unacked` listed once a checkpoint holds that step. ``counters`` may be shared with the caller.
+    ``check`` (settable until :meth:`recover`: the learner is loaded after the consumer is
+    built) says why the model cannot train on a group; such groups are dead-lettered on
+    arrival instead of failing every step that takes them.
     """
 
-    def __init__(self, transport: GroupTransport, config: ConsumerConfig, counters: collections.Counter[str] | None = None) -> None:
+    def __init__(
+        self, transport: GroupTransport, config: ConsumerConfig, counters: collections.Counter[str] | None = None, check: GroupCheck | None = None
+    ) -> None:
         self.transport = transport
         self.config = config
         self.counters = counters if counters is not None else collections.Counter[str]()
+        self.check = check
         self.trained = TrainedIds(config.dedupe_window)
         # Received and not trained on yet, oldest first: group id -> (entry id, group).
         self._ready: dict[str, Taken] = {}
@@ -163,9 +174,7 @@ class GroupConsumer:
     async def accept(self, entry: GroupEntry) -> bool:
         """Routes one delivered entry; True when its group is new to this trainer."""
         if entry.group is None:
-            log.warning("dead-lettering entry %s: %s", entry.entry_id, entry.error)
-            await self.transport.dead_letter(entry)
-            self.counters["dead_lettered"] += 1
+            await self._dead_letter(entry)
             return False
         gid = entry.group.group_id
         held = self._ready[gid][0] if gid in self._ready else self._unacked.get(gid)
@@ -181,14 +190,48 @@ class GroupConsumer:
                 self._log_trained([(entry.entry_id, entry.group)], "covered")
             await self.transport.ack([entry.entry_id])
             return False
+        if self.check is not None and (problem := self.check(entry.group.trajectories)):
+            # Checked here, not in the step: a step on it would raise (an embedding index
+            # out of range) with every good group of its batch, and the entry, never acked,
+            # would come back by claim and raise again, for ever.
+            await self._dead_letter(dataclasses.replace(entry, error=f"the model cannot train on group {gid}: {problem}"))
+            return False
         self._ready[gid] = (entry.entry_id, entry.group)
         return True
+
+    async def _dead_letter(self, entry: GroupEntry) -> None:
+        """Copies ``entry`` (its ``error`` the reason) to the dead-letter stream and acks it."""
+        log.warning("dead-lettering entry %s: %s", entry.entry_id, entry.error)
+        await self.transport.dead_letter(entry)
+        self.counters["dead_lettered"] += 1
 
     def take(self, n: int) -> list[Taken]:
         """The ``n`` oldest ready groups, or nothing while fewer are ready."""
         if len(self._ready) < n:
             return []
         return [self._ready.pop(gid) for gid in list(self._ready)[:n]]
+
+    def put_back(self, taken: list[Taken]) -> None:
+        """Returns groups a failed step took to the front of the ready queue, in their
+        order, so the next :meth:`take` gives the same batch again (a replay after a crash
+        then forms the same batches as this run did)."""
+        rest = self._ready
+        self._ready = {group.group_id: (entry_id, group) for entry_id, group in taken}
+        for gid, held in rest.items():
+            self._ready.setdefault(gid, held)
+
+    async def dead_letter_taken(self, taken: list[Taken], reason: str) -> None:
+        """Dead-letters groups taken from the ready queue (a batch whose step kept
+        failing) with ``reason``: each is copied whole to the dead-letter stream, for an
+        operator, and acked. Should the transport fail part way, the groups not yet
+        dead-lettered go back to the front of the queue, and the error is raised."""
+        for i, (entry_id, group) in enumerate(taken):
+            fields = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in encode_fields(group).items()}
+            try:
+                await self._dead_letter(GroupEntry(entry_id, group, reason, fields))
+            except BaseException:
+                self.put_back(taken[i:])
+                raise
 
     def trained_on(self, taken: list[Taken]) -> None:
         """Records that the learner stepped on ``taken``: their acks wait for a checkpoint."""

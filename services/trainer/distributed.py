@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,10 @@ class BroadcastLearner:
     def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
         self._send("step", _serialize(groups))
         return self.inner.step(groups)
+
+    def check_group(self, trajectories: Sequence[common_pb2.Trajectory]) -> str:
+        # Local: every rank runs the same model, and a group refused here never reaches a step.
+        return self.inner.check_group(trajectories)
 
     def load_state(self, state: dict[str, Any]) -> None:
         self._send("load_state", state)

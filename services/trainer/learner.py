@@ -17,9 +17,12 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import logging
+import math
 import os
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -36,6 +39,51 @@ from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal
 from services.trainer.packing import PackedLayout, pack, packed_logprobs, plan_packs
 from meridian.tensors import RawTensor, from_torch, to_torch
 
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLimits:
+    """What a model can take in: token ids in ``[0, vocab_size)`` (the rows of its
+    embedding and of its output head) and sequences of at most ``max_positions`` tokens
+    (None: no stated limit). A trajectory outside them crashes the forward pass (an
+    embedding index error) or trains on positions the model never learnt."""
+
+    vocab_size: int
+    max_positions: int | None
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> ModelLimits:
+        """The limits of a Hugging Face causal LM, read from its layers and its config."""
+        sizes = [module.get_input_embeddings().num_embeddings]  # type: ignore[operator]
+        head = module.get_output_embeddings()  # type: ignore[operator]
+        if head is not None and hasattr(head, "out_features"):
+            sizes.append(head.out_features)  # a target id is also a row of the head's output
+        config = module.config
+        positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        return cls(vocab_size=min(sizes), max_positions=int(positions) if positions else None)
+
+    def problem(self, trajectories: Sequence[common_pb2.Trajectory]) -> str:
+        """Why the model cannot train on these trajectories, or '' when it can."""
+        for traj in trajectories:
+            for field in ("prompt_token_ids", "completion_token_ids"):
+                ids = getattr(traj, field)
+                if not ids:
+                    continue
+                low, high = min(ids), max(ids)
+                if low < 0 or high >= self.vocab_size:
+                    bad = low if low < 0 else high
+                    return (
+                        f"trajectory {traj.trajectory_id}: token id {bad} in {field} is outside the model's "
+                        f"vocabulary of {self.vocab_size} ids (0..{self.vocab_size - 1})"
+                    )
+            length = len(traj.prompt_token_ids) + len(traj.completion_token_ids)
+            if self.max_positions is not None and length > self.max_positions:
+                return (
+                    f"trajectory {traj.trajectory_id}: {length} tokens ({len(traj.prompt_token_ids)} prompt + "
+                    f"{len(traj.completion_token_ids)} completion) exceed the model's {self.max_positions} positions"
+                )
+        return ""
 
 
 @dataclasses.dataclass
@@ -157,6 +205,7 @@ class Learner:
             # A frozen copy of the starting weights; only built when the KL term is on.
             self.reference = copy.deepcopy(self.module).eval().requires_grad_(False)
         self.model_dir = model_dir
+        self.limits = ModelLimits.of(self.module)
         self.rank, self.world = 0, 1
         self.sharded = False
         self.model: torch.nn.Module = self.module
@@ -464,10 +513,19 @@ class Learner:
             torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, norm)
         return float(norm)
 
+    def check_group(self, trajectories: Sequence[common_pb2.Trajectory]) -> str:
+        """Why this model cannot train on a group, or '' when it can (see :class:`ModelLimits`)."""
+        return self.limits.problem(trajectories)
+
     def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
         """One optimizer step on complete groups; advances the policy version.
 
-        Groups left with nothing to learn (all stale, or equal rewards) make no step.
+        Groups left with nothing to learn (all stale, or equal rewards) make no step. Nor
+        does a batch whose loss or gradient norm is not finite: the update would write NaN
+        into every weight (and the next checkpoint would keep it), so the weights, the
+        optimizer and the schedule stay as they were and the result says why
+        (``stepped=False``, ``skipped``). Whatever raises does so before the update: a
+        failed step leaves the learner as it found it, and the caller may retry it.
         """
         start = time.perf_counter()
         prepared = prepare_groups(groups, self.version, self.config)
@@ -488,16 +546,28 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         local_loss, stats = self.backward(batch)
         grad_norm = self._clip_gradients()
+        # The whole batch's loss, summed over the ranks before the update: nothing that can
+        # raise (a collective) comes after optimizer.step, and every rank takes the same
+        # decision below (the gradient norm is already the whole model's).
+        reported = torch.tensor(local_loss, dtype=torch.float64)  # this shard's part of the whole batch's loss
+        if self.world > 1:
+            torch.distributed.all_reduce(reported)
+        loss = float(reported)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)  # the gradients hold inf/NaN: drop them
+            why = f"non-finite loss {loss} or gradient norm {grad_norm}: the optimizer step was skipped"
+            log.warning("step %d on %d groups: %s", self.step_count + 1, len(prepared.groups), why)
+            return StepResult(
+                self.step_count, loss, trajectories=0, groups=0, grad_norm=grad_norm, seconds=time.perf_counter() - start,
+                stats=stats, stepped=False, skipped=why, **common,
+            )
         self.optimizer.step()
         self.scheduler.step()
         self.step_count += 1
         self.version += 1
-        reported = torch.tensor(local_loss, dtype=torch.float64)  # this shard's part of the whole batch's loss
-        if self.world > 1:
-            torch.distributed.all_reduce(reported)
         return StepResult(
             step=self.step_count,
-            loss=float(reported),
+            loss=loss,
             trajectories=int(batch.rewards.numel()),
             groups=len(prepared.groups),
             grad_norm=grad_norm,

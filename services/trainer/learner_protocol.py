@@ -4,6 +4,7 @@ Kept free of torch so the loop, the consumer and the servicer import it cheaply.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from meridian.tensors import RawTensor
@@ -33,6 +34,9 @@ class StepResult:
     lag_mean: float = 0.0
     lag_max: int = 0
     lr: float = 0.0
+    # Why no optimizer step was taken though samples were left to train on (a non-finite
+    # loss or gradient norm); '' otherwise. Such a step reports ``stepped=False``.
+    skipped: str = ""
 
 
 class PolicyLearner(Protocol):
@@ -47,7 +51,15 @@ class PolicyLearner(Protocol):
     def step_count(self) -> int: ...
 
     def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
-        """One optimizer step on complete groups (no step when nothing is left to learn)."""
+        """One optimizer step on complete groups (no step when nothing is left to learn).
+        When it raises, the learner's state (weights, optimizer, step and version) is as it
+        was before the call: the loop retries the batch."""
+        ...
+
+    def check_group(self, trajectories: Sequence[common_pb2.Trajectory]) -> str:
+        """Why this model cannot train on a group (a token id outside its vocabulary, a
+        sequence longer than its positions), or '' when it can. Cheap: the consumer calls
+        it on every group it receives, in the event loop."""
         ...
 
     def policy_weights(self) -> dict[str, RawTensor]:

@@ -1,6 +1,11 @@
 """The trainer's main loop: poll the consumer, step the learner on every ``groups_per_step``
 complete groups, and every ``publish_every`` steps hand the result to the committer,
-which publishes and checkpoints in the background while the next step runs."""
+which publishes and checkpoints in the background while the next step runs.
+
+A step that raises leaves the learner as it was (see ``PolicyLearner.step``): its batch
+goes back to the front of the ready queue and is tried again, ``STEP_ATTEMPTS`` times in
+all, then dead-lettered with the error, so one poison batch cannot stop training (its
+entries, never acked, would otherwise come back by claim and fail again, for ever)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,6 +27,10 @@ tracer = telemetry.tracer(__name__)
 READ_BLOCK_MS = 500
 READ_COUNT = 64
 RECENT_STEPS = 256
+#: Tries of one batch whose step raises, in a row, before its groups are dead-lettered.
+STEP_ATTEMPTS = 3
+#: Seconds between tries of a batch whose step raised (a transient fault may clear).
+STEP_RETRY_S = 1.0
 
 
 def peak_rss_mb() -> float:
@@ -68,6 +77,8 @@ class TrainingLoop:
         self.publish_every = publish_every
         self._committed: collections.deque[pb.StepMetrics] = collections.deque(maxlen=RECENT_STEPS)
         self._uncommitted: list[pb.StepMetrics] = []
+        # The group ids of the batch whose step last raised, and how many times in a row.
+        self._failing: tuple[tuple[str, ...], int] = ((), 0)
 
     def recent_steps(self) -> list[pb.StepMetrics]:
         return [*self._committed, *self._uncommitted]
@@ -78,25 +89,60 @@ class TrainingLoop:
         await self.consumer.recover()
         while True:
             try:
-                await self.consumer.poll(READ_COUNT, READ_BLOCK_MS)
-                trained = False
-                while taken := self.consumer.take(self.groups_per_step):
-                    await self.train(taken)
-                    trained = True
-                if not trained:
-                    await self.committer.idle()
+                await self.iteration(READ_BLOCK_MS)
             except (asyncio.CancelledError, CommitRefused):
                 raise
             except Exception:
                 log.exception("training loop iteration failed; retrying")
                 await asyncio.sleep(1.0)
 
+    async def iteration(self, block_ms: int) -> None:
+        """One poll of the transport (waiting up to ``block_ms``), then every step the
+        ready groups allow; the committer's idle work when there was none."""
+        await self.consumer.poll(READ_COUNT, block_ms)
+        trained = False
+        while taken := self.consumer.take(self.groups_per_step):
+            await self.train(taken)
+            trained = True
+        if not trained:
+            await self.committer.idle()
+
+    async def _step_failed(self, taken: list[Taken], exc: Exception) -> None:
+        """Puts a batch whose step raised back in front of the ready queue, to be tried
+        again after ``STEP_RETRY_S``; the ``STEP_ATTEMPTS``-th failure in a row
+        dead-letters its groups with the error instead, and the loop moves on."""
+        batch = tuple(group.group_id for _, group in taken)
+        tries = self._failing[1] + 1 if self._failing[0] == batch else 1
+        error = f"{type(exc).__name__}: {exc}"
+        if tries < STEP_ATTEMPTS:
+            self._failing = (batch, tries)
+            log.error("step on groups %s failed (try %d of %d), retrying: %s", list(batch), tries, STEP_ATTEMPTS, error, exc_info=exc)
+            self.consumer.put_back(taken)
+            await asyncio.sleep(STEP_RETRY_S)
+            return
+        self._failing = ((), 0)
+        log.error("step on groups %s failed %d times in a row; dead-lettering them: %s", list(batch), tries, error, exc_info=exc)
+        self.progress.counters["failed_batches"] += 1
+        await self.consumer.dead_letter_taken(taken, f"the learner's step on this group's batch failed {tries} times: {error}")
+
     async def train(self, taken: list[Taken]) -> None:
-        """One learner step on ``taken``, committed when it is a publishing step."""
+        """One learner step on ``taken``, committed when it is a publishing step. A step
+        that raises is retried, then dead-lettered (see :meth:`_step_failed`)."""
         trajs = [list(group.trajectories) for _, group in taken]
         links = [Link(ctx) for g in trajs for t in g if (ctx := telemetry.span_context_of(dict(t.trace_context)))]
         with tracer.start_as_current_span("trainer.step", links=links) as span:
-            result = await asyncio.to_thread(self.learner.step, trajs)
+            try:
+                result = await asyncio.to_thread(self.learner.step, trajs)
+            except Exception as exc:
+                span.record_exception(exc)
+                await self._step_failed(taken, exc)
+                return
+            self._failing = ((), 0)
+            if result.skipped:
+                # Trained nothing (weights and optimizer untouched): handled below like a
+                # step whose samples were all stale or flat.
+                self.progress.counters["skipped_steps"] += 1
+                log.warning("no optimizer step on groups %s: %s", [group.group_id for _, group in taken], result.skipped)
             span.set_attribute("meridian.step", result.step)
             span.set_attribute("meridian.trajectories", result.trajectories)
             self.consumer.trained_on(taken)

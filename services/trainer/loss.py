@@ -63,11 +63,16 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: flo
     ``rewards`` is 1-D, one group. The std is the population std (divisor n) unless
     ``sample_std`` (divisor n - 1, what ``torch.std`` and TRL use by default). A group
     whose rewards are all equal carries no signal and gets zero advantages.
+
+    The mean and std are taken in float64 and the result cast back to ``rewards``' dtype:
+    finite float32 rewards near its maximum (3.4e38) overflow a float32 sum to inf, and
+    the advantages, the loss and then every weight would become NaN.
     """
-    centred = rewards - rewards.mean()
+    wide = rewards.to(torch.float64)
+    centred = wide - wide.mean()
     if normalize_std and rewards.numel() > 1:
-        centred = centred / (rewards.std(unbiased=sample_std) + eps)
-    return centred
+        centred = centred / (wide.std(unbiased=sample_std) + eps)
+    return centred.to(rewards.dtype)
 
 
 def token_scale(mask: torch.Tensor, aggregation: str = "token-mean", token_budget: int = 0) -> torch.Tensor:

@@ -66,6 +66,9 @@ class TrainerService(pb_grpc.TrainerServicer):
         commit_config = CommitConfig(cfg.weightsync, cfg.checkpoint_dir, cfg.keep_checkpoints, cfg.checkpoint_every, cfg.checkpoint_idle_s, cfg.signing_key)
         committer = self.committer = Committer(commit_config, self.learner, self.consumer, self.progress)
         resumed = await asyncio.to_thread(committer.resume)
+        # Groups this model cannot take are dead-lettered on arrival (the consumer was
+        # built before the learner was loaded).
+        self.consumer.check = self.learner.check_group
         await self.consumer.start()
         await committer.sync_initial_version(resumed)
         self.loop = TrainingLoop(self.learner, self.consumer, committer, self.progress, cfg.groups_per_step, cfg.publish_every)
