@@ -33,10 +33,11 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TypeVar
 
-from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from meridian.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
 from services.envsandbox.sandbox import SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, pump_process
@@ -53,6 +54,12 @@ UID_POOL = 4096
 ROOT_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 LAUNCHER = "/.meridian/sandbox-exec"
 SECCOMP_FD = 3
+#: The most one ReadFiles may answer in all (contents and paths): well below the service's
+#: 64 MiB gRPC message limit, so an answer is never too big to send, and a request naming
+#: thousands of files cannot make the service hold gigabytes.
+MAX_READ_TOTAL_BYTES = 48 << 20
+
+T = TypeVar("T")
 
 
 class ProcessBackend(Backend):
@@ -209,43 +216,83 @@ class ProcessBackend(Backend):
         return f"/proc/{self._helper.pid}/root{self.mount_dir}/{sandbox_id}"
 
     def _workspace_fd(self, sandbox_id: str) -> int:
+        return _open_workspace(self._sandbox_root(sandbox_id))
+
+    async def _in_workspace(self, sandbox_id: str, op: Callable[[int], T]) -> T:
+        """``op(workspace descriptor)`` in a worker thread (a deep tree or a big file must not
+        stall the event loop). The descriptor is opened and closed in that thread: a caller
+        that goes away cancels the await, not the walk, and must not close it under the walk."""
         root = self._sandbox_root(sandbox_id)
-        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            return os.open("workspace", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
-        finally:
-            os.close(root_fd)
+
+        def run() -> T:
+            fd = _open_workspace(root)
+            try:
+                return op(fd)
+            finally:
+                os.close(fd)
+
+        return await asyncio.to_thread(run)
 
     async def write_files(self, sandbox_id: str, files: dict[str, bytes], mode: int = 0o644) -> None:
-        fd = self._workspace_fd(sandbox_id)
-        try:
-            uid = self._uid[sandbox_id]
+        self._sandbox_root(sandbox_id)
+        owner = (self._uid[sandbox_id], self._uid[sandbox_id])
+
+        def write(fd: int) -> None:
             for rel, content in files.items():
-                workspace_files.write_file(fd, rel, content, mode, owner=(uid, uid))
-        finally:
-            os.close(fd)
+                workspace_files.write_file(fd, rel, content, mode, owner=owner)
+
+        await self._in_workspace(sandbox_id, write)
 
     async def read_files(self, sandbox_id: str, paths: list[str], max_bytes: int) -> dict[str, bytes]:
-        fd = self._workspace_fd(sandbox_id)
-        try:
-            return {rel: workspace_files.read_file(fd, rel, max_bytes) for rel in paths}
-        finally:
-            os.close(fd)
+        cap = MAX_READ_TOTAL_BYTES
+
+        def too_much(rel: str) -> InvalidArgument:
+            return InvalidArgument(f"ReadFiles would answer more than {cap} bytes in all (at {rel!r}); ask for fewer files at once")
+
+        def read(fd: int) -> dict[str, bytes]:
+            out: dict[str, bytes] = {}
+            total = 0
+            for rel in dict.fromkeys(paths):  # a path asked for twice is read once
+                total += len(rel.encode())
+                if total > cap:
+                    raise too_much(rel)
+                try:
+                    out[rel] = workspace_files.read_file(fd, rel, max_bytes, total_left=cap - total)
+                except workspace_files.PathError as exc:
+                    if exc.kind == "too_large":
+                        raise too_much(rel) from None
+                    raise
+                total += len(out[rel])
+            return out
+
+        return await self._in_workspace(sandbox_id, read)
 
     async def remove(self, sandbox_id: str, path: str) -> None:
-        fd = self._workspace_fd(sandbox_id)
-        try:
-            workspace_files.remove_tree(fd, path)
-        finally:
-            os.close(fd)
+        await self._in_workspace(sandbox_id, lambda fd: workspace_files.remove_tree(fd, path))
 
     async def copy_workspace(self, src_id: str, dst_id: str) -> None:
-        src, dst = self._workspace_fd(src_id), self._workspace_fd(dst_id)
+        src_root, dst_root = self._sandbox_root(src_id), self._sandbox_root(dst_id)
+        owner = (self._uid[dst_id], self._uid[dst_id])
+
+        def copy() -> None:
+            src = _open_workspace(src_root)
+            try:
+                dst = _open_workspace(dst_root)
+                try:
+                    workspace_files.copy_tree(src, dst, owner=owner)
+                finally:
+                    os.close(dst)
+            finally:
+                os.close(src)
+
         try:
-            workspace_files.copy_tree(src, dst, owner=(self._uid[dst_id], self._uid[dst_id]))
-        finally:
-            os.close(src)
-            os.close(dst)
+            await asyncio.to_thread(copy)
+        except workspace_files.PathError as exc:
+            raise Aborted(f"cannot copy the workspace of sandbox {src_id}: {exc}") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ResourceExhausted(f"the workspace of sandbox {src_id} does not fit in a copy: {exc.strerror}") from None
+            raise
 
     # ------------------------------------------------------------ exec
 
@@ -323,6 +370,15 @@ class ProcessBackend(Backend):
             wall_seconds=time.monotonic() - start,
             oom_killed=oom,
         )
+
+
+def _open_workspace(root: str) -> int:
+    """A descriptor of the ``workspace`` folder of the sandbox root ``root`` (never a symlink)."""
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return os.open("workspace", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+    finally:
+        os.close(root_fd)
 
 
 def _make_cgroups() -> Cgroups:
