@@ -86,7 +86,11 @@ class Service(Protocol):
 
     A service may also define ``call_limits``, a mapping of full method names
     (``/meridian.v1.WeightSync/Subscribe``) to :class:`CallLimit`: how many calls of
-    that method may be in flight at once (read once, when the server is built).
+    that method may be in flight at once (read once, when the server is built); and
+    ``async def failure(self) -> str``, which returns (why) once the service can no
+    longer serve after its warm-up (a background task it depends on died): the server
+    then reports NOT_SERVING, shuts down in order and exits 1, for a supervisor to
+    restart it, instead of answering with a broken service.
     """
 
     #: fully qualified gRPC service names, for health and reflection
@@ -369,12 +373,17 @@ async def run_server(name: str, service: Service, config: ServerConfig) -> None:
 
     warmup = asyncio.create_task(service.start())
     done, _ = await asyncio.wait({warmup, asyncio.create_task(stopping.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    failed = False
     if warmup in done and warmup.exception() is None:
         for svc in ("", *service.service_names):
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s: SERVING on %s:%d", name, config.host, port)
         print(f"meridian {name} serving", flush=True)
-        await stopping.wait()
+        reason = await _serve_until(stopping, service)
+        if reason is not None:
+            failed = True
+            log.error("%s: cannot serve any longer: %s", name, reason)
+            print(f"meridian {name} failed: {reason}", flush=True)
     elif warmup in done:
         # The type and the message (an OSError's errno, strerror and path; a Redis reply):
         # repr() of some exceptions shows only their arguments.
@@ -394,8 +403,27 @@ async def run_server(name: str, service: Service, config: ServerConfig) -> None:
     except TimeoutError:
         log.warning("%s: service stop timed out", name)
     telemetry.shutdown()
-    if warmup.done() and not warmup.cancelled() and warmup.exception() is not None:
+    if failed or (warmup.done() and not warmup.cancelled() and warmup.exception() is not None):
         raise SystemExit(1)
+
+
+async def _serve_until(stopping: asyncio.Event, service: Service) -> str | None:
+    """Waits for a stop signal (None) or the service's ``failure`` (its reason)."""
+    failure = getattr(service, "failure", None)
+    if failure is None:
+        await stopping.wait()
+        return None
+    failed = asyncio.create_task(failure())
+    stop = asyncio.create_task(stopping.wait())
+    try:
+        await asyncio.wait({failed, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (failed, stop):
+            task.cancel()
+    if not failed.done() or failed.cancelled():
+        return None
+    exc = failed.exception()
+    return failed.result() if exc is None else f"its failure check raised {describe_error(exc)}"
 
 
 def describe_error(exc: BaseException | None) -> str:

@@ -5,7 +5,6 @@ applies new policy versions (weight_follower.py) -- and translates RPCs to them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -16,7 +15,7 @@ from opentelemetry.trace import Link, SpanKind
 
 from meridian import credentials, metrics, telemetry
 from meridian.errors import FailedPrecondition, InvalidArgument
-from meridian.grpc_runtime import open_channel
+from meridian.grpc_runtime import describe_error, open_channel
 from meridian.model_store import resolve_model
 from meridian.tensors import RawTensor, from_torch, weights_hash
 from meridian.trajectory_transport import open_transport
@@ -117,6 +116,18 @@ class RolloutService(pb_grpc.RolloutServicer):
         self.outbox.start()
         self.workers.start()
 
+    async def failure(self) -> str:
+        """Returns once the weight follower has ended, which it does only on an error
+        it cannot recover from (a version neither applied nor rolled back: the weights
+        the engine computes with are unknown, and its gate stays closed)."""
+        if self._follow is None:
+            await asyncio.Event().wait()  # without weightsync nothing here can fail
+        assert self._follow is not None
+        await asyncio.wait({self._follow})
+        if self._follow.cancelled():
+            return "the weight follower was cancelled"
+        return f"the weight follower stopped: {describe_error(self._follow.exception())}"
+
     async def stop(self) -> None:
         # Ordered: stop producing work, stop the front doors, then the engine last; every
         # step runs even when one before it failed, so the engine's processes never outlive us.
@@ -127,8 +138,7 @@ class RolloutService(pb_grpc.RolloutServicer):
                 await self._http.stop()
             if self._follow:
                 self._follow.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._follow
+                await asyncio.wait({self._follow})  # its error, if it died of one, is failure()'s to report
         finally:
             try:
                 await self._sandbox_channel.close()

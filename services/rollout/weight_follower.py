@@ -10,7 +10,8 @@ from collections.abc import Mapping
 
 import grpc
 
-from meridian.errors import DataLoss, FailedPrecondition
+from meridian.errors import DataLoss, FailedPrecondition, InvalidArgument
+from meridian.grpc_runtime import describe_error
 from meridian.tensors import RawTensor, Weights
 from meridian.v1 import weightsync_pb2 as wpb
 from services.rollout.weight_changes import ChangeSet
@@ -20,6 +21,11 @@ from services.weightsync.client import UndoLog
 from services.weightsync.signing import SignatureRefused, Verifier
 
 log = logging.getLogger(__name__)
+
+
+class EngineStateUnknown(RuntimeError):
+    """An update failed past the point where it could be undone: what the engine
+    computes with is not known, so the follower (and the service) stop."""
 
 
 def served_version(weights: Weights, pending: list[UndoLog]) -> dict[str, RawTensor]:
@@ -62,7 +68,8 @@ class WeightFollower:
 
     async def run(self) -> None:
         """Follows until cancelled, reconnecting after a transport failure and starting over
-        from a keyframe when the held weights can no longer be trusted."""
+        from a keyframe when the held weights can no longer be trusted; raises
+        :class:`EngineStateUnknown` when an update could not be undone."""
         weights, version = self._weights, self.updater.engine.version
         self._weights = {}  # the subscriber's decoder owns (and updates) them from here
         pending: list[UndoLog] = []  # versions decoded but not yet served, oldest first
@@ -74,20 +81,25 @@ class WeightFollower:
                     assert update.undo is not None, "an in-place subscriber records undo logs"
                     pending.append(update.undo)
                     changes = await asyncio.to_thread(ChangeSet.from_undos, weights, pending)
-                    report = await self.updater.update(
-                        changes, weights, update.manifest.canary, lambda w=weights, p=pending: served_version(w, p), update.manifest.trace_context
-                    )
+                    try:
+                        report = await self.updater.update(
+                            changes, weights, update.manifest.canary, lambda w=weights, p=pending: served_version(w, p), update.manifest.trace_context
+                        )
+                    except Exception as exc:
+                        raise EngineStateUnknown(f"version {update.version} was neither applied nor rolled back: {describe_error(exc)}") from exc
                     self._record(report, update.manifest.weights_hash)
                     if report.accepted:
                         pending.clear()
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, EngineStateUnknown):
                 raise
             except SignatureRefused as exc:
                 # The decoder reverted the refused version: the held weights are still `version`.
                 log.error("%s; still serving version %d", exc, self.updater.engine.version)
                 self.updates_rejected += 1
                 self.last_update_error = str(exc)
-            except (DataLoss, FailedPrecondition) as exc:
+            except (DataLoss, FailedPrecondition, InvalidArgument) as exc:
+                # InvalidArgument: the decoder refused what weightsync sent (a dtype this
+                # build does not know, a chunk the manifest does not list).
                 log.warning("weight update failed (%s); asking for a keyframe", exc)
                 weights, version, pending = {}, -1, []
             except grpc.aio.AioRpcError as exc:

@@ -11,9 +11,14 @@ One update, in order:
 4. reset the prefix cache (its KV blocks were computed by the old weights), label the
    engine's tokens as the candidate's, resume, and score the version's **canary** past
    the gate: the trainer's own log-probs for fixed sequences under these weights;
-5. both agree: the candidate is served (label, version, gate open). Either disagrees:
+5. both agree: the candidate is served (label, version, gate open). Either disagrees,
+   or a step could not run (the engine refused to drop its cache, a scoring call failed):
    freeze, put back exactly what step 2 overwrote, check that the kernels compute with
    the old weights again, and keep serving the old version; the report says why.
+
+A roll-back that fails, or an accepted version the engine cannot commit, leaves the
+weights it computes with unknown: :meth:`WeightUpdater.update` raises, the gate stays
+closed, and the service stops (see ``RolloutService.failure``).
 """
 from __future__ import annotations
 
@@ -188,9 +193,14 @@ class WeightUpdater:
                 except Exception as exc:  # noqa: BLE001 - a failed write is a rejected version
                     report.error = f"writing the version into the engine failed: {type(exc).__name__}: {exc}"
                 if not report.error:
-                    await self._trial(changes.version, canary, report)
+                    try:
+                        await self._trial(changes.version, canary, report)
+                    except Exception as exc:  # noqa: BLE001 - so is a trial that could not run
+                        report.error = f"trying the version in the engine failed: {type(exc).__name__}: {exc}"
                 if report.error:
                     await self._roll_back(changes.version, path, previous)
+                else:
+                    await self._accept(changes.version, path)
                 # Not in a finally: after a failed roll-back the engine's weights are unknown
                 # and it must not serve (the exception says so).
                 engine.open_gate()
@@ -223,7 +233,7 @@ class WeightUpdater:
         report.timings["reload_ms"] = (time.perf_counter() - t0) * 1e3
 
     async def _trial(self, version: int, canary: wpb.Canary | None, report: UpdateReport) -> None:
-        """Step 4 and 5: score the canary with the candidate being served past the gate."""
+        """Step 4: score the canary with the candidate being served past the gate."""
         engine = self.engine
         await _drop_cached_kv(engine)
         await engine.label_trial(version)
@@ -237,10 +247,14 @@ class WeightUpdater:
             if not verdict.ok:
                 report.error = f"canary: {verdict.reason}"
         report.timings["canary_ms"] = (time.perf_counter() - t0) * 1e3
-        if not report.error:
-            if report.path == "delta":
-                await engine.llm.collective_rpc("meridian_commit")
-            await engine.settle_trial(version, accepted=True)
+
+    async def _accept(self, version: int, path: str) -> None:
+        """Step 5: the candidate becomes the served version. Not undone on failure: once
+        the engine forgot how to revert, what it computes with is no longer known (the
+        exception says so, and the follower ends)."""
+        if path == "delta":
+            await self.engine.llm.collective_rpc("meridian_commit")
+        await self.engine.settle_trial(version, accepted=True)
 
     async def _roll_back(self, version: int, path: str, previous: Callable[[], Weights]) -> None:
         """Puts the served version back and proves the kernels compute with it again; when

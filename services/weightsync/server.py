@@ -3,7 +3,6 @@ upstream), both serving Subscribe from a :class:`VersionStore`."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -20,7 +19,7 @@ from meridian import metrics, telemetry
 from meridian.errors import (
     Aborted, AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, MeridianError, NotFound, ResourceExhausted, Unavailable,
 )
-from meridian.grpc_runtime import CallLimit
+from meridian.grpc_runtime import CallLimit, describe_error
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync.chunk_messages import serialize_response, weight_chunk_message
@@ -325,13 +324,25 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         if self.config.role == "relay":
             self._mirror = asyncio.create_task(self._mirror_upstream())
 
+    async def failure(self) -> str:
+        """A relay: returns once its upstream mirror has ended, which it does only on an
+        error it does not know to recover from (storing a version failed, say): the
+        weights it decodes into may then hold part of a version, and a restart
+        recovers from the stored versions instead."""
+        if self._mirror is None:
+            await asyncio.Event().wait()  # an origin has no such task
+        assert self._mirror is not None
+        await asyncio.wait({self._mirror})
+        if self._mirror.cancelled():
+            return "the upstream mirror was cancelled"
+        return f"the upstream mirror stopped: {describe_error(self._mirror.exception())}"
+
     async def stop(self) -> None:
         # A version being stored for a publisher that went away is finished, not cut off.
         await asyncio.gather(*self._completing, return_exceptions=True)
         if self._mirror:
             self._mirror.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._mirror
+            await asyncio.wait({self._mirror})  # its error, if it died of one, is failure()'s to report
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -403,7 +414,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             except SignatureRefused as exc:
                 # Nothing of it was stored or announced; subscribers keep the versions held.
                 log.error("upstream %s: %s; still serving version %d", self.config.upstream, exc, self.store.latest)
-            except (grpc.aio.AioRpcError, DataLoss, FailedPrecondition) as exc:
+            except (grpc.aio.AioRpcError, DataLoss, FailedPrecondition, InvalidArgument) as exc:
+                # InvalidArgument: the decoder refused what upstream sent (a dtype this
+                # build does not know, a chunk its manifest does not list).
                 log.warning("upstream %s: %s; retrying", self.config.upstream, exc)
             finally:
                 if self._incoming is not None:
