@@ -27,7 +27,8 @@ The test module takes one of three shapes:
            ``eq(got, want)``. P evaluates every ``want`` itself (in the module namespace)
            and sends the child a copy of the function in which ``eq(got, want)`` became
            "report ``got``": the child never holds the expected value. A check passes when
-           its child finished normally and every reported value equals its ``want``; a
+           its child finished normally, every ``eq`` in it ran, and every reported value
+           equals its ``want`` (so an ``eq`` belongs where it always runs, not in a branch); a
            check with no ``eq`` passes when its child finishes (use it only for checks
            that run no code under test in-process, e.g. ``sh -n script``).
            ``raised(fn, *args)`` gives the name of the exception ``fn`` raised, or None.
@@ -158,7 +159,8 @@ def run_child(source: str, argv: list, stdin: bytes, timeout_s: float) -> tuple:
 
     Reads the child's pipe only until the deadline: then the child's process group is
     killed and whatever still holds the pipe (a grandchild that left the group) is
-    abandoned with it, so no child can hold the harness up."""
+    abandoned with it, so no child can hold the harness up. The group is killed when
+    the child ends in time too."""
     proc = subprocess.Popen(
         [sys.executable, "-I", "-S", "-c", source, *argv],
         stdin=subprocess.PIPE,
@@ -168,8 +170,9 @@ def run_child(source: str, argv: list, stdin: bytes, timeout_s: float) -> tuple:
         start_new_session=True,
     )
     out, timed_out = _read_until(proc, stdin, time.monotonic() + timeout_s)
-    if timed_out:
-        _kill(proc)
+    # Always: what the child left running in its group (a daemon a build script
+    # started) must not live on beside the next checks, whose pipes it could reach.
+    _kill(proc)
     try:
         code = proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
@@ -298,7 +301,7 @@ def judge_check(name: str, wants: list, reports: list, code: int, timed_out: boo
     """One PASS/FAIL line from a check child's reports."""
     if timed_out:
         return f"FAIL {name}: timed out"
-    seen = 0
+    checked: set = set()
     for item in reports:
         if "error" in item:
             return f"FAIL {name}: {one_line(item['error'])}"
@@ -313,12 +316,15 @@ def judge_check(name: str, wants: list, reports: list, code: int, timed_out: boo
                 ok = False
             if not ok:
                 return f"FAIL {name}: got {one_line(repr(got))}, want {one_line(repr(wants[k]))}"
-            seen += 1
+            checked.add(k)
     done = any(item.get("done") is True for item in reports)
     if code != 0 or not done:
         return f"FAIL {name}: the check did not finish (exit {code})"
-    if wants and not seen:
-        return f"FAIL {name}: no value was checked"
+    # Every eq must have run: a child that reported the first value right and then
+    # "done" has not been checked on the rest.
+    missing = sorted(set(range(len(wants))) - checked)
+    if missing:
+        return f"FAIL {name}: {len(missing)} of {len(wants)} values were never checked (eq {', '.join(map(str, missing[:5]))})"
     return f"PASS {name}"
 
 
