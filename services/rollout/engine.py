@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -76,7 +76,7 @@ class PolicyEngine(Protocol):
     version: int
     tokenizer: PreTrainedTokenizerBase | None  # None until the engine has started
 
-    def prompt_problem(self, ids: list[int]) -> str: ...
+    def prompt_problem(self, ids: Sequence[int]) -> str: ...
 
     def generate(self, prompt_ids: list[int], sampling: Sampling, priority: int, request_id: str = "") -> AsyncIterator[Delta]: ...
 
@@ -165,13 +165,15 @@ class Engine:
         assert self.tokenizer is not None
         return len(self.tokenizer)
 
-    def prompt_problem(self, ids: list[int]) -> str:
-        """Why the engine cannot take ``ids`` as a prompt ('' when it can); both front doors ask."""
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            return f"token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}"
+    def prompt_problem(self, ids: Sequence[int]) -> str:
+        """Why the engine cannot take ``ids`` as a prompt ('' when it can); both front doors
+        ask. The length first: a caller's 64 MiB of ids is refused before any pass over them."""
         if len(ids) >= self.max_model_len:
             return f"prompt is {len(ids)} tokens; the model takes at most {self.max_model_len - 1}"
+        vocab = self.vocab_size  # once: the tokenizer's length is not a cheap call
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            return f"token ids outside the vocabulary (size {vocab}): {bad[:5]}"
         return ""
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, priority: int, request_id: str = "") -> AsyncIterator[Delta]:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
@@ -27,6 +30,8 @@ from services.rollout.agent import (
 from services.rollout.engine import PRIORITY_RL, PolicyEngine, Sampling
 
 tracer = telemetry.tracer(__name__)
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TOOL_TIMEOUT_S = 10.0
 #: Client deadline of an envsandbox call (on top of a tool's own timeout for Exec). A live
@@ -195,7 +200,12 @@ async def run_group(
     try:
         forks = await sandboxes.Fork(sbx.ForkRequest(sandbox_id=base.sandbox_id, count=group_size), timeout=SANDBOX_CALL_S)
     finally:
-        await sandboxes.Close(sbx.CloseRequest(sandbox_id=base.sandbox_id), timeout=SANDBOX_CALL_S)
+        try:
+            await sandboxes.Close(sbx.CloseRequest(sandbox_id=base.sandbox_id), timeout=SANDBOX_CALL_S)
+        except grpc.aio.AioRpcError as exc:
+            # The forks exist and each episode closes its own; the base expires on
+            # envsandbox's side (its TTL). Raising here would leak every fork.
+            log.warning("closing base sandbox %s failed (%s); it expires on its own", base.sandbox_id, exc.code().name)
 
     async def episode(index: int, sandbox_id: str) -> common_pb2.Trajectory:
         started = time.time()
@@ -227,7 +237,21 @@ async def run_group(
                 model=model,
             )
 
-    return list(await asyncio.gather(*(episode(i, box.sandbox_id) for i, box in enumerate(forks.sandboxes))))
+    return await gather_or_cancel([episode(i, box.sandbox_id) for i, box in enumerate(forks.sandboxes)])
+
+
+async def gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """The results of ``coros`` run at once; when one fails, the others are cancelled
+    (each closes its sandboxes on the way out) and awaited before its error is raised,
+    so a failed group leaves no episode running behind it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def fetch_task(sandboxes: sbx_grpc.EnvSandboxStub, task_id: str) -> sbx.Task:

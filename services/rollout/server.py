@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -27,7 +27,7 @@ from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from services.rollout.callers import CallerClasses
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_VERSION, Engine, Sampling
-from services.rollout.episodes import SANDBOX_CALL_S, EpisodeLimits, fetch_task, run_group
+from services.rollout.episodes import SANDBOX_CALL_S, EpisodeLimits, fetch_task, gather_or_cancel, run_group
 from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
 from services.rollout.weight_follower import WeightFollower
 from services.weightsync.signing import load_verifier
@@ -190,7 +190,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         """Samples one group per task. A group with tokens from a version that was then
         rejected is dropped whole: no policy produced those samples."""
         engine = self._engine()
-        groups = await asyncio.gather(*(run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits) for t in tasks))
+        groups = await gather_or_cancel([run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits) for t in tasks])
         kept = [g for g in groups if not any(REJECTED_VERSION in t.policy_versions for t in g)]
         for t in (t for g in kept for t in g):
             t.region = self.config.region
@@ -218,12 +218,14 @@ class RolloutService(pb_grpc.RolloutServicer):
             min_tokens=params.min_tokens,
         )
 
-    async def _prompt_ids(self, prompt: str, token_ids: list[int]) -> list[int]:
+    async def _prompt_ids(self, prompt: str, token_ids: Sequence[int]) -> list[int]:
         """The prompt as token ids: text is measured before it is tokenised (and large
-        text is tokenised off the event loop, see :mod:`services.rollout.prompt_limits`)."""
+        text is tokenised off the event loop, see :mod:`services.rollout.prompt_limits`);
+        ids (the request's repeated field, not yet a list) are counted before they are read."""
         engine = self._engine()
-        if bool(prompt) == bool(token_ids):
+        if bool(prompt) == bool(len(token_ids)):
             raise InvalidArgument("give exactly one of prompt or prompt_token_ids")
+        ids: Sequence[int]
         if token_ids:
             ids = token_ids
         else:
@@ -233,11 +235,11 @@ class RolloutService(pb_grpc.RolloutServicer):
             ids = list((await tokenize_off_loop(size, engine.tokenizer, prompt))["input_ids"])  # type: ignore[arg-type]
         if problem := engine.prompt_problem(ids):
             raise InvalidArgument(problem)
-        return ids
+        return list(ids)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         sampling = self._sampling(request.sampling, default_temperature=0.0)
-        ids = await self._prompt_ids(request.prompt, list(request.prompt_token_ids))
+        ids = await self._prompt_ids(request.prompt, request.prompt_token_ids)
         priority = self.callers.classify(dict(context.invocation_metadata() or ()).get("authorization"))
         async for delta in self._engine().generate(ids, sampling, priority, request.request_id):
             yield pb.GenerateChunk(
@@ -251,7 +253,7 @@ class RolloutService(pb_grpc.RolloutServicer):
             )
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        ids = await self._prompt_ids("", list(request.token_ids))
+        ids = await self._prompt_ids("", request.token_ids)
         if len(ids) < 2:
             raise InvalidArgument("score needs at least two tokens")
         engine = self._engine()

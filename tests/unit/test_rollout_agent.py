@@ -2,6 +2,8 @@
 and the OpenAI request validation."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from services.rollout.agent import Ledger, ToolCall, extract_answer, format_observation, parse_tool_call
@@ -176,3 +178,64 @@ def test_a_frozen_envsandbox_ends_the_group_at_the_deadline_and_still_closes_its
 
     code, closed = asyncio.run(scenario())
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and closed == ["base"]
+
+
+def test_a_failed_episode_cancels_its_siblings_and_every_fork_is_closed() -> None:
+    """One episode of a group fails (its engine call raises) while another waits: the
+    other is cancelled, not left running, and both forks are closed, even though closing
+    the base sandbox failed (which used to raise past the forks and leak them)."""
+    import asyncio
+
+    import grpc
+
+    from meridian.v1 import envsandbox_pb2 as sbx
+    from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
+    from services.rollout import episodes
+    from services.rollout.engine import Sampling
+
+    class Boxes(sbx_grpc.EnvSandboxServicer):
+        def __init__(self) -> None:
+            self.closed: list[str] = []
+
+        async def Create(self, request: sbx.CreateRequest, context: object) -> sbx.SandboxInfo:
+            return sbx.SandboxInfo(sandbox_id="base", task_id=request.task_id)
+
+        async def Fork(self, request: sbx.ForkRequest, context: object) -> sbx.ForkResponse:
+            return sbx.ForkResponse(sandboxes=[sbx.SandboxInfo(sandbox_id=f"f{i}") for i in range(request.count)])
+
+        async def Close(self, request: sbx.CloseRequest, context: grpc.aio.ServicerContext) -> sbx.CloseResponse:
+            if request.sandbox_id == "base":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "envsandbox is restarting")
+            self.closed.append(request.sandbox_id)
+            return sbx.CloseResponse()
+
+    class Tokenizer:
+        def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool) -> Any:
+            text = "".join(m["content"] for m in messages)
+            return [1, 2, 3] if tokenize else text
+
+    class Engine:
+        tokenizer = Tokenizer()
+
+        async def generate(self, prompt_ids: list[int], sampling: Sampling, priority: int, request_id: str = "") -> Any:
+            if sampling.seed == 0:
+                raise RuntimeError("the engine failed episode 0")
+            await asyncio.Event().wait()  # episode 1 would wait for ever
+            yield  # an async generator, as the real one
+
+    async def scenario() -> list[str]:
+        servicer = Boxes()
+        server = grpc.aio.server()
+        sbx_grpc.add_EnvSandboxServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                task = sbx.Task(id="python/add", instruction="add", answer_path="answer.py")
+                with pytest.raises(RuntimeError, match="failed episode 0"):
+                    await asyncio.wait_for(episodes.run_group(Engine(), sbx_grpc.EnvSandboxStub(channel), task, 2, Sampling(seed=0), "m"), 10)  # type: ignore[arg-type]
+                return sorted(servicer.closed)
+        finally:
+            await server.stop(grace=None)
+
+    assert asyncio.run(scenario()) == ["f0", "f1"]
