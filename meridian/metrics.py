@@ -100,7 +100,7 @@ TRAINER_STREAM = _spec("meridian_trainer_stream_entries", "gauge", "entries in t
 TRAINER_PENDING = _spec("meridian_trainer_stream_pending_entries", "gauge", "stream entries delivered to the trainer's group and not acked yet")
 TRAINER_STALE = _spec("meridian_trainer_stale_samples_total", "counter", "samples older than the staleness bound, by action (dropped, downweighted)", ["action"])
 TRAINER_FLAT = _spec("meridian_trainer_dropped_groups_total", "counter", "groups skipped because all their rewards were equal")
-TRAINER_DEAD = _spec("meridian_trainer_dead_lettered_total", "counter", "malformed stream entries moved to the dead-letter stream")
+TRAINER_DEAD = _spec("meridian_trainer_dead_lettered_total", "counter", "stream entries moved to the dead-letter stream (malformed, untrainable, or a batch whose step kept failing)")
 TRAINER_DUPLICATES = _spec("meridian_trainer_duplicates_skipped_total", "counter", "deliveries of a group already trained on or held")
 TRAINER_STEP_SECONDS = _spec(
     "meridian_trainer_step_seconds", "histogram", "time per training step, by phase (learn: the learner's step; commit: the loop's wait for weights, canary and checkpoint copy; publish: the background publish)",
