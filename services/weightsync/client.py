@@ -339,7 +339,7 @@ class WeightSubscriber:
                     first = False
                     if item.HasField("manifest"):
                         await receiving.drain()
-                        self.decoder.begin(item.manifest)
+                        await self._begin(item.manifest)
                         receiving.reset(item.manifest)
                         if self._on_manifest is not None:
                             self._on_manifest(item.manifest)
@@ -367,6 +367,23 @@ class WeightSubscriber:
             delay = min(2.0, 0.1 * 2 ** (failures - 1))
             log.info("weightsync %s: %s; reconnecting in %.1fs", self.address, reason, delay)
             await asyncio.sleep(delay)
+
+    async def _begin(self, manifest: pb.Manifest) -> None:
+        """Starts ``manifest``'s version. The first delta of a decoder needs one full pass
+        over the held weights (their element-hash sums): it runs on a thread, or a relay
+        would stop forwarding to every subscriber of its own for as long as that pass
+        takes, at each reconnect upstream (each builds a new subscriber)."""
+        if self.decoder.needs_prepare(manifest):
+            # Refusals come before the pass, as begin() makes them.
+            self.decoder.check(manifest)
+            job = asyncio.ensure_future(asyncio.to_thread(self.decoder.prepare))
+            try:
+                await asyncio.shield(job)
+            except asyncio.CancelledError:
+                # The thread runs on: nothing may touch the weights it reads until it ends.
+                await asyncio.wait({job})
+                raise
+        self.decoder.begin(manifest)
 
     async def _take_chunks(self, receiving: _Receiving, chunks: Sequence[pb.ChunkData]) -> VersionUpdate | None:
         """Verifies one message's chunks in order, hands each to ``on_chunk`` once it passed

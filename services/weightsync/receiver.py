@@ -115,16 +115,7 @@ class Decoder:
     def begin(self, manifest: pb.Manifest) -> None:
         """Starts a version; a delta must be based on the version held now. A manifest
         whose signature the verifier refuses is refused here, before anything changes."""
-        if self.verifier is not None:
-            self.verifier.check_manifest(manifest)
-            # A server only ever sends versions after the one held: an older, genuinely
-            # signed version is a replay meant to roll the weights back.
-            if 0 <= self.version and manifest.version <= self.version:
-                raise SignatureRefused(f"version {manifest.version} refused: not newer than the held version {self.version} (a replayed version)")
-        if manifest.base_version >= 0 and manifest.base_version != self.version:
-            raise FailedPrecondition(f"version {manifest.version} is a delta on {manifest.base_version}, but {self.version} is held")
-        if manifest.codec not in READABLE_CODECS:
-            raise FailedPrecondition(f"version {manifest.version} uses codec {manifest.codec!r}; this decoder reads {READABLE_CODECS}")
+        self.check(manifest)
         self.abort()
         delta = manifest.base_version >= 0
         if delta:
@@ -156,6 +147,27 @@ class Decoder:
         self._seen, self._moves, self._next_indexes = set(), [], {}
         self._chunks_left = collections.Counter(ref.tensor for ref in manifest.chunks) if self.verifier is not None else collections.Counter()
         self._tensor_sha256 = {}
+
+    def check(self, manifest: pb.Manifest) -> None:
+        """The refusals :meth:`begin` makes before anything changes: a signature the
+        verifier refuses, a replayed version, a delta on another version than the held
+        one, a codec this decoder does not read."""
+        if self.verifier is not None:
+            self.verifier.check_manifest(manifest)
+            # A server only ever sends versions after the one held: an older, genuinely
+            # signed version is a replay meant to roll the weights back.
+            if 0 <= self.version and manifest.version <= self.version:
+                raise SignatureRefused(f"version {manifest.version} refused: not newer than the held version {self.version} (a replayed version)")
+        if manifest.base_version >= 0 and manifest.base_version != self.version:
+            raise FailedPrecondition(f"version {manifest.version} is a delta on {manifest.base_version}, but {self.version} is held")
+        if manifest.codec not in READABLE_CODECS:
+            raise FailedPrecondition(f"version {manifest.version} uses codec {manifest.codec!r}; this decoder reads {READABLE_CODECS}")
+
+    def needs_prepare(self, manifest: pb.Manifest) -> bool:
+        """Whether :meth:`begin` of ``manifest`` would make the full pass of :meth:`prepare`
+        (a delta, and the held weights' sums not known yet): a caller on an event loop
+        runs :meth:`prepare` on a thread first."""
+        return manifest.base_version >= 0 and self._sums is None
 
     def prepare(self) -> None:
         """Computes the held weights' element-hash sums if not known yet: one full pass,
