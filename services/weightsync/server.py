@@ -289,6 +289,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self._completing: set[asyncio.Future[Any]] = set()
         # The sharded publish being assembled (parts of one version at a time).
         self._pending: _PendingVersion | None = None
+        # Sharded versions whose store step runs (it took them out of _pending): version -> result.
+        self._storing: dict[int, asyncio.Future[tuple[Encoded, bool]]] = {}
         self._send = TokenBucket.mib_per_s(config.send_mib_s)
         # Relay: the version arriving from upstream, re-served chunk by chunk as it comes.
         self._incoming: Encoded | None = None
@@ -516,8 +518,11 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         completes the version assembles and stores it; every part answers with the result
         (or the error that aborted the version)."""
         parts.check_part_header(header)
+        await self._after_store_of(header.version)
         if header.part_encoded:
             self._check_encoded_part(header)
+        if self._is_stored_part(header):
+            return await self._stored_part(header, request_iterator)
         pending = self._join_part(header)
         index = header.part_index
         if index in pending.done:
@@ -561,6 +566,43 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             return await asyncio.shield(pending.result)
         finally:
             receiving.release()
+
+    async def _after_store_of(self, version: int) -> None:
+        """Waits for the store step of ``version``'s parts if one is running: a part that
+        arrives meanwhile (a rank's retry after its stream broke) is then answered from
+        the store, instead of opening a version of its own that waits for parts which
+        never come (and refuses every part of the next version meanwhile)."""
+        storing = self._storing.get(version)
+        if storing is not None:
+            await asyncio.wait({storing})
+
+    def _is_stored_part(self, header: pb.PublishHeader) -> bool:
+        """Whether a part is of a version the store holds already (or older): answered
+        from the store alone. A version being assembled when it was stored by a whole
+        Publish still takes its parts, which it then checks as a republish."""
+        pending = self._pending
+        return header.version <= self.store.latest and (pending is None or pending.version != header.version)
+
+    async def _stored_part(self, header: pb.PublishHeader, request_iterator: AsyncIterator[pb.PublishRequest]) -> tuple[Encoded, bool]:
+        """A part of a held version: checked against its part hash and against the held
+        version, alone, and answered as a republish of the whole version is (the held
+        encoding; ALREADY_EXISTS for other contents). No version is opened for it: a
+        late retry of one part must not wait for the others, nor hold the next version up."""
+        v, i = header.version, header.part_index
+        assembly = _Assembly(self.publish_budget)
+        try:
+            await self._receive_pieces(request_iterator, assembly)
+            await asyncio.to_thread(parts.check_part_tensors, header, assembly.tensors)
+            async with self._store_lock:
+                held = await asyncio.to_thread(self.store.republished_part, v, assembly.tensors, header.weights_hash)
+        finally:
+            assembly.release()
+        if self.verifier is not None and header.signature != held.manifest.signature:
+            # Ed25519 is deterministic: the held version's own signature is the only one
+            # its (identical) contents can carry.
+            raise SignatureRefused(f"version {v} part {i}: its signature is not the held version's")
+        log.info("version %d part %d: held already with identical tensors; answered from the store", v, i)
+        return held, True
 
     def _check_encoded_part(self, header: pb.PublishHeader) -> None:
         """Refuses (FAILED_PRECONDITION, before the part joins its version) a rank-encoded
@@ -681,6 +723,17 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             pending.timer.cancel()
         if self._pending is pending:
             self._pending = None
+        v = pending.version
+        # Until it ends, a part of v that comes again waits for it (see _after_store_of).
+        self._storing[v] = pending.result
+        try:
+            await self._store_assembled(pending)
+        finally:
+            if self._storing.get(v) is pending.result:
+                del self._storing[v]
+
+    async def _store_assembled(self, pending: _PendingVersion) -> None:
+        """_store_parts' store step: sets the version's result (or error) for every part."""
         header, v = pending.header, pending.version
         started = time.monotonic()
         try:

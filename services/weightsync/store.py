@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 
 from meridian.errors import Aborted, AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from meridian.tensors import RawTensor, Weights, weights_hash
@@ -60,6 +61,11 @@ def _version_meta(manifest: pb.Manifest) -> tuple[dict[str, str], pb.Canary, pb.
     """What describes a version rather than its encoding: every encoding of it carries the
     same (the publisher's signature included, so keyframes and compacted deltas verify)."""
     return dict(manifest.trace_context), manifest.canary, manifest.signature
+
+
+def _same_tensor(held: RawTensor | None, sent: RawTensor) -> bool:
+    """Whether ``sent`` is ``held`` byte for byte (dtype, shape and bits)."""
+    return held is not None and (held.dtype, tuple(held.shape)) == (sent.dtype, tuple(sent.shape)) and bool(np.array_equal(held.bits, sent.bits))
 
 
 class VersionStore:
@@ -186,6 +192,27 @@ class VersionStore:
                 "(a trainer that did not replay deterministically, or another job publishing to this origin)"
             )
         log.info("version %d republished with identical weights; nothing changes", version)
+        return held
+
+    def republished_part(self, version: int, tensors: Weights, weights_hash: str = "") -> Encoded:
+        """:meth:`_republished` for one part of a sharded publish of a held ``version`` (a
+        rank's retry after the version was stored, or a republish): ``tensors`` must be
+        the held version's tensors of those names byte for byte, and ``weights_hash`` (the
+        version's, which every part carries; empty: not checked) the held one. Returns the
+        held encoding; FAILED_PRECONDITION when the version can no longer be checked,
+        ALREADY_EXISTS when the part differs from it."""
+        held = self.deltas.get(version) or self.keyframes.get(version)
+        reference = self.weights_at(version) if held is not None else None
+        if held is None or reference is None:
+            raise FailedPrecondition(f"version {version} is older than the latest ({self.latest}) and no longer held: a republished part cannot be checked")
+        if weights_hash and weights_hash != held.manifest.weights_hash:
+            raise AlreadyExists(
+                f"version {version} is held with weights hash {held.manifest.weights_hash[:12]}; the republished part says {weights_hash[:12]} "
+                "(a trainer that did not replay deterministically, or another job publishing to this origin)"
+            )
+        differ = sorted(n for n, t in tensors.items() if not _same_tensor(reference.get(n), t))
+        if differ:
+            raise AlreadyExists(f"version {version} is held with other contents in tensors {differ[:5]} than the republished part sends")
         return held
 
     def add_encoded(self, enc: Encoded, weights: Weights) -> Encoded:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import threading
 from pathlib import Path
 
 import grpc
@@ -213,6 +214,72 @@ def test_duplicate_foreign_and_inconsistent_parts_are_refused(tmp_path: Path) ->
                 await waiting
             assert aborted.value.code() == grpc.StatusCode.ABORTED
             assert await weightsync.latest_version(address) == 0
+
+    asyncio.run(body())
+
+
+def _other_contents(part: Weights) -> Weights:
+    name = sorted(part)[0]
+    t = part[name]
+    return {**part, name: RawTensor(t.dtype, t.shape, t.bits + np.uint16(1))}
+
+
+async def _latest(address: str) -> int:
+    return await weightsync.latest_version(address)
+
+
+def test_a_late_retry_of_a_stored_versions_part_is_answered_from_the_store_and_holds_nothing_up(tmp_path: Path) -> None:
+    w0, w1, w2 = _weights(10), _weights(10, 1), _weights(10, 2)
+
+    async def body() -> None:
+        async with serving(WeightSyncService(_config(tmp_path / "o", part_timeout_s=60.0))) as address:
+            await _publish_parts(address, 0, w0, 3, [0, 1, 2])
+            stored = await _publish_parts(address, 1, w1, 3, [2, 0, 1])
+            header1, split1 = _header(1, w1), _split(w1, 3)
+            # A rank's retry of its part, after every part was in and the version stored
+            # (its stream broke while it waited for the answer): the same answer, at once.
+            again = await asyncio.wait_for(weightsync.publish_part(address, header1, 1, 3, split1[1]), 5)
+            assert again == stored[0]
+            # Other contents under the held version: refused as a republish of other weights is.
+            with pytest.raises(grpc.aio.AioRpcError) as other:
+                await asyncio.wait_for(weightsync.publish_part(address, header1, 1, 3, _other_contents(split1[1])), 5)
+            assert other.value.code() == grpc.StatusCode.ALREADY_EXISTS and "other contents" in other.value.details()
+            # A part of a version older than the newest: checked against it too.
+            old = await asyncio.wait_for(weightsync.publish_part(address, _header(0, w0), 2, 3, _split(w0, 3)[2]), 5)
+            assert old.version == 0
+            # None of them opened a version: the next version's parts are taken at once.
+            replies = await asyncio.wait_for(_publish_parts(address, 2, w2, 3, [1, 2, 0]), 10)
+            assert {r.version for r in replies} == {2} and await _latest(address) == 2
+
+    asyncio.run(body())
+
+
+def test_a_part_retried_while_its_version_is_being_stored_gets_that_versions_answer(tmp_path: Path) -> None:
+    w0, w1 = _weights(11), _weights(11, 1)
+    storing, release = threading.Event(), threading.Event()
+
+    async def body() -> None:
+        service = WeightSyncService(_config(tmp_path / "o", part_timeout_s=60.0))
+        real = service.store.publish_assembled
+
+        def slow_store(*args: object, **kw: object) -> object:
+            storing.set()
+            release.wait(10)
+            return real(*args, **kw)  # type: ignore[arg-type]
+
+        service.store.publish_assembled = slow_store  # type: ignore[method-assign]
+        async with serving(service) as address:
+            header0, split0 = _header(0, w0), _split(w0, 2)
+            both = asyncio.gather(*(weightsync.publish_part(address, header0, i, 2, split0[i]) for i in (0, 1)))
+            assert await asyncio.to_thread(storing.wait, 10)
+            # Every part is in and the store step runs: a retry of part 0 comes now.
+            retry = asyncio.create_task(weightsync.publish_part(address, header0, 0, 2, split0[0]))
+            await asyncio.sleep(0.3)
+            release.set()
+            replies = await asyncio.wait_for(both, 10)
+            assert await asyncio.wait_for(retry, 5) == replies[0]
+            replies = await asyncio.wait_for(_publish_parts(address, 1, w1, 2, [1, 0]), 10)
+            assert {r.version for r in replies} == {1} and await _latest(address) == 1
 
     asyncio.run(body())
 
