@@ -35,6 +35,9 @@ PRIORITY_RL = 1
 #: Per-token version of tokens sampled by weights that were then rejected and rolled back.
 REJECTED_VERSION = -2
 _CANDIDATE = "candidate:"
+#: The highest sampling temperature either front door takes (OpenAI's bound; vLLM refuses
+#: a NaN or an infinity with an error of its own).
+MAX_TEMPERATURE = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,7 @@ class PolicyEngine(Protocol):
 
     def generate(self, prompt_ids: list[int], sampling: Sampling, priority: int, request_id: str = "") -> AsyncIterator[Delta]: ...
 
-    async def score(self, token_ids: list[int]) -> list[float]: ...
+    async def score(self, token_ids: list[int], priority: int = PRIORITY_PRODUCTION) -> list[float]: ...
 
 
 class Engine:
@@ -288,19 +291,27 @@ class Engine:
             return self._trials.get(label, REJECTED_VERSION)
         return int(label) if label.lstrip("-").isdigit() else 0
 
-    async def score(self, token_ids: list[int]) -> list[float]:
-        """Log-prob of each token of ``token_ids`` given the ones before it (the first gets 0)."""
-        await self._open.wait()
-        return await self.score_now(token_ids)
+    async def score(self, token_ids: list[int], priority: int = PRIORITY_PRODUCTION) -> list[float]:
+        """Log-prob of each token of ``token_ids`` given the ones before it (the first gets 0).
+        An RL-class caller's prefill is admitted like its generations (see admission.py)."""
+        if priority != PRIORITY_RL:
+            await self._open.wait()
+            return await self.score_now(token_ids)
+        ticket = await self.scheduler.admit_rl()
+        try:
+            await self._open.wait()
+            return await self.score_now(token_ids, PRIORITY_RL)
+        finally:
+            self.scheduler.release(ticket)
 
-    async def score_now(self, token_ids: list[int]) -> list[float]:
-        """:meth:`score` past the update gate: for the canary of a version on trial."""
+    async def score_now(self, token_ids: list[int], priority: int = PRIORITY_PRODUCTION) -> list[float]:
+        """:meth:`score` past the update gate and admission: for the canary of a version on trial."""
         from vllm import SamplingParams
 
         assert self._llm is not None, "engine not started"
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
         final = None
-        async for out in self._llm.generate({"prompt_token_ids": token_ids}, params, request_id=uuid.uuid4().hex, priority=0):
+        async for out in self._llm.generate({"prompt_token_ids": token_ids}, params, request_id=uuid.uuid4().hex, priority=priority):
             final = out
         assert final is not None and final.prompt_logprobs is not None
         return [0.0 if entry is None else entry[tok].logprob for tok, entry in zip(token_ids, final.prompt_logprobs)]

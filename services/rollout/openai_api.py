@@ -21,10 +21,13 @@ from meridian import credentials
 from meridian.errors import Unauthenticated
 from services.rollout.callers import CallerClasses
 from services.rollout.config import DEFAULT_HTTP_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_BYTES
-from services.rollout.engine import PolicyEngine, Sampling
+from services.rollout.engine import MAX_TEMPERATURE, PolicyEngine, Sampling
 from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
 
 MAX_STOP = 16
+#: Seeds are 63-bit (what every layer below carries as a signed 64-bit integer); choice i of
+#: a seeded request takes seed + i, wrapped into the same range.
+SEED_RANGE = 1 << 63
 
 
 class RequestError(ValueError):
@@ -68,7 +71,7 @@ def choice_sampling(sampling: Sampling, index: int) -> Sampling:
     differ from each other and each is reproducible."""
     if sampling.seed is None or index == 0:
         return sampling
-    return dataclasses.replace(sampling, seed=sampling.seed + index)
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) % SEED_RANGE)
 
 
 async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
@@ -101,6 +104,30 @@ async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class UnknownModel(Exception):
+    """The request names a model this server does not serve (404; not any LookupError,
+    which would turn a KeyError of ours into a "wrong model" answer)."""
+
+
+def lone_surrogate(body: Any) -> str:
+    """Where a decoded JSON body holds a string with an unpaired surrogate ('' if
+    nowhere): JSON's escapes allow one, no UTF-8 text (a tokenizer, a stop string) does."""
+    stack: list[tuple[str, Any]] = [("request body", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(value, dict):
+            stack.extend((f"{where}[{k!r}]", v) for k, v in value.items())
+            stack.extend((f"a key of {where}", k) for k in value)
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+    return ""
+
+
 def parse_sampling(body: dict[str, Any], max_model_len: int, default_max_tokens: int) -> Sampling:
     """Sampling parameters from an OpenAI request body, validated (``n`` apart: :func:`parse_n`)."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -114,10 +141,10 @@ def parse_sampling(body: dict[str, Any], max_model_len: int, default_max_tokens:
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise RequestError(f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError("'seed' must be an integer", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_RANGE):
+        raise RequestError(f"'seed' must be an integer in [0, 2**63), got {seed!r}", "seed")
     return Sampling(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
         max_tokens=max_tokens,
         stop=tuple(stop),
@@ -179,7 +206,8 @@ def create_app(
     ``callers`` gives each API key its traffic class (default: everyone production).
     A body over ``max_body_bytes`` or prompt text over ``max_prompt_bytes`` answers 413
     before it is read whole or tokenised."""
-    app = FastAPI(title="Meridian rollout (OpenAI-compatible)")
+    # No generated docs routes: every route answers only callers with a key.
+    app = FastAPI(title="Meridian rollout (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
     callers = callers or CallerClasses({})
 
     def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
@@ -205,10 +233,14 @@ def create_app(
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RequestError("request body is not valid JSON") from None
+        except RecursionError:
+            raise RequestError("request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
+        if where := lone_surrogate(body):
+            raise RequestError(f"{where} holds an unpaired surrogate escape (\\ud800-style): not text")
         if body.get("model") not in (None, model_name):
-            raise LookupError(f"model {body.get('model')!r} is not served here (serving {model_name!r})")
+            raise UnknownModel(f"model {body.get('model')!r} is not served here (serving {model_name!r})")
         return body
 
     @app.exception_handler(RequestError)
@@ -219,12 +251,13 @@ def create_app(
     async def unauthenticated(_: Request, exc: Unauthenticated) -> JSONResponse:
         return error(401, str(exc), "authentication_error")
 
-    @app.exception_handler(LookupError)
-    async def not_found(_: Request, exc: LookupError) -> JSONResponse:
+    @app.exception_handler(UnknownModel)
+    async def not_found(_: Request, exc: UnknownModel) -> JSONResponse:
         return error(404, str(exc), "not_found_error", "model")
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        callers.classify(request.headers.get("authorization"))  # a key, when keys are on
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "meridian"}]}
 
     async def run(ids: list[int], sampling: Sampling, priority: int) -> AsyncIterator[tuple[str, str, int]]:

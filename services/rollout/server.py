@@ -26,7 +26,7 @@ from meridian.v1 import rollout_pb2 as pb
 from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from services.rollout.callers import CallerClasses
 from services.rollout.config import RolloutConfig
-from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_VERSION, Engine, Sampling
+from services.rollout.engine import MAX_TEMPERATURE, PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_VERSION, Engine, Sampling
 from services.rollout.episodes import SANDBOX_CALL_S, EpisodeLimits, fetch_task, gather_or_cancel, run_group
 from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
 from services.rollout.weight_follower import WeightFollower
@@ -201,8 +201,9 @@ class RolloutService(pb_grpc.RolloutServicer):
     # ------------------------------------------------------------ RPCs
 
     def _sampling(self, params: pb.SamplingParams, default_temperature: float) -> Sampling:
-        if params.temperature < 0 or not 0 <= params.top_p <= 1:
-            raise InvalidArgument(f"temperature must be >= 0 and top_p in [0, 1], got {params.temperature}, {params.top_p}")
+        # Chained comparisons are False for NaN: a NaN fails both checks.
+        if not 0 <= params.temperature <= MAX_TEMPERATURE or not 0 <= params.top_p <= 1:
+            raise InvalidArgument(f"temperature must be in [0, {MAX_TEMPERATURE}] and top_p in [0, 1], got {params.temperature}, {params.top_p}")
         if params.max_tokens < 0 or params.max_tokens >= self.config.max_model_len:
             raise InvalidArgument(f"max_tokens must be in 0..{self.config.max_model_len - 1}, got {params.max_tokens}")
         if len(params.stop) > MAX_STOPS or any(not s for s in params.stop):
@@ -256,9 +257,10 @@ class RolloutService(pb_grpc.RolloutServicer):
         ids = await self._prompt_ids("", request.token_ids)
         if len(ids) < 2:
             raise InvalidArgument("score needs at least two tokens")
+        priority = self.callers.classify(dict(context.invocation_metadata() or ()).get("authorization"))
         engine = self._engine()
         version = engine.version
-        return pb.ScoreResponse(logprobs=await engine.score(ids), policy_version=version)
+        return pb.ScoreResponse(logprobs=await engine.score(ids, priority=priority), policy_version=version)
 
     async def RunEpisodes(self, request: pb.RunEpisodesRequest, context: grpc.aio.ServicerContext) -> pb.RunEpisodesResponse:
         group_size = request.group_size or self.config.group_size

@@ -57,6 +57,8 @@ def test_extract_answer_and_observation_cap() -> None:
         ({"top_p": 2}, "top_p"),
         ({"stop": [""]}, "stop"),
         ({"seed": 1.5}, "seed"),
+        ({"seed": 1 << 64}, "seed"),  # past what vLLM carries: its serialiser overflowed (HTTP 500)
+        ({"seed": -1}, "seed"),
     ],
 )
 def test_openai_sampling_validation(body: dict, param: str) -> None:  # type: ignore[type-arg]
@@ -77,6 +79,39 @@ def test_openai_n_choices_get_their_own_seeds() -> None:
     seeded = parse_sampling({"seed": 7}, 2048, 64)
     assert [choice_sampling(seeded, i).seed for i in range(3)] == [7, 8, 9]
     assert choice_sampling(parse_sampling({}, 2048, 64), 2).seed is None
+    top = parse_sampling({"seed": (1 << 63) - 1}, 2048, 64)
+    assert [choice_sampling(top, i).seed for i in range(3)] == [(1 << 63) - 1, 0, 1]  # wrapped, still distinct
+
+
+def test_the_http_api_answers_400_not_500_for_bodies_no_text_or_parser_takes() -> None:
+    """Bodies that are JSON but not text (an unpaired surrogate escape, in a prompt, a
+    message or a stop string) or nested past the parser's depth: the caller's error,
+    answered 400 with a message, not 500."""
+    from fastapi.testclient import TestClient
+
+    from services.rollout.callers import CallerClasses
+    from services.rollout.openai_api import create_app
+
+    class Engine:
+        tokenizer = None
+
+    app = create_app(Engine(), "m", 2048, 64, CallerClasses({"k": "production"}, "deny"))  # type: ignore[arg-type]
+    key = {"authorization": "Bearer k"}
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for path, body in (
+            ("/v1/completions", '{"prompt": "a\\ud800b"}'),
+            ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}'),
+            ("/v1/completions", '{"prompt": "x", "stop": ["\\ud800"]}'),
+        ):
+            reply = http.post(path, content=body, headers={**key, "content-type": "application/json"})
+            assert reply.status_code == 400 and "unpaired surrogate" in reply.json()["error"]["message"], (body, reply.text)
+        reply = http.post("/v1/completions", content="[" * 5000, headers=key)
+        assert reply.status_code == 400 and "nested too deeply" in reply.json()["error"]["message"], reply.text
+        # Every route wants a key when keys are on; no generated docs routes are served.
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/models", headers=key).status_code == 200
+        for route in ("/openapi.json", "/docs", "/redoc"):
+            assert http.get(route, headers=key).status_code == 404, route
 
 
 def test_openai_sampling_defaults_and_passthrough() -> None:

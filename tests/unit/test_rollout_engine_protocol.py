@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from services.rollout.engine import Engine, PolicyEngine
+from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL, Engine, PolicyEngine
 
 
 def test_vllm_engine_satisfies_the_policy_engine_protocol() -> None:
@@ -48,3 +48,32 @@ def test_prompt_problem_counts_before_it_reads_and_asks_the_vocabulary_once() ->
     assert engine.prompt_problem([1, 2, 100, -3, 7] * 10) == "token ids outside the vocabulary (size 100): [100, -3, 100, -3, 100]"
     assert tokenizer.lens == 1
     assert engine.prompt_problem(list(range(63))) == ""
+
+
+def test_an_rl_callers_score_is_admitted_like_its_generations() -> None:
+    """Score by a caller of class rl takes an RL slot (and gives it back) and runs at RL
+    priority; a production caller's does not wait for admission."""
+    import asyncio
+
+    engine = Engine(Path("/nonexistent"), max_model_len=64, kv_cache_gib=1, seed=0)
+    events: list[str] = []
+
+    class Scheduler:
+        async def admit_rl(self) -> str:
+            events.append("admit")
+            return "ticket"
+
+        def release(self, ticket: str) -> None:
+            events.append(f"release {ticket}")
+
+    async def score_now(token_ids: list[int], priority: int = PRIORITY_PRODUCTION) -> list[float]:
+        events.append(f"score at {priority}")
+        return [0.0] * len(token_ids)
+
+    engine.scheduler = Scheduler()  # type: ignore[assignment]
+    engine.score_now = score_now  # type: ignore[method-assign]
+    asyncio.run(engine.score([1, 2], priority=PRIORITY_RL))
+    assert events == ["admit", f"score at {PRIORITY_RL}", "release ticket"]
+    events.clear()
+    asyncio.run(engine.score([1, 2]))
+    assert events == [f"score at {PRIORITY_PRODUCTION}"]

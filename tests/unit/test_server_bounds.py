@@ -360,7 +360,7 @@ class FakeEngine:
 
         yield Delta([7], [-0.5], self.version, "x", True, "length", [self.version])
 
-    async def score(self, token_ids: list[int]) -> list[float]:
+    async def score(self, token_ids: list[int], priority: int = 0) -> list[float]:
         return [0.0] * len(token_ids)
 
 
@@ -409,6 +409,26 @@ def test_generate_refuses_prompt_text_over_the_bound_before_tokenising(rollout: 
             # A large prompt within the bound is tokenised off the event loop.
             chunks = await _healthy_while_tokenising(address, tokenizer, _generate(stub, "a" * (200 * KiB)))
             assert chunks[-1].finished and list(chunks[-1].token_ids) == [7]
+
+    run(main())
+
+
+def test_generate_refuses_a_temperature_the_engine_would_reject(rollout: Callable[[], Any], grpc_serving: Serving) -> None:
+    """NaN, infinity or above 2: INVALID_ARGUMENT naming the field, not the engine's own
+    error as INTERNAL."""
+    from meridian.v1 import rollout_pb2 as ro
+    from meridian.v1 import rollout_pb2_grpc as ro_grpc
+
+    async def main() -> None:
+        async with grpc_serving(rollout()) as address, grpc.aio.insecure_channel(address) as channel:
+            stub = ro_grpc.RolloutStub(channel)
+            for temperature in (float("nan"), float("inf"), 2.5, -0.5):
+                request = ro.GenerateRequest(prompt="x", sampling=ro.SamplingParams(temperature=temperature))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    [c async for c in stub.Generate(request)]
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature must be in [0, 2.0]" in (info.value.details() or ""), temperature
+            ok = [c async for c in stub.Generate(ro.GenerateRequest(prompt="x", sampling=ro.SamplingParams(temperature=2.0)))]
+            assert ok[-1].finished
 
     run(main())
 
