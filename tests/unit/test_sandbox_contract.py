@@ -177,6 +177,33 @@ def test_run_tests_scores_and_resists_forgery(env: tuple[Loop, SandboxManager]) 
     loop.run(main())
 
 
+def test_swebench_tests_run_and_resist_forgery(env: tuple[Loop, SandboxManager]) -> None:
+    """The SWE-bench runner, from memory on either backend: the gold patch scores 1, and a
+    repository module that writes passing verdicts everywhere and exits scores 0."""
+    from services.envsandbox.swebench import load_swebench_jsonl
+    from tests.unit.test_task_suite import SAMPLE_JSONL, SWE_FORGE
+
+    loop, m = env
+    task = load_swebench_jsonl(SAMPLE_JSONL)[2]
+
+    async def main() -> None:
+        box = await m.create(task=task)
+        sid = box.sandbox_id
+
+        async def reward(files: dict[str, str]) -> float:
+            await m.write_files(sid, {p: c.encode() for p, c in files.items()})
+            outcome, _, _ = await m.run_tests(sid)
+            return outcome.reward
+
+        try:
+            assert await reward(task.reference) == 1.0
+            assert await reward({"kvstore/store.py": SWE_FORGE + task.files["kvstore/store.py"]}) == 0.0
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
 # ------------------------------------------------------------------ hostile input
 
 
