@@ -79,6 +79,10 @@ class _PublishStream:
         self.budget = budget
         self.declared = 0
         self._started: set[str] = set()
+        # Steps still holding this stream's tensors (a store step, a thread): the
+        # reservation outlives the handler until they end (see hold_until).
+        self._holders: list[asyncio.Future[Any]] = []
+        self._releasing = False
 
     def _admit(self, name: str) -> None:
         if name in self._started:
@@ -92,8 +96,29 @@ class _PublishStream:
         self.declared += nbytes
         self._started.add(name)
 
+    def hold_until(self, step: asyncio.Future[Any]) -> None:
+        """Keeps the reservation at least until ``step`` ends: ``step`` holds this stream's
+        tensors, and runs on when the publisher goes away (a shielded store step, a
+        thread), so the bytes are in memory until then whatever the handler does."""
+        self._holders.append(step)
+        step.add_done_callback(self._step_ended)
+
+    def _step_ended(self, step: asyncio.Future[Any]) -> None:
+        if not step.cancelled():
+            step.exception()  # retrieved: its caller, if it did not go away, got it too
+        if self._releasing:
+            self._return()
+
     def release(self) -> None:
-        """Returns this stream's reservation (once its tensors are no longer needed)."""
+        """Returns this stream's reservation once its tensors are no longer needed: now,
+        or when the last step holding them (see :meth:`hold_until`) ends."""
+        self._releasing = True
+        self._return()
+
+    def _return(self) -> None:
+        if any(not step.done() for step in self._holders):
+            return
+        self._holders = []
         if self.budget is not None:
             self.budget.release(self.declared)
         self.declared = 0
@@ -475,7 +500,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
     ) -> tuple[Encoded, bool]:
         await self._receive_pieces(request_iterator, assembly)
         if self.verifier is not None:
-            await asyncio.to_thread(self._check_signed, header, assembly.tensors)
+            await self._holding(assembly, asyncio.to_thread(self._check_signed, header, assembly.tensors))
 
         async def store() -> tuple[Encoded, bool]:
             async with self._store_lock:
@@ -491,9 +516,19 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 await self._stored(header.version, enc, started)
             return enc, republish
 
-        return await self._to_completion(store())
+        return await self._to_completion(store(), assembly)
 
-    async def _to_completion(self, step: Coroutine[Any, Any, _T]) -> _T:
+    @staticmethod
+    async def _holding(stream: _PublishStream, step: Coroutine[Any, Any, _T]) -> _T:
+        """Runs ``step``, which holds ``stream``'s tensors (a thread, say), and keeps the
+        stream's reservation until it ends: a publisher that goes away meanwhile gets its
+        cancellation at once, but the step runs on with the tensors (a thread cannot be
+        stopped), and a retry must not reserve a second copy beside them."""
+        job = asyncio.ensure_future(step)
+        stream.hold_until(job)
+        return await asyncio.shield(job)
+
+    async def _to_completion(self, step: Coroutine[Any, Any, _T], holding: _PublishStream | None = None) -> _T:
         """Runs ``step`` (storing a version and announcing it) to its end even if the
         publisher goes away meanwhile: its store thread would finish anyway, and a version
         stored but never announced leaves every subscriber waiting for it (a killed trainer
@@ -502,6 +537,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         task = asyncio.ensure_future(step)
         self._completing.add(task)
         task.add_done_callback(self._completed)
+        if holding is not None:
+            holding.hold_until(task)  # the step holds the stream's tensors to its end
         return await asyncio.shield(task)
 
     def _completed(self, task: asyncio.Future[Any]) -> None:
@@ -543,13 +580,15 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 else:
                     await self._receive_pieces(request_iterator, receiving)
                     tensors = receiving.tensors
-                    items = await asyncio.to_thread(parts.check_part_tensors, header, tensors)
+                    items = await self._holding(receiving, asyncio.to_thread(parts.check_part_tensors, header, tensors))
                     encoded = None
                     if pending.encode:
                         with tracer.start_as_current_span("weightsync.encode_part", context=telemetry.extract(dict(header.trace_context))) as span:
                             span.set_attribute("meridian.version", header.version)
                             span.set_attribute("meridian.part", index)
-                            encoded = await asyncio.to_thread(encode_tensors, tensors, pending.base, self.store.chunk_bytes, pending.base_carried, threads)
+                            encoded = await self._holding(
+                                receiving, asyncio.to_thread(encode_tensors, tensors, pending.base, self.store.chunk_bytes, pending.base_carried, threads)
+                            )
             except _NotTheBase as exc:
                 # Not a broken part: the rank's copy of the base is not the origin's. The part
                 # leaves the version (the others stay) and its rank sends it raw.
@@ -561,6 +600,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 self._abort(pending, Aborted(f"version {header.version} aborted: part {index} of {pending.count} failed: {exc or type(exc).__name__}"))
                 raise
             pending.arrived(index, tensors, encoded, items, changes)
+            # The version holds the part's tensors now, until it is stored or aborted.
+            receiving.hold_until(pending.result)
             if pending.complete:
                 await self._to_completion(self._store_parts(pending))
             return await asyncio.shield(pending.result)
@@ -592,9 +633,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         assembly = _Assembly(self.publish_budget)
         try:
             await self._receive_pieces(request_iterator, assembly)
-            await asyncio.to_thread(parts.check_part_tensors, header, assembly.tensors)
-            async with self._store_lock:
-                held = await asyncio.to_thread(self.store.republished_part, v, assembly.tensors, header.weights_hash)
+            await self._holding(assembly, asyncio.to_thread(parts.check_part_tensors, header, assembly.tensors))
+            held = await self._holding(assembly, self._compare_stored(v, assembly.tensors, header.weights_hash))
         finally:
             assembly.release()
         if self.verifier is not None and header.signature != held.manifest.signature:
@@ -603,6 +643,11 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             raise SignatureRefused(f"version {v} part {i}: its signature is not the held version's")
         log.info("version %d part %d: held already with identical tensors; answered from the store", v, i)
         return held, True
+
+    async def _compare_stored(self, version: int, tensors: dict[str, RawTensor], weights_hash: str) -> Encoded:
+        """VersionStore.republished_part under the store lock (held until its thread ends)."""
+        async with self._store_lock:
+            return await asyncio.to_thread(self.store.republished_part, version, tensors, weights_hash)
 
     def _check_encoded_part(self, header: pb.PublishHeader) -> None:
         """Refuses (FAILED_PRECONDITION, before the part joins its version) a rank-encoded
@@ -644,10 +689,10 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             span.set_attribute("meridian.version", header.version)
             span.set_attribute("meridian.part", header.part_index)
             try:
-                decoded = await asyncio.to_thread(
+                decoded = await self._holding(receiving, asyncio.to_thread(
                     decode_tensors, receiving.payloads, pending.base, self.store.chunk_bytes, pending.base_carried, threads, pending.spare
-                )
-                items = await asyncio.to_thread(parts.check_part_tensors, header, decoded.weights, decoded.encoded.carried.sums)
+                ))
+                items = await self._holding(receiving, asyncio.to_thread(parts.check_part_tensors, header, decoded.weights, decoded.encoded.carried.sums))
             except (CodecError, InvalidArgument) as exc:
                 raise _NotTheBase(str(exc)) from None
         self.counters["encoded_parts"] += 1
