@@ -13,6 +13,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import signal
@@ -38,6 +39,10 @@ MiB = 1024 * 1024
 RESERVED_RPCS = 64
 #: Methods no call limit applies to (probes must answer while the server is full).
 UNLIMITED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+#: The streaming ones among them (they need no token): at most PROBE_STREAMS open at
+#: once, so open streams cannot take the whole reserve and leave no room for a Check.
+PROBE_STREAM_PREFIXES = ("/grpc.health.v1.Health/Watch", "/grpc.reflection.")
+PROBE_STREAMS = RESERVED_RPCS // 2
 
 
 @dataclasses.dataclass
@@ -144,17 +149,28 @@ class CallLimit:
 class CallLimits:
     """Counts calls in flight, in total and per limited method, and refuses the one over
     a limit with RESOURCE_EXHAUSTED before the handler runs. Health and reflection are
-    never counted: a server busy to its limit must still answer its probes. One event
-    loop runs every handler, so plain counters suffice."""
+    not counted against those: a server busy to its limit must still answer its probes;
+    their streams (which need no token) have a cap of their own, within the reserve. One
+    event loop runs every handler, so plain counters suffice."""
 
     def __init__(self, total: int, per_method: Mapping[str, CallLimit] | None = None) -> None:
         self.total = total
         self.per_method = dict(per_method or {})
         self.active = 0
         self.by_method: collections.Counter[str] = collections.Counter()
+        self.probe_streams = 0
 
     @contextlib.contextmanager
     def hold(self, method: str) -> Iterator[None]:
+        if method.startswith(PROBE_STREAM_PREFIXES):
+            if self.probe_streams >= PROBE_STREAMS:
+                raise errors.ResourceExhausted(f"{self.probe_streams} health watch or reflection streams are open, this server's limit; retry later")
+            self.probe_streams += 1
+            try:
+                yield
+            finally:
+                self.probe_streams -= 1
+            return
         if method.startswith(UNLIMITED_PREFIXES):
             yield
             return
@@ -227,7 +243,12 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], hold: Callable[[], contextlib
     return handler
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], hold: Callable[[], contextlib.AbstractContextManager[None]], streamed: bool) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(fn: Callable[..., Any], hold: Callable[[], contextlib.AbstractContextManager[None]], streamed: bool) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(fn):
+        # A streaming handler that writes with context.write (grpcio's own health Watch
+        # does) is a coroutine: wrapped as one, or every call would end in a TypeError.
+        return _wrap_unary(fn, hold, streamed)
+
     async def handler(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             with hold():

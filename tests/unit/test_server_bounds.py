@@ -218,6 +218,34 @@ def test_max_concurrent_rpcs_refuses_the_call_over_the_limit(tmp_path: Path, grp
     run(main())
 
 
+def test_probe_streams_cannot_take_the_whole_reserve(tmp_path: Path, grpc_serving: Serving) -> None:
+    """Health watches need no token: opened by the hundred they are refused past their own
+    cap, and a health check still answers (without the cap they filled gRPC's limit)."""
+    from meridian.grpc_runtime import PROBE_STREAMS, RESERVED_RPCS
+
+    async def main() -> None:
+        config = ServerConfig(max_concurrent_rpcs=2)
+        async with grpc_serving(_weightsync(tmp_path), config=config) as address, grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watches = []
+            refused = None
+            for _ in range(2 + RESERVED_RPCS + 8):
+                call = health.Watch(health_pb2.HealthCheckRequest())
+                try:
+                    await call.read()  # the first status: the stream is open in its handler
+                except grpc.aio.AioRpcError as exc:
+                    refused = exc
+                    break
+                watches.append(call)
+            assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+            assert len(watches) == PROBE_STREAMS
+            assert await health_seconds(address) < HEALTHY_WITHIN_S
+            for call in watches:
+                call.cancel()
+
+    run(main())
+
+
 def test_subscribe_stream_limit_refuses_the_stream_over_it(tmp_path: Path, grpc_serving: Serving) -> None:
     async def main() -> None:
         async with grpc_serving(_weightsync(tmp_path, max_subscribe_streams=2)) as address, grpc.aio.insecure_channel(address) as channel:
