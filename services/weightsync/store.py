@@ -15,6 +15,7 @@ This is the service's pure core: no gRPC, no asyncio.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from meridian.errors import Aborted, AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from meridian.tensors import RawTensor, Weights, weights_hash
@@ -217,24 +219,38 @@ class VersionStore:
 
     def add_encoded(self, enc: Encoded, weights: Weights) -> Encoded:
         """Records an encoded version whose decoded ``weights`` the caller already holds
-        (they must not change during the call: a keyframe may be encoded from them)."""
+        (they must not change during the call: a keyframe may be encoded from them).
+
+        All or nothing: everything the version needs is written to disk first (its keyframe
+        too, when one is due), and only then recorded; a step that fails removes what this
+        call wrote, so a version never acknowledged is neither served nor recovered."""
         version = enc.manifest.version
         self.spare = None  # it led to the version before this one
-        self._persist(enc)
-        if enc.is_keyframe:
-            self.keyframes[version] = enc
-        else:
-            self.deltas[version] = enc
-        if version % self.keyframe_every == 0 and not enc.is_keyframe:
-            self.keyframes[version] = self._persist(
-                encode_version(version, weights, None, -1, self.chunk_bytes, *_version_meta(enc.manifest), threads=self.encode_threads)
-            )
+        keyframe = self._write_version(enc, weights)
+        (self.keyframes if enc.is_keyframe else self.deltas)[version] = enc
+        if keyframe is not None:
+            self.keyframes[version] = keyframe
         self.weights, self.latest = dict(weights), version
         # Kept for the latest version only (the indexes are ~10 % of the model's size).
         self.carried, enc.carried = enc.carried, Carried()
         self.compacted = {k: e for k, e in self.compacted.items() if k[0] == version}
         self._retain()
         return enc
+
+    def _write_version(self, enc: Encoded, weights: Weights) -> Encoded | None:
+        """Persists ``enc`` and, when one is due, a keyframe of ``weights`` (returned), or
+        nothing: on any failure the folders written here are removed again."""
+        version = enc.manifest.version
+        written: list[Path] = []
+        try:
+            self._persist(enc, written)
+            if version % self.keyframe_every != 0 or enc.is_keyframe:
+                return None
+            keyframe = encode_version(version, weights, None, -1, self.chunk_bytes, *_version_meta(enc.manifest), threads=self.encode_threads)
+            return self._persist(keyframe, written)
+        except BaseException:
+            self._unpersist(written)
+            raise
 
     # ------------------------------------------------------------ serving
 
@@ -338,13 +354,46 @@ class VersionStore:
     def _dir(self, version: int, keyframe: bool) -> Path:
         return self.data_dir / f"{version:010d}" / ("keyframe" if keyframe else "delta")
 
-    def _persist(self, enc: Encoded) -> Encoded:
+    def _persist(self, enc: Encoded, written: list[Path] | None = None) -> Encoded:
+        """Writes ``enc`` durably into its folder (see the module's docstring), unless the
+        folder holds it already; adds the folder to ``written`` when it wrote it."""
         final = self._dir(enc.manifest.version, enc.is_keyframe)
-        if (final / COMPLETE).exists():
+        if self._holds(final, enc):
             return enc
         tmp = final.with_name(final.name + ".tmp")
+        try:
+            self._write_folder(tmp, enc)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # A complete folder of other bytes (left by a crash, never acknowledged) goes.
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if written is not None:
+            written.append(final)
+        # The rename itself lives in the version's folder, and a new version's folder in
+        # the data folder: both are synced before the version counts as stored.
+        _fsync_dir(final.parent)
+        _fsync_dir(self.data_dir)
+        return enc
+
+    @staticmethod
+    def _holds(folder: Path, enc: Encoded) -> bool:
+        """Whether ``folder`` is complete and holds ``enc`` (its manifest names every
+        chunk's size and sha256; the chunks file must have their total size)."""
+        if not (folder / COMPLETE).exists():
+            return False
+        try:
+            manifest = pb.Manifest.FromString((folder / "manifest.pb").read_bytes())
+            size = (folder / "chunks.bin").stat().st_size
+        except (OSError, DecodeError):
+            return False
+        return manifest == enc.manifest and size == sum(len(c) for c in enc.chunks)
+
+    @staticmethod
+    def _write_folder(tmp: Path, enc: Encoded) -> None:
+        """``enc``'s files, fsynced, in the new folder ``tmp`` (to be renamed into place)."""
         shutil.rmtree(tmp, ignore_errors=True)
-        version_dir = tmp.parent
         tmp.mkdir(parents=True)
         _write_durably(tmp / "manifest.pb", enc.manifest.SerializeToString())
         with open(tmp / "chunks.bin", "wb") as fh:
@@ -356,13 +405,19 @@ class VersionStore:
         # The folder's entries before the rename: a renamed folder whose files were
         # never recorded in it would come back empty after a crash.
         _fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        # The rename itself lives in the version's folder, and a new version's folder in
-        # the data folder: both are synced before the version counts as stored.
-        _fsync_dir(version_dir)
-        _fsync_dir(self.data_dir)
-        return enc
+
+    def _unpersist(self, folders: list[Path]) -> None:
+        """Removes version folders a failed add wrote (and their version's folder when
+        that is left empty), durably: a restart must not recover them."""
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+            version_dir = folder.parent
+            with contextlib.suppress(OSError):  # not empty: the other kind is held
+                version_dir.rmdir()
+            if version_dir.exists():
+                _fsync_dir(version_dir)
+        if folders:
+            _fsync_dir(self.data_dir)
 
     @staticmethod
     def _load(folder: Path) -> Encoded | None:
@@ -379,6 +434,12 @@ class VersionStore:
     def _recover(self) -> None:
         """Rebuilds the latest weights from the newest keyframe and the deltas after it."""
         for folder in sorted(self.data_dir.glob("*/*")):
+            if folder.name.endswith(".tmp"):
+                # Written before a rename that never happened (a crash): never a version,
+                # whatever it holds.
+                log.warning("removing %s: a version folder never renamed into place", folder)
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
             enc = self._load(folder)
             if enc is None:
                 continue

@@ -1,6 +1,7 @@
 """VersionStore, Decoder and raw tensors: bit-exact round trips, recovery and retention."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 
 from meridian.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from services.weightsync.receiver import Decoder, decode_all
+from services.weightsync import store as store_module
 from services.weightsync.store import VersionStore
 from services.weightsync.versions import Encoded, encode_version
 from meridian.tensors import RawTensor, from_torch, to_torch, weights_hash
@@ -576,3 +578,69 @@ def test_a_relay_store_never_encodes_from_buffers_holding_half_a_version(tmp_pat
     _assert_same(decode_all([relay.keyframe_of_latest()]).weights, versions[5])
     decoder.abort()
     _assert_same(relay.weights, versions[5])
+
+
+# ---------------------------------------------------------------- a failed add leaves no trace
+
+
+def _version_dirs(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.glob("*/*"))
+
+
+def test_a_failed_keyframe_step_leaves_no_trace_of_the_version(tmp_path: Path, versions: list[Weights], monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _store(tmp_path)  # keyframe_every=2: v2 gets a keyframe beside its delta
+    store.publish(0, versions[0])
+    store.publish(1, versions[1])
+    before = _version_dirs(tmp_path)
+    real = store_module.encode_version
+
+    def no_keyframe(version: int, weights: Weights, base: Weights | None, *args: object, **kw: object) -> Encoded:
+        if base is None:
+            raise OSError(28, "No space left on device")  # the keyframe step fails
+        return real(version, weights, base, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store_module, "encode_version", no_keyframe)
+    with pytest.raises(OSError):
+        store.publish(2, versions[2])
+    # Nothing of v2, on disk or in memory: it was never acknowledged.
+    assert store.latest == 1 and store.versions() == [0, 1]
+    assert _version_dirs(tmp_path) == before
+    assert _store(tmp_path).latest == 1
+    monkeypatch.undo()
+    # The trainer publishes v2 again, with other weights (it did not replay deterministically).
+    other = _step(versions[1], np.random.default_rng(99))
+    store.publish(2, other)
+    _assert_same(_store(tmp_path).weights, other)
+
+
+def test_a_complete_folder_of_other_bytes_is_rewritten_not_kept(tmp_path: Path, versions: list[Weights]) -> None:
+    elsewhere = _store(tmp_path / "elsewhere")
+    for v in range(3):
+        elsewhere.publish(v, versions[v])
+    store = _store(tmp_path / "ws")
+    store.publish(0, versions[0])
+    store.publish(1, versions[1])
+    # Left by a failed add or a crash, never acknowledged: v2 with other weights.
+    shutil.copytree(elsewhere.data_dir / f"{2:010d}", store.data_dir / f"{2:010d}")
+    other = _step(versions[1], np.random.default_rng(99))
+    store.publish(2, other)
+    again = _store(tmp_path / "ws")
+    assert again.latest == 2
+    _assert_same(again.weights, other)
+
+
+def test_recovery_removes_a_complete_folder_that_was_never_renamed_into_place(tmp_path: Path, versions: list[Weights]) -> None:
+    elsewhere = _store(tmp_path / "elsewhere", keyframe_every=100)
+    for v in range(3):
+        elsewhere.publish(v, versions[v])
+    store = _store(tmp_path / "ws", keyframe_every=100)
+    store.publish(0, versions[0])
+    store.publish(1, versions[1])
+    # A crash after v2's files were written and synced, before the rename.
+    planted = store.data_dir / f"{2:010d}" / "delta.tmp"
+    shutil.copytree(elsewhere.data_dir / f"{2:010d}" / "delta", planted)
+    assert (planted / "COMPLETE").exists()
+    again = _store(tmp_path / "ws", keyframe_every=100)
+    assert again.latest == 1 and again.versions() == [0, 1]
+    _assert_same(again.weights, versions[1])
+    assert not planted.exists()
