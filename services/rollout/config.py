@@ -49,6 +49,7 @@ class RolloutConfig:
     max_n: int = opt(8, "most completions one OpenAI API request may ask for (n)")
     max_prompt_bytes: int = opt(DEFAULT_MAX_PROMPT_BYTES, "prompt text (UTF-8 bytes; chat: all message contents) a Generate or OpenAI API request may carry; checked before tokenising, more answers INVALID_ARGUMENT / HTTP 413")
     http_max_body_bytes: int = opt(DEFAULT_HTTP_MAX_BODY_BYTES, "largest OpenAI API request body, bytes; a larger one answers HTTP 413 before it is read whole")
+    http_max_concurrency: int = opt(256, "OpenAI API connections and requests in flight at once (each may buffer a body); more answer HTTP 503")
     max_turns: int = opt(4, "model turns per episode")
     episode_wall_s: float = opt(300.0, "wall-clock limit of one episode")
 
@@ -87,7 +88,7 @@ class RolloutConfig:
             raise ValueError(f"anonymous_class must be production, rl or deny, got {self.anonymous_class!r}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
-        if self.max_prompt_bytes < 1 or self.http_max_body_bytes < 1:
-            raise ValueError("max_prompt_bytes and http_max_body_bytes must be >= 1")
+        if self.max_prompt_bytes < 1 or self.http_max_body_bytes < 1 or self.http_max_concurrency < 1:
+            raise ValueError("max_prompt_bytes, http_max_body_bytes and http_max_concurrency must be >= 1")
         if self.rl_workers < 0 or self.rl_high_water <= 0 or self.rl_max_lag < 0 or self.max_turns <= 0 or self.episode_wall_s <= 0:
             raise ValueError("rl_workers and rl_max_lag must be >= 0; rl_high_water, max_turns, episode_wall_s > 0")

@@ -347,11 +347,14 @@ class HttpFrontDoor:
     the ordered shutdown.
     """
 
-    def __init__(self, app: Any, host: str, port: int, tls: tuple[Path, Path] | None = None) -> None:
+    def __init__(self, app: Any, host: str, port: int, tls: tuple[Path, Path] | None = None, max_concurrency: int = 256) -> None:
         import uvicorn
 
         files = {"ssl_certfile": str(tls[0]), "ssl_keyfile": str(tls[1])} if tls else {}
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **files))
+        # limit_concurrency: past it uvicorn answers 503 at once, so requests (each may
+        # buffer a body of up to http_max_body_bytes) cannot pile up without bound.
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", limit_concurrency=max_concurrency, **files)
+        self._server = uvicorn.Server(config)
         self._ticks: Any = None
         self.port = 0
 

@@ -107,7 +107,8 @@ class RolloutService(pb_grpc.RolloutServicer):
                 self.engine, self.config.model, self.config.max_model_len, self.config.max_tokens, self.callers, self.config.max_n,
                 max_prompt_bytes=self.config.max_prompt_bytes, max_body_bytes=self.config.http_max_body_bytes,
             )
-            self._http = HttpFrontDoor(app, self.config.http_host, self.config.http_port, http_tls(self.config.http_host, credentials.process_identity()))
+            tls = http_tls(self.config.http_host, credentials.process_identity())
+            self._http = HttpFrontDoor(app, self.config.http_host, self.config.http_port, tls, self.config.http_max_concurrency)
             port = await self._http.start()
             # The stack launcher reads this line; keep its shape stable.
             print(f"meridian rollout http listening on {self.config.http_host}:{port}", flush=True)

@@ -461,6 +461,27 @@ def test_generate_refuses_a_temperature_the_engine_would_reject(rollout: Callabl
     run(main())
 
 
+def test_http_api_answers_503_past_its_concurrency(rollout: Callable[..., Any], grpc_serving: Serving) -> None:
+    """With one request in flight (a slow prompt being tokenised) and a limit of two (its
+    connection and its request), a second caller gets 503 at once instead of queueing
+    without bound; later calls work."""
+    import httpx
+
+    async def main() -> None:
+        service = rollout(http_max_concurrency=2)
+        async with grpc_serving(service):
+            base = f"http://127.0.0.1:{service._http.port}/v1"
+            async with httpx.AsyncClient(base_url=base, timeout=30) as slow, httpx.AsyncClient(base_url=base, timeout=30) as other:
+                chat = asyncio.create_task(slow.post("/chat/completions", json={"messages": [{"role": "user", "content": "d" * (200 * KiB)}], "max_tokens": 1}))
+                await asyncio.sleep(SLOW_S / 4)  # the slow request is being tokenised
+                assert (await other.get("/models")).status_code == 503
+                assert (await chat).status_code == 200
+            async with httpx.AsyncClient(base_url=base, timeout=30) as later:
+                assert (await later.get("/models")).status_code == 200
+
+    run(main())
+
+
 def test_http_api_answers_413_for_a_body_or_prompt_over_its_bound(rollout: Callable[[], Any], grpc_serving: Serving) -> None:
     import httpx
 
