@@ -428,6 +428,19 @@ async def run_server(name: str, service: Service, config: ServerConfig) -> None:
         raise SystemExit(1)
 
 
+async def failure_of(task: asyncio.Task[Any] | None, what: str) -> str:
+    """For a service's ``failure``: waits until ``task``, a background task the service
+    cannot serve without, has ended, and says why (``what`` names it); never returns
+    for None (no such task)."""
+    if task is None:
+        await asyncio.Event().wait()
+    assert task is not None
+    await asyncio.wait({task})
+    if task.cancelled():
+        return f"{what} was cancelled"
+    return f"{what} stopped: {describe_error(task.exception())}"
+
+
 async def _serve_until(stopping: asyncio.Event, service: Service) -> str | None:
     """Waits for a stop signal (None) or the service's ``failure`` (its reason)."""
     failure = getattr(service, "failure", None)

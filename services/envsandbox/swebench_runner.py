@@ -195,7 +195,9 @@ def run_in_child(test_id, files):
 
 
 def read_until(proc, stdin, deadline):
-    """The child's stdout until it closes or ``deadline`` passes: (bytes, timed out)."""
+    """The child's stdout until it closes or ``deadline`` passes: (bytes, timed out).
+    (The harness has the same reader: each runs alone from memory in the sandbox, with
+    nothing of this project importable, so each carries its own.)"""
     try:
         proc.stdin.write(stdin)
         proc.stdin.close()

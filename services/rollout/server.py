@@ -15,7 +15,7 @@ from opentelemetry.trace import Link, SpanKind
 
 from meridian import credentials, metrics, telemetry
 from meridian.errors import FailedPrecondition, InvalidArgument
-from meridian.grpc_runtime import describe_error, open_channel
+from meridian.grpc_runtime import failure_of, open_channel
 from meridian.model_store import resolve_model
 from meridian.tensors import RawTensor, from_torch, weights_hash
 from meridian.trajectory_transport import open_transport
@@ -121,13 +121,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         """Returns once the weight follower has ended, which it does only on an error
         it cannot recover from (a version neither applied nor rolled back: the weights
         the engine computes with are unknown, and its gate stays closed)."""
-        if self._follow is None:
-            await asyncio.Event().wait()  # without weightsync nothing here can fail
-        assert self._follow is not None
-        await asyncio.wait({self._follow})
-        if self._follow.cancelled():
-            return "the weight follower was cancelled"
-        return f"the weight follower stopped: {describe_error(self._follow.exception())}"
+        return await failure_of(self._follow, "the weight follower")  # no follower: nothing here can fail
 
     async def stop(self) -> None:
         # Ordered: stop producing work, stop the front doors, then the engine last; every

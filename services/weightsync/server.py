@@ -19,7 +19,7 @@ from meridian import metrics, telemetry
 from meridian.errors import (
     Aborted, AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, MeridianError, NotFound, ResourceExhausted, Unavailable,
 )
-from meridian.grpc_runtime import CallLimit, describe_error
+from meridian.grpc_runtime import CallLimit, failure_of
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync.chunk_messages import serialize_response, weight_chunk_message
@@ -356,13 +356,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         error it does not know to recover from (storing a version failed, say): the
         weights it decodes into may then hold part of a version, and a restart
         recovers from the stored versions instead."""
-        if self._mirror is None:
-            await asyncio.Event().wait()  # an origin has no such task
-        assert self._mirror is not None
-        await asyncio.wait({self._mirror})
-        if self._mirror.cancelled():
-            return "the upstream mirror was cancelled"
-        return f"the upstream mirror stopped: {describe_error(self._mirror.exception())}"
+        return await failure_of(self._mirror, "the upstream mirror")  # an origin has none
 
     async def stop(self) -> None:
         # A version being stored for a publisher that went away is finished, not cut off.

@@ -2,10 +2,15 @@
 and the OpenAI request validation."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import pytest
 
+from meridian.v1 import envsandbox_pb2 as sbx
+from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
 from services.rollout.agent import Ledger, ToolCall, extract_answer, format_observation, parse_tool_call
 from services.rollout.openai_api import RequestError, choice_sampling, parse_n, parse_sampling
 
@@ -158,16 +163,30 @@ def test_rl_workers_back_off_then_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "backoff: error" in seen
 
 
+TASK = sbx.Task(id="python/add", instruction="add", answer_path="answer.py")
+
+
+@contextlib.asynccontextmanager
+async def envsandbox_serving(servicer: sbx_grpc.EnvSandboxServicer) -> AsyncIterator[sbx_grpc.EnvSandboxStub]:
+    """``servicer`` (a stand-in envsandbox) on a real gRPC server on a free loopback port,
+    and a stub to it; the server is stopped on the way out."""
+    server = grpc.aio.server()
+    sbx_grpc.add_EnvSandboxServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield sbx_grpc.EnvSandboxStub(channel)
+    finally:
+        await server.stop(grace=None)
+
+
 def test_a_frozen_envsandbox_ends_the_group_at_the_deadline_and_still_closes_its_sandbox(monkeypatch: pytest.MonkeyPatch) -> None:
     """An envsandbox that stops answering (frozen, or replies dropped) while a group forks:
     the call ends at the client deadline (DEADLINE_EXCEEDED), not never, and the base
     sandbox is still closed (under its own deadline)."""
     import asyncio
 
-    import grpc
-
-    from meridian.v1 import envsandbox_pb2 as sbx
-    from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
     from services.rollout import episodes
     from services.rollout.engine import Sampling
 
@@ -197,19 +216,11 @@ def test_a_frozen_envsandbox_ends_the_group_at_the_deadline_and_still_closes_its
 
     async def scenario() -> tuple[grpc.StatusCode, list[str]]:
         servicer = Frozen()
-        server = grpc.aio.server()
-        sbx_grpc.add_EnvSandboxServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                task = sbx.Task(id="python/add", instruction="add", answer_path="answer.py")
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    # 10x the deadline given: a stall fails the test here, not the suite.
-                    await asyncio.wait_for(episodes.run_group(Engine(), sbx_grpc.EnvSandboxStub(channel), task, 2, Sampling(), "m"), 3)  # type: ignore[arg-type]
-                return caught.value.code(), servicer.closed
-        finally:
-            await server.stop(grace=None)
+        async with envsandbox_serving(servicer) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                # 10x the deadline given: a stall fails the test here, not the suite.
+                await asyncio.wait_for(episodes.run_group(Engine(), stub, TASK, 2, Sampling(), "m"), 3)  # type: ignore[arg-type]
+            return caught.value.code(), servicer.closed
 
     code, closed = asyncio.run(scenario())
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and closed == ["base"]
@@ -221,10 +232,6 @@ def test_a_failed_episode_cancels_its_siblings_and_every_fork_is_closed() -> Non
     the base sandbox failed (which used to raise past the forks and leak them)."""
     import asyncio
 
-    import grpc
-
-    from meridian.v1 import envsandbox_pb2 as sbx
-    from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
     from services.rollout import episodes
     from services.rollout.engine import Sampling
 
@@ -260,17 +267,9 @@ def test_a_failed_episode_cancels_its_siblings_and_every_fork_is_closed() -> Non
 
     async def scenario() -> list[str]:
         servicer = Boxes()
-        server = grpc.aio.server()
-        sbx_grpc.add_EnvSandboxServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                task = sbx.Task(id="python/add", instruction="add", answer_path="answer.py")
-                with pytest.raises(RuntimeError, match="failed episode 0"):
-                    await asyncio.wait_for(episodes.run_group(Engine(), sbx_grpc.EnvSandboxStub(channel), task, 2, Sampling(seed=0), "m"), 10)  # type: ignore[arg-type]
-                return sorted(servicer.closed)
-        finally:
-            await server.stop(grace=None)
+        async with envsandbox_serving(servicer) as stub:
+            with pytest.raises(RuntimeError, match="failed episode 0"):
+                await asyncio.wait_for(episodes.run_group(Engine(), stub, TASK, 2, Sampling(seed=0), "m"), 10)  # type: ignore[arg-type]
+            return sorted(servicer.closed)
 
     assert asyncio.run(scenario()) == ["f0", "f1"]
