@@ -285,6 +285,43 @@ def test_addresses_point_at_services(config: dict) -> None:
         assert port_of(name) == FIXED_PORTS[name]
 
 
+CREDENTIALS = "/etc/meridian/credentials"
+KUSTOMIZATION = REPO / "deploy" / "k8s" / "credentials" / "kustomization.yaml"
+#: What a compose container reads beyond its Kubernetes Secret: the healthcheck's call as
+#: operator (the client certificate and the tokens).
+HEALTHCHECK_FILES = {"client.pem", "client-key.pem", "tokens.json"}
+
+
+def _credential_files(service: dict) -> set[str]:
+    """The credential files a compose service mounts (each file alone, never the folder)."""
+    files = set()
+    for v in service.get("volumes", []):
+        target = str(v["target"] if isinstance(v, dict) else v.split(":")[1])
+        assert target != CREDENTIALS, "the whole credentials folder is mounted"
+        if target.startswith(CREDENTIALS + "/"):
+            files.add(target.removeprefix(CREDENTIALS + "/"))
+    return files
+
+
+@needs_compose
+def test_each_service_mounts_only_the_credentials_it_reads(two_regions: dict) -> None:
+    """The compose containers hold what the Kubernetes Secrets hold (one list of which
+    service reads which file), plus the healthcheck's client files: only the trainer has
+    the signing key, no container the CA's key (a relay or an envsandbox host that is
+    broken into cannot sign a version)."""
+    secrets = {g["name"]: set(g["files"]) for g in yaml.safe_load(KUSTOMIZATION.read_text())["secretGenerator"]}
+    services = two_regions["services"]
+    for name in ("envsandbox", "weightsync", "trainer", "rollout", "envsandbox-b", "weightsync-b", "rollout-b"):
+        kind = name.removesuffix("-b")
+        assert _credential_files(services[name]) == secrets[f"meridian-{kind}-credentials"] | HEALTHCHECK_FILES, name
+        assert _env(services[name]).get("MERIDIAN_CREDENTIALS") == CREDENTIALS, name
+    assert _credential_files(services["redis"]) == secrets["meridian-redis-credentials"]
+    assert _credential_files(services["prometheus"]) == {"ca.pem"}  # it checks the metrics endpoints' certificates
+    holders = {name for name, service in services.items() if "signing-key.pem" in _credential_files(service)}
+    assert holders == {"trainer"}
+    assert not any("ca-key.pem" in _credential_files(service) for service in services.values())
+
+
 @needs_compose
 def test_volumes_for_weights_and_model_cache(config: dict) -> None:
     services = config["services"]
@@ -392,8 +429,7 @@ def test_region_b_service_runs_region_a_image_healthy(two_regions: dict, name: s
     assert env.get("OTEL_RESOURCE_ATTRIBUTES") == "meridian.region=b", name
     assert env.get(env_name(kind, "port")) == str(FIXED_PORTS[kind]), name
     assert env.get("MERIDIAN_CREDENTIALS") == "/etc/meridian/credentials", name
-    targets = {str(v["target"] if isinstance(v, dict) else v.split(":")[1]) for v in service.get("volumes", [])}
-    assert "/etc/meridian/credentials" in targets, f"{name}: credentials not mounted"
+    assert _credential_files(service) == _credential_files(twin), f"{name}: not {kind}'s credential files"
     # Same privileges as region a's (the sandbox host's especially).
     assert sorted(service.get("cap_add", [])) == sorted(twin.get("cap_add", [])), name
     assert sorted(service.get("security_opt", [])) == sorted(twin.get("security_opt", [])), name
