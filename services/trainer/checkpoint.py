@@ -24,6 +24,8 @@ STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 _NAME = re.compile(r"^step-(\d{9})$")
 _TMP_PREFIX = ".tmp-"
+# A checkpoint a same-step rewrite moved aside (see save_checkpoint).
+_REPLACED = re.compile(r"^\.tmp-replaced-(step-\d{9})-\d+$")
 
 
 def _fsync_file(path: Path) -> None:
@@ -75,8 +77,9 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str
     if (final / MARKER).is_file():
         # The same step again: a step that trained nothing (stale or flat groups) took more
         # groups, which only the newer meta lists, and they are acked once this returns.
-        # Moved aside first: a crash between the renames leaves the previous step's
-        # checkpoint to resume from, never a half-written one.
+        # Moved aside first: a crash between the renames leaves it aside, complete, and
+        # restore_replaced puts it back (the groups it covers are acked: falling back to
+        # an older step would lose their effect), never a half-written one.
         aside = root / f"{_TMP_PREFIX}replaced-{checkpoint_name(step)}-{os.getpid()}"
         shutil.rmtree(aside, ignore_errors=True)
         os.rename(final, aside)
@@ -89,6 +92,23 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str
         _fsync_dir(root)
     prune(root, keep)
     return final
+
+
+def restore_replaced(root: Path) -> None:
+    """Puts back a complete checkpoint that a same-step rewrite moved aside when a crash
+    came before the rewrite took its place (no complete folder of that step is there);
+    one the rewrite did replace is left for :func:`prune`. Call before looking for the
+    newest checkpoint."""
+    if not root.is_dir():
+        return
+    for aside in sorted(root.iterdir()):
+        m = _REPLACED.match(aside.name)
+        if m is None or not (aside / MARKER).is_file() or (root / m.group(1) / MARKER).is_file():
+            continue
+        shutil.rmtree(root / m.group(1), ignore_errors=True)  # an incomplete one, if any
+        os.rename(aside, root / m.group(1))
+        _fsync_dir(root)
+        log.warning("checkpoint %s was put back: a crash came while the same step was written again", m.group(1))
 
 
 def prune(root: Path, keep: int) -> None:

@@ -137,6 +137,8 @@ class Committer:
     def resume(self) -> bool:
         """Loads the newest complete checkpoint, if any; True when it did."""
         root = self._root()
+        if root:
+            ckpt.restore_replaced(root)
         path = ckpt.latest_checkpoint(root) if root else None
         if root:
             root.mkdir(parents=True, exist_ok=True)

@@ -86,9 +86,12 @@ class TrainingLoop:
     async def run(self) -> None:
         """Runs until cancelled or refused (:class:`CommitRefused`); any other failure is
         logged and the loop goes on from the transport."""
-        await self.consumer.recover()
+        recovered = False
         while True:
             try:
+                if not recovered:  # retried like any iteration (Redis may be restarting)
+                    await self.consumer.recover()
+                    recovered = True
                 await self.iteration(READ_BLOCK_MS)
             except (asyncio.CancelledError, CommitRefused):
                 raise

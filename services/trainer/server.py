@@ -23,6 +23,7 @@ import contextlib
 import grpc
 
 from meridian import metrics
+from meridian.grpc_runtime import failure_of
 from meridian.model_store import resolve_model
 from meridian.trajectory_transport import GroupTransport, open_transport
 from meridian.v1 import trainer_pb2 as pb
@@ -74,12 +75,17 @@ class TrainerService(pb_grpc.TrainerServicer):
         self.loop = TrainingLoop(self.learner, self.consumer, committer, self.progress, cfg.groups_per_step, cfg.publish_every)
         self._task = asyncio.create_task(self.loop.run())
 
+    async def failure(self) -> str:
+        """Returns once the training loop has ended, which it does only when weightsync
+        refused a version (:class:`CommitRefused`: what this trainer would publish differs
+        from what weightsync holds): training cannot go on, so the service stops."""
+        return await failure_of(self._task, "the training loop")
+
     async def stop(self) -> None:
         """The loop first, then the publish and checkpoint in flight, then the transport."""
         if self._task:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, CommitRefused):
-                await self._task
+            await asyncio.wait({self._task})  # its error, if it died of one, is failure()'s to report
         if self.committer is not None:
             with contextlib.suppress(CommitRefused):
                 await self.committer.flush()

@@ -49,3 +49,23 @@ def test_the_same_step_again_replaces_it_whole(tmp_path: Path) -> None:
 
 def test_missing_root_has_no_checkpoint(tmp_path: Path) -> None:
     assert ckpt.latest_checkpoint(tmp_path / "absent") is None
+
+
+def test_a_crash_inside_a_same_step_rewrite_keeps_that_step(tmp_path: Path) -> None:
+    """Killed between moving step 3 aside and renaming its rewrite into place: step 3 (whose
+    groups were acked) comes back, not step 2, and a replaced one that was superseded goes."""
+    _save(tmp_path, 2)
+    _save(tmp_path, 3)
+    aside = tmp_path / ".tmp-replaced-step-000000003-4242"
+    (tmp_path / "step-000000003").rename(aside)  # the state the crash leaves
+    (tmp_path / ".tmp-step-000000003-4242").mkdir()  # the rewrite, never renamed
+    ckpt.restore_replaced(tmp_path)
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step-000000003"
+    assert ckpt.load_checkpoint(tmp_path / "step-000000003")[1] == {"step": 3}
+    # Crashed after the rewrite took its place: the old one stays aside, for prune.
+    stale = tmp_path / ".tmp-replaced-step-000000003-77"
+    stale.mkdir()
+    (stale / ckpt.MARKER).write_text("ok\n")
+    ckpt.restore_replaced(tmp_path)
+    ckpt.prune(tmp_path, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002", "step-000000003"]

@@ -206,3 +206,62 @@ def test_a_step_skipped_for_a_non_finite_loss_is_counted_and_its_groups_acked_li
         assert not loop.recent_steps()[-1].stepped
 
     asyncio.run(body())
+
+
+def test_a_transport_failure_at_start_up_is_retried_not_the_end_of_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis restarting just as the loop starts (its own pending entries cannot be read):
+    the recovery is retried like any iteration, and training starts (it ended the loop
+    task, unseen, before)."""
+    from meridian.errors import Unavailable
+
+    monkeypatch.setattr(loop_mod.asyncio, "sleep", _no_wait(asyncio.sleep))
+
+    async def body() -> None:
+        streams = MemoryStreams()
+        learner = StandInLearner()
+        loop = build(streams, learner, groups_per_step=1)
+        await loop.consumer.start()
+        transport = loop.consumer.transport
+        real = transport.read_own_pending
+        failures = [Unavailable("redis is loading")]
+
+        async def flaky(consumer: str, count: int) -> Any:
+            if failures:
+                raise failures.pop()
+            return await real(consumer, count)
+
+        transport.read_own_pending = flaky  # type: ignore[method-assign]
+        await transport.publish_group(group("g1"))
+        await run_until(loop, lambda: bool(learner.trained))
+        assert failures == [] and learner.trained == [["g1"]]
+
+    asyncio.run(body())
+
+
+def _no_wait(sleep: Callable[[float], Any]) -> Callable[[float], Any]:
+    """asyncio.sleep without the loop's 1 s pause after a failed iteration."""
+    return lambda seconds: sleep(min(seconds, 0.01))
+
+
+def test_a_refused_version_stops_the_trainer_service() -> None:
+    """The loop ends on CommitRefused (weightsync holds other bytes under a version): the
+    service's failure() says so, so the server stops SERVING and exits 1 (it went on
+    answering SERVING with no loop before)."""
+    from services.trainer.commit import CommitRefused
+    from services.trainer.config import TrainerConfig
+    from services.trainer.server import TrainerService
+
+    async def body() -> str:
+        service = TrainerService(TrainerConfig(), learner=StandInLearner(), transport=InMemoryGroupTransport(CONFIG, MemoryStreams()))  # type: ignore[arg-type]
+
+        async def refused() -> None:
+            raise CommitRefused("weightsync refused version 3: ALREADY_EXISTS")
+
+        service._task = asyncio.create_task(refused())
+        try:
+            return await asyncio.wait_for(service.failure(), 10)
+        finally:
+            await service.stop()
+
+    reason = asyncio.run(body())
+    assert reason.startswith("the training loop stopped: CommitRefused") and "version 3" in reason
