@@ -376,21 +376,33 @@ def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str], crede
         server, str(conf), "--bind", host, "--port", str(port), "--dir", str(data), "--appendonly", "yes", "--appendfsync", "always",
         "--save", "", "--daemonize", "no", "--protected-mode", "yes",
     ]
+    # Something answering there already would pass the readiness probe below while our
+    # server fails to bind: the stack would run against another Redis (other passwords).
+    if _answers_redis(host, port):
+        raise RuntimeError(f"{host}:{port} is in use by another Redis; stop it or choose another port")
     proc = _spawn(argv, log, env)
-    url = f"redis://{host}:{port}/0"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {proc.returncode}; see {log}")
-        try:
-            with socket.create_connection((host, port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"redis-server did not answer on {host}:{port}; see {log}")
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {proc.returncode}; see {log}")
+            if _answers_redis(host, port):
+                return proc, f"redis://{host}:{port}/0"
+            time.sleep(0.1)
+        raise TimeoutError(f"redis-server did not answer on {host}:{port}; see {log}")
+    except BaseException:
+        _terminate(proc.pid, 5.0)  # not in the stack's PIDs yet: nothing else would stop it
+        raise
+
+
+def _answers_redis(host: str, port: int) -> bool:
+    """Whether a Redis answers PING on ``host:port`` (PONG, or NOAUTH when it wants a login)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))
+    except OSError:
+        return False
 
 
 def with_signing(folder: Path, extra_args: dict[str, list[str]]) -> dict[str, list[str]]:

@@ -620,3 +620,19 @@ def test_local_stack_redis_fsyncs_every_acknowledged_write(tmp_path: Path, pick_
             client_.close()
     finally:
         stack._terminate(proc.pid, 10.0)
+
+
+def test_local_stack_redis_refuses_a_port_another_redis_answers_on(tmp_path: Path, pick_port: Callable[[], int]) -> None:
+    """A Redis left on the port (an old run's) would pass the new one's readiness probe
+    while the new one fails to bind, and the stack would run against it: refused, naming
+    the port, before anything is started."""
+    from meridian import stack
+
+    port = pick_port()
+    proc, _ = stack._start_redis(tmp_path / "first", "127.0.0.1", port, dict(os.environ))
+    try:
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port} is in use by another Redis"):
+            stack._start_redis(tmp_path / "second", "127.0.0.1", port, dict(os.environ))
+        assert not (tmp_path / "second" / "redis.log").exists()  # nothing was started
+    finally:
+        stack._terminate(proc.pid, 10.0)
