@@ -269,7 +269,8 @@ class RedisGroupTransport(GroupTransport):
     async def read(self, consumer: str, count: int, block_ms: int) -> list[GroupEntry]:
         if block_ms >= self.config.timeout_s * 1000:
             raise ValueError(f"block_ms={block_ms} would outlast the transport's timeout_s={self.config.timeout_s}")
-        reply = await self.redis.xreadgroup(self.config.consumer_group, consumer, {self.config.stream: ">"}, count=count, block=block_ms)
+        # BLOCK 0 is "wait for ever" to Redis; 0 here means "do not wait", as in the twin.
+        reply = await self.redis.xreadgroup(self.config.consumer_group, consumer, {self.config.stream: ">"}, count=count, block=block_ms if block_ms > 0 else None)
         return [decode_entry(eid, fields) for _, entries in reply or [] for eid, fields in entries]
 
     @_redis_down_is_unavailable

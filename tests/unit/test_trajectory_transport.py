@@ -381,6 +381,23 @@ def test_a_redis_that_accepts_but_never_answers_is_unavailable_not_a_stall() -> 
         run(body)
 
 
+def test_a_read_with_no_wait_returns_at_once_on_every_transport(make_transport: Callable[..., GroupTransport]) -> None:
+    """block_ms=0 is "do not wait" on both transports (Redis reads BLOCK 0 as "for ever":
+    sent as such, the read hung until the socket timeout and then raised Unavailable)."""
+
+    async def body() -> None:
+        t = make_transport()
+        try:
+            await t.ensure_consumer_group()
+            assert await asyncio.wait_for(t.read("c1", count=10, block_ms=0), 5) == []
+            await t.publish_group(_group(0))
+            assert len(await asyncio.wait_for(t.read("c1", count=10, block_ms=0), 5)) == 1
+        finally:
+            await t.close()
+
+    run(body)
+
+
 def test_a_read_may_not_block_longer_than_the_timeout() -> None:
     t = RedisGroupTransport(TransportConfig(url="redis://127.0.0.1:1/0", stream=NAME, timeout_s=1.0))
 
