@@ -118,7 +118,7 @@ def test_prometheus_scrapes_every_service_where_compose_serves_its_metrics(compo
     assert targets == expected
     assert job["scheme"] == "https"
     ca = job["tls_config"]["ca_file"]
-    assert any(ca.startswith(target + "/") for target in mounts), f"{ca} is not on a mount of the prometheus service"
+    assert any(ca == target or ca.startswith(target + "/") for target in mounts), f"{ca} is not on a mount of the prometheus service"
 
 
 def test_grafana_is_provisioned_with_the_datasource_and_the_dashboard(compose: dict) -> None:
