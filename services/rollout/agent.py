@@ -19,6 +19,8 @@ import json
 import re
 from typing import Any
 
+from services.rollout.prompt_limits import is_text
+
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 TOOLS = ("bash", "write_file", "read_file", "submit")
@@ -67,18 +69,10 @@ def parse_tool_call(text: str) -> ToolCall | str | None:
         return f"{data['name']} needs string argument(s): {', '.join(missing)}"
     # JSON's \\uD800-style escapes decode to lone surrogates, which no UTF-8 request to
     # envsandbox can carry: the model's mistake, answered as one, not a failed group.
-    unencodable = [k for k in required if not _is_utf8(args[k])]
+    unencodable = [k for k in required if not is_text(args[k])]
     if unencodable:
         return f"{data['name']} argument(s) {', '.join(unencodable)} hold an unpaired surrogate escape (not text)"
     return ToolCall(data["name"], args)
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def format_observation(text: str) -> str:

@@ -22,7 +22,7 @@ from meridian.errors import Unauthenticated
 from services.rollout.callers import CallerClasses
 from services.rollout.config import DEFAULT_HTTP_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_BYTES
 from services.rollout.engine import MAX_TEMPERATURE, PolicyEngine, Sampling
-from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
+from services.rollout.prompt_limits import is_text, text_bytes, tokenize_off_loop, too_long
 
 MAX_STOP = 16
 #: Seeds are 63-bit (what every layer below carries as a signed 64-bit integer); choice i of
@@ -116,9 +116,7 @@ def lone_surrogate(body: Any) -> str:
     while stack:
         where, value = stack.pop()
         if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
+            if not is_text(value):
                 return where
         elif isinstance(value, dict):
             stack.extend((f"{where}[{k!r}]", v) for k, v in value.items())

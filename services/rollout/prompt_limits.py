@@ -26,6 +26,16 @@ def text_bytes(text: str) -> int:
     return len(text.encode("utf-8", errors="surrogatepass"))
 
 
+def is_text(text: str) -> bool:
+    """Whether UTF-8 can carry ``text``: JSON's ``\\ud800``-style escapes decode to lone
+    surrogates, which no tokenizer, stop string or protobuf string field takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def too_long(size: int, limit: int) -> str:
     """Why a prompt of ``size`` bytes is refused under ``limit`` ('' when it is not)."""
     if size > limit:
