@@ -2,7 +2,9 @@
 interceptor (:class:`meridian.grpc_runtime.AuthInterceptor`) applies to each call.
 
 A caller is known by its bearer token (``authorization: Bearer <token>``), which maps to
-one role (:data:`meridian.credentials.ROLES`). The operator may call everything; the
+one role (:data:`meridian.credentials.ROLES`). Servers hold only each token's SHA-256
+(:func:`token_digest`), never the tokens: a service that is broken into learns no
+credential it could call the others with. The operator may call everything; the
 other roles only the methods listed for them here. Health and reflection answer anyone,
 so probes and tools like grpcurl work without a token. A method missing from the table
 is the operator's alone (new methods are closed until someone opens them here).
@@ -10,6 +12,7 @@ is the operator's alone (new methods are closed until someone opens them here).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import hmac
 from collections.abc import Mapping
 
@@ -57,11 +60,19 @@ def bearer_token(values: list[str]) -> str | Refusal:
     return token.strip()
 
 
-def role_of(token: str, token_roles: Mapping[str, str]) -> str | None:
-    """The role of ``token``, compared in constant time against every known token."""
+def token_digest(token: str) -> str:
+    """The SHA-256 of a bearer token (hex): what a server keeps in place of the token.
+    Tokens are 256-bit random values, so an unsalted hash cannot be searched back."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def role_of(token: str, digest_roles: Mapping[str, str]) -> str | None:
+    """The role of ``token``: its digest compared in constant time against every known
+    token's digest (``digest_roles``: token digest -> role)."""
+    digest = token_digest(token).encode()
     found = None
-    for known, role in token_roles.items():
-        if hmac.compare_digest(known.encode(), token.encode()):
+    for known, role in digest_roles.items():
+        if hmac.compare_digest(known.encode(), digest):
             found = role
     return found
 
@@ -71,15 +82,15 @@ def allowed(role: str, method: str, table: Mapping[str, frozenset[str]] = METHOD
     return role == OPERATOR or role in table.get(method, frozenset())
 
 
-def decide(method: str, authorization: list[str], token_roles: Mapping[str, str]) -> Refusal | None:
-    """None when the call may proceed, else why not. The token itself never appears in
-    a message."""
+def decide(method: str, authorization: list[str], digest_roles: Mapping[str, str]) -> Refusal | None:
+    """None when the call may proceed, else why not (``digest_roles``: token digest ->
+    role). The token itself never appears in a message."""
     if method.startswith(OPEN_PREFIXES):
         return None
     token = bearer_token(authorization)
     if isinstance(token, Refusal):
         return token
-    role = role_of(token, token_roles)
+    role = role_of(token, digest_roles)
     if role is None:
         return Refusal("UNAUTHENTICATED", "unknown token")
     if not allowed(role, method):

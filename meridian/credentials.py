@@ -9,21 +9,32 @@ A credentials folder holds (private keys mode 0600)::
                                       127.0.0.1 and every --host given
     client.pem, client-key.pem        the client certificate callers present (mTLS)
     tokens.json                       role -> bearer token (trainer, rollout, relay,
-                                      production, operator)
+                                      production, operator): the operator's copy of all
+    <role>.token                      that role's token alone (what a process of the role
+                                      presents)
+    token-hashes.json                 role -> SHA-256 of its token (what servers check
+                                      callers against; no token in it)
     api-keys.json                     rollout's caller classes (--caller-classes format):
-                                      the production and operator tokens -> production
-    redis-users.json                  Redis ACL user -> password (trainer, rollout, operator)
-    redis.acl                         those users as a Redis ACL file (redis-server --aclfile)
+                                      the production and operator tokens' SHA-256 -> production
+    redis-users.json                  Redis ACL user -> password (trainer, rollout,
+                                      operator): the operator's copy of all
+    redis-<user>.password             that Redis user's password alone
+    redis.acl                         those users as a Redis ACL file (redis-server
+                                      --aclfile), with the passwords' SHA-256 only
     signing-key.pem, signing-pub.pem  the version-signing Ed25519 key pair
 
-Only the CA's certificate, a certificate and key, and one token are what a caller from
-outside Python needs: TLS trusting ``ca.pem`` with ``client.pem``/``client-key.pem`` as
-its certificate, and the metadata ``authorization: Bearer <token>`` on every call.
+A service's process needs only its own role's files (see the Kubernetes Secrets in
+``deploy/k8s/credentials``): a service that is broken into holds no other role's token
+or password. Only the CA's certificate, a certificate and key, and one token are what a
+caller from outside Python needs: TLS trusting ``ca.pem`` with ``client.pem``/
+``client-key.pem`` as its certificate, and the metadata ``authorization: Bearer <token>``
+on every call.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import ipaddress
 import json
 import os
@@ -38,6 +49,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from meridian.access import token_digest
+
 #: Callers, by what they may do (the method table is in :mod:`meridian.access`).
 ROLES = ("trainer", "rollout", "relay", "production", "operator")
 #: Services with a server certificate of their own.
@@ -47,9 +60,13 @@ REDIS_USERS = ("trainer", "rollout", "operator")
 #: The client role each service's own outgoing calls use (envsandbox calls nobody).
 SERVICE_ROLES = {"rollout": "rollout", "trainer": "trainer", "weightsync": "relay", "envsandbox": "operator"}
 
+#: Marks a key of ``api-keys.json`` (or of a --caller-classes file) given as its SHA-256.
+DIGEST_PREFIX = "sha256:"
+
 ENV_CREDENTIALS = "MERIDIAN_CREDENTIALS"
 ENV_ROLE = "MERIDIAN_ROLE"
 TOKENS = "tokens.json"
+TOKEN_HASHES = "token-hashes.json"
 API_KEYS = "api-keys.json"
 REDIS_PASSWORDS = "redis-users.json"
 REDIS_ACL_FILE = "redis.acl"
@@ -62,6 +79,16 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 class CredentialsError(ValueError):
     """A credentials folder is missing, incomplete, or does not fit the request."""
+
+
+def token_file(role: str) -> str:
+    """The file holding ``role``'s token alone."""
+    return f"{role}.token"
+
+
+def redis_password_file(user: str) -> str:
+    """The file holding Redis user ``user``'s password alone."""
+    return f"redis-{user}.password"
 
 
 def is_loopback(host: str) -> bool:
@@ -97,10 +124,12 @@ REDIS_ACL = {
 
 def redis_acl(passwords: Mapping[str, str]) -> str:
     """Redis ACL lines (a config file's or an ``--aclfile``'s): the default user off,
-    one user per role."""
+    one user per role, each with its password's SHA-256 (``#``), which is all Redis needs
+    to check a login: the file holds no password."""
     lines = ["user default off"]
     for user, rules in REDIS_ACL.items():
-        lines.append(f"user {user} on >{passwords[user]} resetchannels {rules}")
+        digest = hashlib.sha256(passwords[user].encode()).hexdigest()
+        lines.append(f"user {user} on #{digest} resetchannels {rules}")
     return "\n".join(lines) + "\n"
 
 
@@ -186,10 +215,12 @@ def make_credentials(out: Path, hosts: Iterable[str] = (), overwrite: bool = Fal
     tokens = {role: secrets.token_urlsafe(32) for role in ROLES}
     _write_private(out / TOKENS, json.dumps(tokens, indent=2).encode())
     # Rollout's caller classes: both may generate, and both count as production traffic.
-    _write_private(out / API_KEYS, json.dumps({tokens["production"]: "production", tokens["operator"]: "production"}, indent=2).encode())
+    api_keys = {f"{DIGEST_PREFIX}{token_digest(tokens[role])}": "production" for role in ("production", "operator")}
+    _write_private(out / API_KEYS, json.dumps(api_keys, indent=2).encode())
     passwords = {user: secrets.token_urlsafe(32) for user in REDIS_USERS}
     _write_private(out / REDIS_PASSWORDS, json.dumps(passwords, indent=2).encode())
     _write_private(out / REDIS_ACL_FILE, redis_acl(passwords).encode())
+    _write_per_role(out, tokens, passwords, replace=True)
 
     from services.weightsync.signing import generate_signing_key
 
@@ -198,11 +229,25 @@ def make_credentials(out: Path, hosts: Iterable[str] = (), overwrite: bool = Fal
     return out
 
 
+def _write_per_role(out: Path, tokens: Mapping[str, str], passwords: Mapping[str, str], *, replace: bool) -> None:
+    """Each role's token and each Redis user's password in a file of its own, and the
+    tokens' hashes; ``replace`` False keeps the files already there."""
+    secrets_by_file = {token_file(r): t for r, t in tokens.items()} | {redis_password_file(u): p for u, p in passwords.items()}
+    for name, secret in secrets_by_file.items():
+        if replace or not (out / name).exists():
+            _write_private(out / name, secret.encode())
+    if replace or not (out / TOKEN_HASHES).exists():
+        (out / TOKEN_HASHES).write_text(json.dumps({role: token_digest(token) for role, token in tokens.items()}, indent=2))
+
+
 def ensure_credentials(out: Path, hosts: Iterable[str] = ()) -> Path:
-    """The credentials at ``out``, made first when the folder holds none."""
-    if not (Path(out) / TOKENS).exists():
-        make_credentials(out, hosts)
-    return Path(out)
+    """The credentials at ``out``, made first when the folder holds none; a folder made
+    before per-role files existed gets them, from its copies of all."""
+    out = Path(out)
+    if not (out / TOKENS).exists():
+        return make_credentials(out, hosts)
+    _write_per_role(out, load_tokens(out), redis_passwords(out), replace=False)
+    return out
 
 
 # ---------------------------------------------------------------- loading
@@ -226,37 +271,73 @@ def _json_map(folder: Path, name: str) -> dict[str, str]:
     return data
 
 
+def _one_per_role(folder: Path, name: str) -> dict[str, str]:
+    """The JSON map ``name`` of ``folder``, with every role present and every value distinct."""
+    values = _json_map(folder, name)
+    missing = [r for r in ROLES if r not in values]
+    if missing or len(set(values.values())) != len(values):
+        raise CredentialsError(f"{folder / name}: needs a distinct value for each role of {list(ROLES)} (missing: {missing})")
+    return values
+
+
 def load_tokens(folder: Path) -> dict[str, str]:
-    """role -> token, with every role present and every token distinct."""
-    tokens = _json_map(Path(folder), TOKENS)
-    missing = [r for r in ROLES if r not in tokens]
-    if missing or len(set(tokens.values())) != len(tokens):
-        raise CredentialsError(f"{Path(folder) / TOKENS}: needs a distinct token for each role of {list(ROLES)} (missing: {missing})")
-    return tokens
+    """role -> token, with every role present and every token distinct: the operator's
+    copy (``tokens.json``), which no service needs."""
+    return _one_per_role(Path(folder), TOKENS)
 
 
-def token_roles(folder: Path) -> dict[str, str]:
-    """token -> role: what a server checks a caller's bearer token against."""
-    return {token: role for role, token in load_tokens(folder).items()}
+def is_digest(value: str) -> bool:
+    """Whether ``value`` is a SHA-256 in lower-case hex."""
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def token_digests(folder: Path) -> dict[str, str]:
+    """token digest -> role: what a server checks a caller's bearer token against, from
+    ``token-hashes.json`` (in a folder made before that file existed: ``tokens.json``)."""
+    folder = Path(folder)
+    if (folder / TOKEN_HASHES).exists() or not (folder / TOKENS).exists():
+        digests = _one_per_role(folder, TOKEN_HASHES)
+        bad = [role for role, digest in digests.items() if not is_digest(digest)]
+        if bad:
+            raise CredentialsError(f"{folder / TOKEN_HASHES}: the entries of {bad} are not SHA-256 digests in hex")
+    else:
+        digests = {role: token_digest(token) for role, token in load_tokens(folder).items()}
+    return {digest: role for role, digest in digests.items()}
+
+
+def _single_secret(folder: Path, name: str, everyone: str, key: str) -> str:
+    """The secret in the file ``name`` of ``folder``; where that file is missing, entry
+    ``key`` of the JSON map ``everyone`` (the operator's copy, or a folder made before
+    per-role files)."""
+    path = folder / name
+    if path.exists() or not (folder / everyone).exists():
+        value = _read(folder, name).decode("utf-8", "replace").strip()
+        if not value:
+            raise CredentialsError(f"{path} is empty")
+        return value
+    values = _json_map(folder, everyone)
+    if key not in values:
+        raise CredentialsError(f"{folder / everyone} has no entry {key!r} (and there is no {name})")
+    return values[key]
 
 
 def role_token(folder: Path, role: str) -> str:
-    """The bearer token of ``role``."""
+    """The bearer token of ``role``: ``<role>.token``, else its entry in ``tokens.json``."""
     if role not in ROLES:
         raise CredentialsError(f"unknown role {role!r}; roles are {list(ROLES)}")
-    return load_tokens(folder)[role]
+    return _single_secret(Path(folder), token_file(role), TOKENS, role)
 
 
 def redis_password(folder: Path, user: str) -> str:
-    """The Redis ACL password of ``user`` (trainer, rollout or operator)."""
-    passwords = _json_map(Path(folder), REDIS_PASSWORDS)
-    if user not in passwords:
-        raise CredentialsError(f"{Path(folder) / REDIS_PASSWORDS} has no Redis user {user!r}")
-    return passwords[user]
+    """The Redis ACL password of ``user`` (trainer, rollout or operator):
+    ``redis-<user>.password``, else its entry in ``redis-users.json``."""
+    if user not in REDIS_USERS:
+        raise CredentialsError(f"unknown Redis user {user!r}; users are {list(REDIS_USERS)}")
+    return _single_secret(Path(folder), redis_password_file(user), REDIS_PASSWORDS, user)
 
 
 def redis_passwords(folder: Path) -> dict[str, str]:
-    """Every Redis ACL user's password."""
+    """Every Redis ACL user's password (the operator's copy)."""
     return _json_map(Path(folder), REDIS_PASSWORDS)
 
 

@@ -322,8 +322,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     a known one without the method PERMISSION_DENIED, before the handler or the error
     boundary runs. Health and reflection pass without a token."""
 
-    def __init__(self, token_roles: Mapping[str, str]) -> None:
-        self.token_roles = dict(token_roles)
+    def __init__(self, digest_roles: Mapping[str, str]) -> None:
+        self.digest_roles = dict(digest_roles)
 
     async def intercept_service(
         self,
@@ -332,7 +332,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
         values = [v for k, v in (handler_call_details.invocation_metadata or ()) if k == "authorization"]
-        refusal = access.decide(method, [v.decode() if isinstance(v, bytes) else v for v in values], self.token_roles)
+        refusal = access.decide(method, [v.decode() if isinstance(v, bytes) else v for v in values], self.digest_roles)
         handler = await continuation(handler_call_details)
         if refusal is None or handler is None:
             return handler
@@ -350,16 +350,17 @@ def create_server(
     config: ServerConfig,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     options: Sequence[tuple[str, Any]] | None = None,
-    token_roles: Mapping[str, str] | None = None,
+    digest_roles: Mapping[str, str] | None = None,
 ) -> grpc.aio.Server:
     """A grpc.aio server with the error boundary innermost and the call limits of
     ``config`` and ``service.call_limits``; ``options`` default to the message size of
     ``config``. gRPC's own limit sits :data:`RESERVED_RPCS` above ours, as a backstop
-    that leaves room for health checks. With ``token_roles`` (token -> role) every call
-    passes the :class:`AuthInterceptor` just outside the error boundary; a service may
-    add callers of its own as ``caller_roles`` (token -> role, read once, here)."""
+    that leaves room for health checks. With ``digest_roles`` (token digest -> role, see
+    :func:`meridian.access.token_digest`) every call passes the :class:`AuthInterceptor`
+    just outside the error boundary; a service may add callers of its own as
+    ``caller_roles`` (token digest -> role, read once, here)."""
     limits = CallLimits(config.max_concurrent_rpcs, getattr(service, "call_limits", None))
-    auth = [] if token_roles is None else [AuthInterceptor({**getattr(service, "caller_roles", {}), **token_roles})]
+    auth = [] if digest_roles is None else [AuthInterceptor({**getattr(service, "caller_roles", {}), **digest_roles})]
     return grpc.aio.server(
         interceptors=[*interceptors, *auth, ErrorBoundary(limits)],
         options=list(channel_options(config.max_message_mb) if options is None else options),
@@ -370,7 +371,7 @@ def create_server(
 async def run_server(name: str, service: Service, config: ServerConfig) -> None:
     """Runs ``service`` until SIGTERM/SIGINT, with the lifecycle in the module docstring."""
     folder = config.credentials_folder()
-    server = create_server(service, config, telemetry.server_interceptors(), token_roles=None if folder is None else credentials.token_roles(folder))
+    server = create_server(service, config, telemetry.server_interceptors(), digest_roles=None if folder is None else credentials.token_digests(folder))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service.register(server)
@@ -518,13 +519,19 @@ class ClientAuth:
     def load(cls, folder: Path, role: str, token: str | None = None) -> ClientAuth:
         """``role``'s credentials from ``folder``; ``token`` overrides the role's own (a
         caller key of rollout's caller-classes file, say)."""
-        ca, cert, key = credentials.client_pem(Path(folder))
-        tls = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        tls = client_tls(folder)
         return cls(Path(folder), role, token if token is not None else credentials.role_token(Path(folder), role), tls)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """TLS plus the token as ``authorization: Bearer <token>`` on every call."""
         return grpc.composite_channel_credentials(self.tls, grpc.access_token_call_credentials(self.token))
+
+
+def client_tls(folder: Path | str) -> grpc.ChannelCredentials:
+    """TLS trusting the deployment's CA with the client certificate, and no token: what
+    a health probe presents (health answers without one, so a probe needs no role)."""
+    ca, cert, key = credentials.client_pem(Path(folder))
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
 class _Default:

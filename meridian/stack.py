@@ -585,7 +585,7 @@ def main(command: str, argv: list[str]) -> int:
         for name in stack.pids:
             print(f"  {name:<11} {stack.addresses[name]:<28} pid {stack.pids[name]:<8} log {stack.logs[name]}")
         if "rollout_http" in stack.addresses:
-            print(f"  {'openai api':<11} {stack.addresses['rollout_http']}  (key: the production token in {stack.credentials}/tokens.json)")
+            print(f"  {'openai api':<11} {stack.addresses['rollout_http']}  (key: the production token, {stack.credentials}/production.token)")
         print(f"  {'credentials':<11} {stack.credentials}  (other clients: MERIDIAN_CREDENTIALS={stack.credentials})")
         for name, url in stack.metrics.items():
             print(f"  {'metrics':<11} {url:<28} {name}")

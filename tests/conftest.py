@@ -149,8 +149,8 @@ async def serving(
     without tokens unless ``secure`` is (service name, credentials folder): then mTLS
     with that service's certificate and the token/role interceptor, as ``meridian serve``.
     """
-    token_roles = credentials.token_roles(secure[1]) if secure else None
-    server = create_server(service, config or ServerConfig(), interceptors, options=options, token_roles=token_roles)
+    digest_roles = credentials.token_digests(secure[1]) if secure else None
+    server = create_server(service, config or ServerConfig(), interceptors, options=options, digest_roles=digest_roles)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service.register(server)

@@ -7,6 +7,10 @@ The key file is a JSON object, key -> class::
 
     {"prod-frontend-key": "production", "eval-batch-key": "rl"}
 
+A key may also be given as its SHA-256 in hex, ``"sha256:<hex>"`` (as the credentials'
+``api-keys.json`` gives them): the server keeps only digests either way, and a key file
+of digests holds no usable key.
+
 Callers without a key get ``anonymous`` (production, rl, or deny). With no key file
 every caller is anonymous, whatever it sends (the ``openai`` client always sends some
 key); with one, an unknown key is refused. A rollout serving with credentials (the
@@ -18,7 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meridian.credentials import API_KEYS
+from meridian.access import token_digest
+from meridian.credentials import API_KEYS, DIGEST_PREFIX, is_digest
 from meridian.errors import Unauthenticated
 from services.rollout.engine import PRIORITY_PRODUCTION, PRIORITY_RL
 
@@ -29,12 +34,13 @@ class CallerClasses:
     """The configured class of each API key."""
 
     def __init__(self, keys: dict[str, str], anonymous: str = "production") -> None:
-        bad = {k: c for k, c in keys.items() if c not in CLASSES or not k}
+        bad = {k: c for k, c in keys.items() if c not in CLASSES or not k or k.startswith(DIGEST_PREFIX) and not is_digest(k.removeprefix(DIGEST_PREFIX))}
         if bad:
-            raise ValueError(f"caller classes must map non-empty keys to one of {sorted(CLASSES)}; bad entries for {len(bad)} key(s)")
+            raise ValueError(f"caller classes must map non-empty keys (or {DIGEST_PREFIX}<SHA-256 in hex>) to one of {sorted(CLASSES)}; bad entries for {len(bad)} key(s)")
         if anonymous not in (*CLASSES, "deny"):
             raise ValueError(f"anonymous class must be one of {sorted(CLASSES)} or deny, got {anonymous!r}")
-        self._keys = dict(keys)
+        # Looked up by digest: a key never stays in memory, and lookups do not time the key.
+        self._digests = {_digest_of(k): c for k, c in keys.items()}
         self.anonymous = anonymous
 
     @classmethod
@@ -55,27 +61,33 @@ class CallerClasses:
         """An authenticated deployment's: the credentials' API keys (the production and
         operator tokens) and those of the key file at ``path`` (if any); no anonymous
         caller."""
-        keys = cls.load(str(Path(credentials_dir) / API_KEYS), "deny")._keys
+        callers = cls.load(str(Path(credentials_dir) / API_KEYS), "deny")
         if path:
-            keys.update(cls.load(path, "deny")._keys)
-        return cls(keys, "deny")
+            callers._digests.update(cls.load(path, "deny")._digests)
+        return callers
 
-    def keys(self) -> list[str]:
-        """The known API keys (each one is a caller the server's interceptor admits)."""
-        return list(self._keys)
+    def digests(self) -> list[str]:
+        """The known API keys' digests (each key is a caller the server's interceptor
+        admits, see :func:`meridian.access.token_digest`)."""
+        return list(self._digests)
 
     def classify(self, authorization: str | None) -> int:
         """The engine priority of a caller from its ``Authorization`` value; raises
         :class:`Unauthenticated` for an unknown key, a malformed header, or an anonymous
         caller when anonymous callers are denied."""
-        if not authorization or not self._keys:
+        if not authorization or not self._digests:
             if self.anonymous == "deny":
                 raise Unauthenticated("this server needs an API key (Authorization: Bearer <key>)")
             return CLASSES[self.anonymous]
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthenticated("the Authorization value must be 'Bearer <key>'")
-        traffic = self._keys.get(key.strip())
+        traffic = self._digests.get(token_digest(key.strip()))
         if traffic is None:
             raise Unauthenticated("unknown API key")  # the key itself is not echoed
         return CLASSES[traffic]
+
+
+def _digest_of(key: str) -> str:
+    """A key file entry's digest: given (``sha256:<hex>``), or of the key itself."""
+    return key.removeprefix(DIGEST_PREFIX) if key.startswith(DIGEST_PREFIX) else token_digest(key)

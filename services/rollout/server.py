@@ -78,7 +78,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         # is also a gRPC caller of role production (see meridian.access).
         identity = credentials.process_identity()
         self.callers = CallerClasses.load(config.caller_classes, config.anonymous_class) if identity is None else CallerClasses.authenticated(identity.folder, config.caller_classes)
-        self.caller_roles = {key: "production" for key in self.callers.keys()}
+        self.caller_roles = {digest: "production" for digest in self.callers.digests()}
         self.metrics = metrics.ServiceMetrics("rollout", self._metric_values)
 
     def register(self, server: grpc.aio.Server) -> None:

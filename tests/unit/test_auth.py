@@ -47,17 +47,24 @@ def run(coro: Awaitable[T]) -> T:
 def test_certs_makes_the_whole_folder_with_private_files_private(tmp_path: Path) -> None:
     folder = credentials.make_credentials(tmp_path / "creds", hosts=["10.1.2.3", "meridian.internal"])
     names = {p.name for p in folder.iterdir()}
-    assert {"ca.pem", "ca-key.pem", "client.pem", "client-key.pem", "tokens.json", "api-keys.json", "redis-users.json", "redis.acl", "signing-key.pem", "signing-pub.pem"} <= names
+    role_files = {credentials.token_file(r) for r in credentials.ROLES} | {credentials.redis_password_file(u) for u in credentials.REDIS_USERS}
+    assert {"ca.pem", "ca-key.pem", "client.pem", "client-key.pem", "tokens.json", "token-hashes.json", "api-keys.json", "redis-users.json", "redis.acl", "signing-key.pem", "signing-pub.pem"} | role_files <= names
     for service in credentials.SERVICES:
         assert {f"{service}.pem", f"{service}-key.pem"} <= names
-    for secret in ("ca-key.pem", "client-key.pem", "rollout-key.pem", "tokens.json", "api-keys.json", "redis-users.json", "redis.acl", "signing-key.pem"):
+    for secret in ("ca-key.pem", "client-key.pem", "rollout-key.pem", "tokens.json", "api-keys.json", "redis-users.json", "redis.acl", "signing-key.pem", *role_files):
         assert stat.S_IMODE(os.stat(folder / secret).st_mode) == 0o600, secret
     tokens = credentials.load_tokens(folder)
     assert set(tokens) == set(credentials.ROLES) and len(set(tokens.values())) == len(tokens)
+    assert {role: credentials.role_token(folder, role) for role in credentials.ROLES} == tokens
+    assert {role: (folder / credentials.token_file(role)).read_text() for role in credentials.ROLES} == tokens
+    assert credentials.token_digests(folder) == {access.token_digest(token): role for role, token in tokens.items()}
     keys = json.loads((folder / "api-keys.json").read_text())
-    assert keys == {tokens["production"]: "production", tokens["operator"]: "production"}
-    assert set(credentials.redis_passwords(folder)) == set(credentials.REDIS_USERS)
-    assert (folder / "redis.acl").read_text() == credentials.redis_acl(credentials.redis_passwords(folder))
+    assert keys == {f"sha256:{access.token_digest(tokens['production'])}": "production", f"sha256:{access.token_digest(tokens['operator'])}": "production"}
+    passwords = credentials.redis_passwords(folder)
+    assert set(passwords) == set(credentials.REDIS_USERS)
+    assert {user: credentials.redis_password(folder, user) for user in credentials.REDIS_USERS} == passwords
+    acl = (folder / "redis.acl").read_text()
+    assert acl == credentials.redis_acl(passwords) and not any(password in acl for password in passwords.values())
     assert isinstance(load_pem_private_key((folder / "signing-key.pem").read_bytes(), None), Ed25519PrivateKey)
 
     ca = x509.load_pem_x509_certificate((folder / "ca.pem").read_bytes())
@@ -83,19 +90,49 @@ def test_meridian_certs_makes_a_folder_and_keeps_an_existing_one(tmp_path: Path,
     assert (out / "tokens.json").read_bytes() != tokens
 
 
+def test_a_folder_made_before_per_role_files_gets_them_and_still_serves(tmp_path: Path) -> None:
+    """A run folder of an earlier release (one file of all tokens, one of all Redis
+    passwords) still loads, and ``meridian up``'s ensure step adds the per-role files."""
+    folder = credentials.make_credentials(tmp_path / "creds")
+    tokens, passwords = credentials.load_tokens(folder), credentials.redis_passwords(folder)
+    digests = credentials.token_digests(folder)
+    for name in [credentials.TOKEN_HASHES, *map(credentials.token_file, credentials.ROLES), *map(credentials.redis_password_file, credentials.REDIS_USERS)]:
+        (folder / name).unlink()
+    assert credentials.token_digests(folder) == digests and credentials.role_token(folder, "relay") == tokens["relay"]
+    assert credentials.redis_password(folder, "trainer") == passwords["trainer"]
+    credentials.ensure_credentials(folder)
+    assert (folder / "relay.token").read_text() == tokens["relay"] and (folder / "redis-trainer.password").read_text() == passwords["trainer"]
+    (folder / "tokens.json").unlink()
+    assert credentials.token_digests(folder) == digests
+
+
 def test_an_incomplete_folder_is_refused_with_the_command_that_makes_one(tmp_path: Path) -> None:
     with pytest.raises(credentials.CredentialsError, match="meridian certs"):
         credentials.client_pem(tmp_path)
+    with pytest.raises(credentials.CredentialsError, match=r"token-hashes.json.*meridian certs"):
+        credentials.token_digests(tmp_path)
+    with pytest.raises(credentials.CredentialsError, match=r"relay.token.*meridian certs"):
+        credentials.role_token(tmp_path, "relay")
     (tmp_path / "tokens.json").write_text(json.dumps({"operator": "x"}))
-    with pytest.raises(credentials.CredentialsError, match="distinct token for each role"):
+    with pytest.raises(credentials.CredentialsError, match="distinct value for each role"):
         credentials.load_tokens(tmp_path)
+    (tmp_path / "token-hashes.json").write_text(json.dumps({role: "x" for role in credentials.ROLES}))
+    with pytest.raises(credentials.CredentialsError, match="distinct value for each role"):
+        credentials.token_digests(tmp_path)
+    (tmp_path / "token-hashes.json").write_text(json.dumps({role: role * 3 for role in credentials.ROLES}))
+    with pytest.raises(credentials.CredentialsError, match="not SHA-256 digests"):
+        credentials.token_digests(tmp_path)
+    (tmp_path / "relay.token").write_text("\n")
+    with pytest.raises(credentials.CredentialsError, match="relay.token is empty"):
+        credentials.role_token(tmp_path, "relay")
 
 
 # ---------------------------------------------------------------- the role table
 
 
 def test_the_role_table_decides_each_call() -> None:
-    roles = {"t-trainer": "trainer", "t-rollout": "rollout", "t-relay": "relay", "t-prod": "production", "t-op": "operator"}
+    tokens = {"t-trainer": "trainer", "t-rollout": "rollout", "t-relay": "relay", "t-prod": "production", "t-op": "operator"}
+    roles = {access.token_digest(token): role for token, role in tokens.items()}  # what a server holds
     publish, subscribe, generate = "/meridian.v1.WeightSync/Publish", "/meridian.v1.WeightSync/Subscribe", "/meridian.v1.Rollout/Generate"
     assert access.decide(publish, ["Bearer t-trainer"], roles) is None
     assert access.decide(subscribe, ["Bearer t-relay"], roles) is None
@@ -195,6 +232,72 @@ def test_every_method_needs_a_token_of_a_role_that_may_call_it(service: str, grp
     run(main())
 
 
+#: Each Kubernetes Secret (deploy/k8s/credentials, which compose mounts alike) -> the
+#: service it serves, and the role its process calls the others as (None: calls nobody).
+SECRET_ROLES = {"meridian-rollout-credentials": ("rollout", "rollout"), "meridian-weightsync-credentials": ("weightsync", "relay"),
+                "meridian-trainer-credentials": ("trainer", "trainer"), "meridian-envsandbox-credentials": ("envsandbox", None), "meridian-redis-credentials": (None, None)}
+
+
+def _secret_folders(credentials_dir: Path, out: Path) -> dict[str, Path]:
+    """One folder per Kubernetes Secret holding just that Secret's files."""
+    import yaml
+
+    kustomization = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "credentials" / "kustomization.yaml"
+    folders = {}
+    for secret in yaml.safe_load(kustomization.read_text())["secretGenerator"]:
+        folder = out / secret["name"]
+        folder.mkdir()
+        for name in secret["files"]:
+            shutil.copy(credentials_dir / name, folder / name)
+        folders[secret["name"]] = folder
+    assert set(folders) == set(SECRET_ROLES)
+    return folders
+
+
+def test_a_service_holds_no_secret_of_another_role(credentials_dir: Path, tmp_path: Path) -> None:
+    """A service that is broken into (the envsandbox host runs model code) learns no
+    token or Redis password but its own role's: no file of its Secret holds one, in any
+    encoding the services read."""
+    tokens = credentials.load_tokens(credentials_dir)
+    passwords = credentials.redis_passwords(credentials_dir)
+    for name, folder in _secret_folders(credentials_dir, tmp_path).items():
+        _, role = SECRET_ROLES[name]
+        held = b"".join(path.read_bytes() for path in folder.iterdir())
+        for other, token in tokens.items():
+            assert (token.encode() in held) == (other == role), (name, f"token of {other}")
+        for user, password in passwords.items():
+            assert (password.encode() in held) == (user == role), (name, f"Redis password of {user}")
+
+
+@pytest.mark.parametrize("secret", ["meridian-rollout-credentials", "meridian-weightsync-credentials", "meridian-trainer-credentials", "meridian-envsandbox-credentials"])
+def test_a_services_secret_alone_serves_and_calls(secret: str, grpc_serving: Serving, credentials_dir: Path, tmp_path: Path) -> None:
+    """A server given only its Secret checks callers against the tokens' hashes (every
+    role decided as with the whole folder), and its process calls the others with its
+    own role's token."""
+    folder = _secret_folders(credentials_dir, tmp_path)[secret]
+    service, role = SECRET_ROLES[secret]
+    bare = BareService(service)
+    tokens = credentials.load_tokens(credentials_dir)
+    method = next(m for m in bare.descriptor.methods if not m.client_streaming and not m.server_streaming)
+    path = f"/{bare.descriptor.full_name}/{method.name}"
+
+    async def main() -> None:
+        async with grpc_serving(bare, secure=(service, folder)) as address:
+            async with grpc.aio.secure_channel(address, _tls_only(credentials_dir)) as channel:
+                for caller, token in tokens.items():
+                    want = REACHED if caller == "operator" or caller in access.METHOD_ROLES[path] else grpc.StatusCode.PERMISSION_DENIED
+                    assert await _call(channel, path, False, (("authorization", f"Bearer {token}"),)) == want, caller
+                assert await _call(channel, path, False, (("authorization", "Bearer not-a-token"),)) == grpc.StatusCode.UNAUTHENTICATED
+            if role is not None:
+                own = ClientAuth.load(folder, role)
+                assert own.token == tokens[role]
+                async with open_channel(address, auth=own) as channel:
+                    want = REACHED if role in access.METHOD_ROLES[path] else grpc.StatusCode.PERMISSION_DENIED
+                    assert await _call(channel, path, False, None) == want
+
+    run(main())
+
+
 def test_only_clients_with_a_certificate_of_the_ca_connect(grpc_serving: Serving, credentials_dir: Path, tmp_path: Path) -> None:
     """Without a client certificate, with one of another CA, or in plaintext: no
     connection, not even for health; the deployment's own: health and calls answer."""
@@ -261,9 +364,9 @@ def test_rollout_with_credentials_needs_a_key_on_both_front_doors(request: pytes
     async def main() -> None:
         service = request.getfixturevalue("_rollout_fixture")()
         # With credentials, the credentials' keys are its callers, and are gRPC callers too.
-        assert set(service.caller_roles) == {tokens["production"], tokens["operator"]}
+        assert set(service.caller_roles) == {access.token_digest(tokens["production"]), access.token_digest(tokens["operator"])}
         service.callers = type(service.callers).authenticated(credentials_dir, str(keys))
-        service.caller_roles = {key: "production" for key in service.callers.keys()}
+        service.caller_roles = {digest: "production" for digest in service.callers.digests()}
         async with grpc_serving(service, secure=("rollout", credentials_dir)) as address, httpx.AsyncClient(base_url=f"http://127.0.0.1:{service._http.port}/v1", timeout=30) as http:
             for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": tokens["production"]}, {"authorization": f"Bearer {tokens['trainer']}"}):
                 reply = await http.post("/completions", json=prompt, headers=headers)

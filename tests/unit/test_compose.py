@@ -287,9 +287,9 @@ def test_addresses_point_at_services(config: dict) -> None:
 
 CREDENTIALS = "/etc/meridian/credentials"
 KUSTOMIZATION = REPO / "deploy" / "k8s" / "credentials" / "kustomization.yaml"
-#: What a compose container reads beyond its Kubernetes Secret: the healthcheck's call as
-#: operator (the client certificate and the tokens).
-HEALTHCHECK_FILES = {"client.pem", "client-key.pem", "tokens.json"}
+#: What a compose container reads beyond its Kubernetes Secret: the healthcheck's client
+#: certificate (health answers without a token).
+HEALTHCHECK_FILES = {"client.pem", "client-key.pem"}
 
 
 def _credential_files(service: dict) -> set[str]:
