@@ -8,7 +8,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -306,8 +306,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             live_weights=config.role == "relay", encode_threads=config.encode_threads or len(os.sched_getaffinity(0)),
         )
         self._changed = asyncio.Condition()
-        # The store is mutated in worker threads (encoding is CPU-bound); every access
-        # that reads or changes its state goes through this lock.
+        # The store is mutated in worker threads (encoding is CPU-bound); every store
+        # step on a thread holds this lock from before the thread starts until it ends
+        # (see _store_step), whatever happens to the call that started it.
         self._store_lock = asyncio.Lock()
         self._mirror: asyncio.Task[None] | None = None
         # Store-and-announce steps running on after their publisher went away (see _to_completion).
@@ -364,8 +365,11 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         if self._mirror:
             self._mirror.cancel()
             await asyncio.wait({self._mirror})  # its error, if it died of one, is failure()'s to report
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        # A store thread outlives the call that started it (see _store_step): the folder
+        # it writes is removed only once it ended.
+        async with self._store_lock:
+            if self._tmp is not None:
+                self._tmp.cleanup()
 
     async def _announce(self) -> None:
         async with self._changed:
@@ -426,8 +430,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             try:
                 async for update in subscriber.updates(follow=True, keep_encoded=True):
                     assert update.encoded is not None
-                    async with self._store_lock:
-                        await asyncio.to_thread(self.store.add_encoded, update.encoded, update.weights)
+                    await self._store_step(self.store.add_encoded, update.encoded, update.weights)
                     self._incoming = None
                     self.counters["upstream_versions"] += 1
                     self.metrics.observe(metrics.WEIGHTSYNC_PROPAGATION, time.monotonic() - self.available_at.get(update.version, time.monotonic()))
@@ -497,20 +500,47 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             await self._holding(assembly, asyncio.to_thread(self._check_signed, header, assembly.tensors))
 
         async def store() -> tuple[Encoded, bool]:
-            async with self._store_lock:
-                republish = header.version <= self.store.latest
-                with tracer.start_as_current_span("weightsync.encode", context=telemetry.extract(dict(header.trace_context))) as span:
-                    span.set_attribute("meridian.version", header.version)
-                    enc: Encoded = await asyncio.to_thread(
-                        self.store.publish, header.version, assembly.tensors, header.weights_hash, dict(header.trace_context), header.canary,
-                        header.signature if header.HasField("signature") else None,
-                    )
-                    span.set_attribute("meridian.encoded_bytes", enc.size)
+            with tracer.start_as_current_span("weightsync.encode", context=telemetry.extract(dict(header.trace_context))) as span:
+                span.set_attribute("meridian.version", header.version)
+                enc, republish = await self._store_step(self._write_whole, header, assembly.tensors)
+                span.set_attribute("meridian.encoded_bytes", enc.size)
             if not republish:
                 await self._stored(header.version, enc, started)
             return enc, republish
 
         return await self._to_completion(store(), assembly)
+
+    def _write_whole(self, header: pb.PublishHeader, tensors: dict[str, RawTensor]) -> tuple[Encoded, bool]:
+        """A whole-version Publish's store step (on a thread, under the store lock): the
+        encoding and whether the version was held already (a republish)."""
+        republish = header.version <= self.store.latest
+        enc = self.store.publish(
+            header.version, tensors, header.weights_hash, dict(header.trace_context), header.canary,
+            header.signature if header.HasField("signature") else None,
+        )
+        return enc, republish
+
+    async def _store_step(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Runs ``fn(*args)``, which reads or changes the store, on a thread under the store
+        lock. The lock is taken before the thread starts and released when the thread
+        ends, not when the caller stops waiting: a caller cancelled meanwhile (a subscriber
+        that left, a publisher that went away) gets its cancellation at once, but a thread
+        cannot be stopped, and releasing the lock under it would let another store step
+        (a publish, a prune) run beside it. A caller cancelled while it waits for the lock
+        starts nothing."""
+        await self._store_lock.acquire()
+        try:
+            job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        except BaseException:
+            self._store_lock.release()
+            raise
+        job.add_done_callback(self._store_step_ended)
+        return await asyncio.shield(job)
+
+    def _store_step_ended(self, job: asyncio.Future[Any]) -> None:
+        self._store_lock.release()
+        if not job.cancelled():
+            job.exception()  # retrieved: a caller still waiting got it too
 
     @staticmethod
     async def _holding(stream: _PublishStream, step: Coroutine[Any, Any, _T]) -> _T:
@@ -639,9 +669,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         return held, True
 
     async def _compare_stored(self, version: int, tensors: dict[str, RawTensor], weights_hash: str) -> Encoded:
-        """VersionStore.republished_part under the store lock (held until its thread ends)."""
-        async with self._store_lock:
-            return await asyncio.to_thread(self.store.republished_part, version, tensors, weights_hash)
+        """VersionStore.republished_part, a store step (see _store_step)."""
+        return await self._store_step(self.store.republished_part, version, tensors, weights_hash)
 
     def _check_encoded_part(self, header: pb.PublishHeader) -> None:
         """Refuses (FAILED_PRECONDITION, before the part joins its version) a rank-encoded
@@ -781,13 +810,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 check_tensor_set(v, tensors, pending.base)
             if self.verifier is not None:
                 await asyncio.to_thread(self._check_signed, header, tensors)
-            async with self._store_lock:
-                republish = v <= self.store.latest
-                enc: Encoded = await asyncio.to_thread(
-                    self.store.publish_assembled, v, tensors, pending.payloads, pending.base_version, hash_of_sums(pending.items),
-                    header.weights_hash, dict(header.trace_context), header.canary, header.signature if header.HasField("signature") else None,
-                    pending.carried, pending.sha256, pending.changes,
-                )
+            enc, republish = await self._store_step(self._write_assembled, pending, tensors)
         except BaseException as exc:
             error = exc if isinstance(exc, MeridianError) else Aborted(f"version {v} aborted while storing: {exc}")
             if not pending.result.done():
@@ -796,6 +819,18 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         if not republish:
             await self._stored(v, enc, started)
         pending.result.set_result((enc, republish))
+
+    def _write_assembled(self, pending: _PendingVersion, tensors: dict[str, RawTensor]) -> tuple[Encoded, bool]:
+        """_store_assembled's store step (on a thread, under the store lock): the encoding
+        and whether the version was held already (a republish)."""
+        header, v = pending.header, pending.version
+        republish = v <= self.store.latest
+        enc = self.store.publish_assembled(
+            v, tensors, pending.payloads, pending.base_version, hash_of_sums(pending.items),
+            header.weights_hash, dict(header.trace_context), header.canary, header.signature if header.HasField("signature") else None,
+            pending.carried, pending.sha256, pending.changes,
+        )
+        return enc, republish
 
     def _check_signed(self, header: pb.PublishHeader, tensors: dict[str, RawTensor]) -> None:
         """Refuses (PERMISSION_DENIED) a Publish the trusted key did not sign, or whose
@@ -845,8 +880,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             yield weight_chunk_message(version, first, enc.chunks[first:index])
 
     async def _plan(self, held: int) -> list[Encoded]:
-        async with self._store_lock:
-            plan = await asyncio.to_thread(self.store.plan_compacted, held)
+        """What to send a subscriber holding ``held``; the plan may build a compacted delta
+        or a keyframe, a store step (see _store_step) that runs on if the subscriber leaves."""
+        plan = await self._store_step(self.store.plan_compacted, held)
         incoming = self._incoming
         if not plan and incoming is not None and incoming.manifest.base_version == held and held >= 0:
             return [incoming]
