@@ -60,9 +60,15 @@ try:
 except PathError as _exc:
     _out = {"error": [_exc.kind, str(_exc)]}
 except OSError as _exc:
-    _out = {"error": ["os", "%s: %s" % (type(_exc).__name__, _exc)]}
+    _out = {"error": ["os", _exc.strerror or str(_exc), _exc.errno, _exc.filename if isinstance(_exc.filename, str) else None]}
 _sys.stdout.write(_json.dumps(_out))
 '''
+
+
+def _os_error(message: str, code: int | None = None, filename: str | None = None) -> OSError:
+    """The ``OSError`` the container reported, with its errno and file name (the caller's
+    status depends on them: no space left is not an I/O error)."""
+    return OSError(code, message, filename) if code else OSError(message)
 
 
 def _instance_alive(name: str) -> bool:
@@ -214,9 +220,9 @@ class DockerBackend(Backend):
             raise Unavailable(f"file operation in sandbox {sandbox_id} failed (exit {result.exit_code}): {err[-300:].decode(errors='replace')}")
         reply = json.loads(out or b"{}")
         if "error" in reply:
-            kind, message = reply["error"]
+            kind, message, *more = reply["error"]
             if kind == "os":
-                raise OSError(message)
+                raise _os_error(message, *more)
             raise workspace_files.PathError(kind, message)
         return reply
 

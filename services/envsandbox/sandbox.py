@@ -11,7 +11,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import errno
 import json
+import logging
 import math
 import time
 import uuid
@@ -19,9 +21,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from meridian.errors import FailedPrecondition, InvalidArgument, MeridianError, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import swebench, workspace_files
 from services.envsandbox.tasks import TESTS_DIR, Task, TestOutcome, score_output
+
+log = logging.getLogger(__name__)
 
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 HARNESS_PATH = f"{TESTS_DIR}/_harness.py"
@@ -39,6 +43,11 @@ MAX_ARGS_TOTAL_BYTES = 512 * 1024
 LOADER_VARIABLES = ("GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",
                     "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR")
 LOADER_PREFIXES = ("LD_", "MALLOC_")
+#: errno values of a write that found no room: the workspace's size cap (bytes or inodes),
+#: a quota, a file size limit. Only these are RESOURCE_EXHAUSTED.
+NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: errno values of a host short of something for now (descriptors, memory): a retry can work.
+HOST_SHORT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EBUSY, errno.EINTR})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +171,30 @@ class Backend(abc.ABC):
         """Resources of this backend that no live sandbox accounts for (should be none)."""
 
 
+class HostFault(MeridianError):
+    """A fault of the host's (an I/O error, a read-only file system), not of the request
+    nor of the sandbox: INTERNAL, with a message that says what failed."""
+
+    status = "INTERNAL"
+
+
 def path_error(exc: workspace_files.PathError) -> Exception:
     return NotFound(str(exc)) if exc.kind == "not_found" else InvalidArgument(str(exc))
+
+
+def write_error(sandbox_id: str, exc: OSError) -> MeridianError:
+    """The status of an ``OSError`` that writing files in a sandbox raised (bad paths are
+    PathErrors before they get here, see workspace_files): RESOURCE_EXHAUSTED only when
+    there was no room, UNAVAILABLE when the host is short of descriptors or memory, and
+    INTERNAL (logged) for anything else; each message names the file when it is known."""
+    what = f"cannot write {exc.filename!r} in sandbox {sandbox_id}" if exc.filename else f"cannot write files in sandbox {sandbox_id}"
+    reason = f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno, exc.errno)})" if exc.errno else str(exc)
+    if exc.errno in NO_ROOM_ERRNOS:
+        return ResourceExhausted(f"{what}: {reason}; the sandbox's workspace has no room for it")
+    if exc.errno in HOST_SHORT_ERRNOS:
+        return Unavailable(f"{what}: {reason}; the host is short of it for now, retry later")
+    log.error("%s: %s", what, reason)
+    return HostFault(f"{what}: {reason}; a fault of the host, not of the request")
 
 
 def sandbox_env(env: dict[str, str] | None) -> dict[str, str]:
@@ -384,7 +415,7 @@ class SandboxManager:
         except workspace_files.PathError as exc:
             raise path_error(exc) from None
         except OSError as exc:
-            raise ResourceExhausted(f"cannot write files in sandbox {box.sandbox_id}: {exc.strerror or exc}") from None
+            raise write_error(box.sandbox_id, exc) from None
 
     async def write_files(self, sandbox_id: str, files: dict[str, bytes]) -> None:
         await self._write(self.get(sandbox_id), files)

@@ -14,7 +14,8 @@ Docker backend runs it inside the container as well; errors are ``PathError`` wi
 ``kind`` that callers map to their own error types: ``invalid`` (a bad path: through a
 symlink or a file, too long, a socket or device where a file should be, ...),
 ``not_found``, ``too_large`` (a read past the caller's total budget) or ``changed`` (the
-tree changed under a copy). Any other ``OSError`` (no space left, I/O error) is passed on.
+tree changed under a copy). Any other ``OSError`` (no space left, I/O error) is passed on,
+from a read or write with the workspace path as its ``filename``.
 """
 from __future__ import annotations
 
@@ -51,7 +52,11 @@ def _bad_paths(relative: str) -> Iterator[None]:
     except OSError as exc:
         if exc.errno in _BAD_PATH_ERRNOS:
             raise PathError("invalid", f"bad workspace path {relative!r}: {exc.strerror or exc}") from None
-        raise
+        if exc.errno is None:
+            raise
+        # Any other error (no space left, an I/O error) is passed on naming the workspace
+        # path, not the last component the failing call was given, so callers can report it.
+        raise OSError(exc.errno, exc.strerror, relative) from None
 
 
 def split_relative(relative: str) -> list[str]:

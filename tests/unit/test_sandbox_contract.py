@@ -569,3 +569,57 @@ def test_special_files_are_refused_without_blocking(pair) -> None:  # type: igno
 
     loop.run(both())
     loop.run(_healthy(m, bystander))
+
+
+# ------------------------------------------------------------------ write errors
+
+
+def _fail_writes_with(m: SandboxManager, monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    """Makes every file write of ``m``'s backend fail with ``OSError(code)`` where the file
+    is opened: in this process (process backend) or in the container's copy of
+    workspace_files (Docker backend)."""
+    if m.backend.name == "docker":
+        from services.envsandbox import docker_backend
+
+        patch = f"def _write_in(*_a, **_k):\n    raise OSError({code}, os.strerror({code}))\n"
+        monkeypatch.setattr(docker_backend, "FILES_MAIN", patch + docker_backend.FILES_MAIN)
+    else:
+        from services.envsandbox import workspace_files
+
+        def failing(*_a: object, **_k: object) -> None:
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(workspace_files, "_write_in", failing)
+
+
+def test_write_errors_say_what_happened_and_name_the_file(env: tuple[Loop, SandboxManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full workspace is RESOURCE_EXHAUSTED; a host fault (an I/O error, a read-only file
+    system) is INTERNAL and a host short of descriptors UNAVAILABLE, never 'no space'; a
+    path the sandbox broke is INVALID_ARGUMENT. Every message names the file."""
+    import errno
+
+    from meridian.errors import MeridianError, Unavailable
+
+    loop, m = env
+
+    async def main() -> None:
+        box = await m.create()
+        sid = box.sandbox_id
+        try:
+            with pytest.raises(ResourceExhausted, match="big/file.bin"):
+                await m.write_files(sid, {"small.txt": b"s", "big/file.bin": b"x" * (40 << 20)})
+            await m.backend.remove(sid, "big")
+            cases = [(errno.EIO, MeridianError, "INTERNAL"), (errno.EROFS, MeridianError, "INTERNAL"),
+                     (errno.EMFILE, Unavailable, "UNAVAILABLE"), (errno.ENOTDIR, InvalidArgument, "INVALID_ARGUMENT")]
+            for code, kind, status in cases:
+                with monkeypatch.context() as patch:
+                    _fail_writes_with(m, patch, code)
+                    with pytest.raises(kind, match="d/e.txt") as caught:
+                        await m.write_files(sid, {"d/e.txt": b"e"})
+                assert caught.value.status == status, (errno.errorcode[code], caught.value)
+            await m.write_files(sid, {"d/e.txt": b"e"})
+            assert await m.read_files(sid, ["d/e.txt", "small.txt"]) == {"d/e.txt": b"e", "small.txt": b"s"}
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
