@@ -256,6 +256,7 @@ class _PendingVersion:
     changes: Changes = dataclasses.field(default_factory=dict)  # of the tensors decoded from rank-encoded parts
     items: list[parts.HashItem] = dataclasses.field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
+    storing: bool = False  # its store step started: its outcome is that step's (see _begin_store)
     result: asyncio.Future[tuple[Encoded, bool]] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def __post_init__(self) -> None:
@@ -627,6 +628,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             # The version holds the part's tensors now, until it is stored or aborted.
             receiving.hold_until(pending.result)
             if pending.complete:
+                self._begin_store(pending)
                 await self._to_completion(self._store_parts(pending))
             return await asyncio.shield(pending.result)
         finally:
@@ -768,7 +770,11 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         return pending
 
     def _abort(self, pending: _PendingVersion, error: MeridianError) -> None:
-        """Ends a pending version with ``error`` for every part still waiting on it."""
+        """Ends a pending version with ``error`` for every part still waiting on it, unless
+        its store step started: that step cannot be taken back, and sets the outcome."""
+        if pending.storing:
+            log.warning("%s; ignored: the version's store step has started", error)
+            return
         if self._pending is pending:
             self._pending = None
         if pending.timer is not None:
@@ -778,6 +784,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             pending.result.set_exception(error)
 
     def _expire(self, pending: _PendingVersion) -> None:
+        if self._pending is not pending:
+            return  # a callback already queued when the version was stored or aborted
         missing = sorted(set(range(pending.count)) - set(pending.done))
         self._abort(pending, DeadlineExceeded(
             f"version {pending.version}: parts {missing[:8]} of {pending.count} were not in (received and encoded) within "
@@ -785,15 +793,24 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             "the version is aborted (publish all its parts again)"
         ))
 
-    async def _store_parts(self, pending: _PendingVersion) -> None:
-        """All parts are in: one manifest, checked and stored like a whole-version Publish."""
+    def _begin_store(self, pending: _PendingVersion) -> None:
+        """All parts are in: from here on the version is stored, not expired nor aborted.
+        Done in the same step as the last part's arrival, before the store task first
+        runs: a part timeout falling due in this loop turn has its callback queued
+        already, and would otherwise abort a version whose store step then runs anyway
+        (its parts told DEADLINE_EXCEEDED, the version stored)."""
+        pending.storing = True
         if pending.timer is not None:
-            pending.timer.cancel()
+            pending.timer.cancel()  # a handle the loop queued already is skipped, cancelled
         if self._pending is pending:
             self._pending = None
+        # Until the store step ends, a part of the version that comes again waits for it (see _after_store_of).
+        self._storing[pending.version] = pending.result
+
+    async def _store_parts(self, pending: _PendingVersion) -> None:
+        """One manifest of the parts (see _begin_store), checked and stored like a
+        whole-version Publish."""
         v = pending.version
-        # Until it ends, a part of v that comes again waits for it (see _after_store_of).
-        self._storing[v] = pending.result
         try:
             await self._store_assembled(pending)
         finally:

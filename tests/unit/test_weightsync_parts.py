@@ -9,6 +9,7 @@ import itertools
 import random
 import threading
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -155,6 +156,103 @@ def test_a_missing_part_times_out_and_every_waiting_part_hears_it(tmp_path: Path
             # Nothing of it stayed: the whole version published again goes through.
             await _publish_parts(address, 0, weights, 3, [0, 1, 2], header)
             assert await weightsync.latest_version(address) == 0
+
+    asyncio.run(body())
+
+
+def _record_pendings(service: WeightSyncService) -> list[Any]:
+    """The versions being assembled that parts joined, in order (wraps ``_join_part``)."""
+    joined: list[Any] = []
+    join = service._join_part
+
+    def recording(header: pb.PublishHeader) -> Any:
+        pending = join(header)
+        joined.append(pending)
+        return pending
+
+    service._join_part = recording  # type: ignore[method-assign]
+    return joined
+
+
+async def _until(condition: Any, what: str) -> None:
+    """Waits for ``condition()`` on the loop, failing (not hanging) after 30 s."""
+    for _ in range(1500):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never happened: {what}")
+
+
+def _outcome(results: list[Any]) -> list[str]:
+    return [r.code().name if isinstance(r, grpc.aio.AioRpcError) else f"version {r.version}" for r in results]
+
+
+def test_a_part_timeout_due_as_the_last_part_completes_the_version_does_not_fail_the_stored_version(tmp_path: Path) -> None:
+    """The part timeout falls due in the loop turn in which the last part is in: its
+    callback is already queued behind that part's step (the loop takes every due timer
+    before it runs what is ready). The version is then stored and every part answered
+    with it; before, the timeout aborted the version after its store step was started,
+    the other parts heard DEADLINE_EXCEEDED and the version was stored anyway."""
+    weights = _weights(12)
+
+    async def body() -> None:
+        service = WeightSyncService(_config(tmp_path / "o", part_timeout_s=60.0))
+        joined = _record_pendings(service)
+        loop = asyncio.get_running_loop()
+        to_completion = service._to_completion
+
+        def timeout_due(step: Any, holding: Any = None) -> Any:
+            pending = joined[-1]
+            timer = pending.timer
+            # What the loop does with a timer handle it already queued: runs it unless cancelled.
+            loop.call_soon(lambda: timer.cancelled() or service._expire(pending))
+            return to_completion(step, holding)
+
+        service._to_completion = timeout_due  # type: ignore[method-assign]
+        async with serving(service) as address:
+            header, split = _header(0, weights), _split(weights, 2)
+            first = asyncio.create_task(weightsync.publish_part(address, header, 0, 2, split[0]))
+            await _until(lambda: bool(joined) and 0 in joined[-1].done, "part 0 received and encoded")
+            last = weightsync.publish_part(address, header, 1, 2, split[1])
+            results = await asyncio.wait_for(asyncio.gather(first, last, return_exceptions=True), 30)
+            latest = await _latest(address)
+        assert latest == 0 and _outcome(results) == ["version 0", "version 0"], (
+            f"version stored: {latest == 0}; parts answered {_outcome(results)}"
+        )
+
+    asyncio.run(body())
+
+
+def test_a_version_that_timed_out_while_its_last_part_encoded_is_not_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other side of the race: the timeout comes first (the last part is still being
+    encoded), every part hears DEADLINE_EXCEEDED, and the part that then finishes does
+    not store the version."""
+    from services.weightsync import server
+
+    weights = _weights(13)
+    release = threading.Event()
+    encode = server.encode_tensors
+
+    def held_encode(*args: Any, **kw: Any) -> Any:
+        release.wait(30)
+        return encode(*args, **kw)
+
+    monkeypatch.setattr(server, "encode_tensors", held_encode)
+
+    async def body() -> None:
+        service = WeightSyncService(_config(tmp_path / "o", part_timeout_s=0.3))
+        joined = _record_pendings(service)
+        async with serving(service) as address:
+            header, split = _header(0, weights), _split(weights, 2)
+            calls = asyncio.gather(*(weightsync.publish_part(address, header, i, 2, split[i]) for i in (0, 1)), return_exceptions=True)
+            try:
+                await _until(lambda: len(joined) == 2, "both parts joined")
+                await asyncio.wait_for(asyncio.wait({joined[0].result}), 30)  # the timeout aborted it
+            finally:
+                release.set()
+            results = await asyncio.wait_for(calls, 30)
+            assert _outcome(results) == ["DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED"]
+            assert await _latest(address) == -1
 
     asyncio.run(body())
 
