@@ -22,7 +22,7 @@ from services.weightsync.parts import TensorDigest
 from services.weightsync.ratelimit import TokenBucket
 from services.weightsync.receiver import ChunkChecksumError, Decoder, UndoLog
 from services.weightsync.signing import Signer, Verifier
-from services.weightsync.versions import Encoded
+from services.weightsync.versions import Encoded, EncodedTensors
 from meridian.tensors import PB_DTYPES, RawTensor, Weights, weights_hash
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,13 @@ RETRYABLE = frozenset(
 )
 
 PIECE_BYTES = 2 << 20
+
+#: How long :func:`publish_part` keeps sending a part again that the origin refused as busy
+#: with another version's parts: longer than the origin's default part_timeout_s (120 s),
+#: the longest such a version holds it before it is stored or aborted.
+BUSY_TIMEOUT_S = 150.0
+#: The first and the longest pause between those tries (doubling in between).
+BUSY_PAUSE_S = (0.1, 2.0)
 
 #: Chunks up to this size are checked on the event loop: handing one to a thread costs
 #: more than hashing it (sha256 runs at about 1 GB/s: 64 KiB is ~60 µs).
@@ -138,8 +145,18 @@ def version_header_from_digests(
     )
 
 
+def origin_busy(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether ``exc`` is an origin's refusal of a part while it assembles another
+    version's parts (ABORTED with :data:`parts.BUSY_METADATA`): nothing of the part was
+    taken, and the same call can succeed later."""
+    if exc.code() != grpc.StatusCode.ABORTED:
+        return False
+    return any((key, value) == parts.BUSY_METADATA for key, value in (exc.trailing_metadata() or ()))
+
+
 async def publish_part(
-    address: str, version_header: pb.PublishHeader, index: int, count: int, weights: Weights, encoder: parts.PartEncoder | None = None
+    address: str, version_header: pb.PublishHeader, index: int, count: int, weights: Weights, encoder: parts.PartEncoder | None = None,
+    *, busy_timeout_s: float = BUSY_TIMEOUT_S,
 ) -> pb.PublishResponse:
     """Publishes part ``index`` of ``count`` of a sharded version: this rank's tensors
     under the version fields every part shares. Returns once the origin stored the whole
@@ -148,29 +165,67 @@ async def publish_part(
     With an ``encoder`` (kept by the rank from version to version) the part goes as chunk
     payloads encoded here against the rank's part of the version before, when it holds
     that; when the origin refuses them (FAILED_PRECONDITION: it holds another base or cuts
-    other chunks) the part goes raw at once. Either way the encoder then holds this part."""
+    other chunks) the part goes raw at once. Either way the encoder then holds this part.
+
+    An origin assembling another version's parts refuses the part (ABORTED, marked busy,
+    see :func:`origin_busy`): it is sent again, after pauses growing from 0.1 s to 2 s,
+    for up to ``busy_timeout_s``, after which that refusal is raised. Other errors, and
+    the ABORTED of the part's own version, are raised at once (the caller retries them
+    on the schedule every rank follows)."""
     header = await asyncio.to_thread(parts.part_header, version_header, index, count, weights)
     async with open_channel(address) as channel:
         stub = pb_grpc.WeightSyncStub(channel)
-        if encoder is not None:
-            reply = await _publish_encoded_part(stub, header, weights, encoder)
-            if reply is not None:
-                return reply
-        reply = await stub.Publish(publish_requests(version_header.version, weights, header=header))
-        if encoder is not None:
-            encoder.advance(version_header.version, weights, None)
-        return reply
+        # Encoded once: the payloads depend on the encoder's base and the weights alone.
+        encoded = await _encode_part(stub, weights, encoder) if encoder is not None else None
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + busy_timeout_s
+        pause = BUSY_PAUSE_S[0]
+        while True:
+            try:
+                return await _send_part(stub, header, weights, encoder, encoded)
+            except _RefusedEncoded:
+                encoded = None  # the part goes raw from now on (see _send_part)
+                continue
+            except grpc.aio.AioRpcError as exc:
+                if not origin_busy(exc) or loop.time() + pause > give_up:
+                    raise
+                log.info("version %d part %d: %s; sending it again in %.1f s", header.version, index, exc.details(), pause)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, BUSY_PAUSE_S[1])
 
 
-async def _publish_encoded_part(
-    stub: pb_grpc.WeightSyncStub, header: pb.PublishHeader, weights: Weights, encoder: parts.PartEncoder
-) -> pb.PublishResponse | None:
-    """The part sent encoded; None when it was not (no base held, or refused: send it raw)."""
+class _RefusedEncoded(Exception):
+    """The origin refused a part's encoded chunks (FAILED_PRECONDITION): it goes raw."""
+
+
+async def _send_part(
+    stub: pb_grpc.WeightSyncStub, header: pb.PublishHeader, weights: Weights, encoder: parts.PartEncoder | None, encoded: EncodedTensors | None
+) -> pb.PublishResponse:
+    """One try of a part: as ``encoded`` chunks when given (raises _RefusedEncoded when
+    the origin will not take them), else raw; the encoder then holds the part."""
+    if encoded is not None:
+        assert encoder is not None
+        return await _publish_encoded_part(stub, header, weights, encoder, encoded)
+    reply = await stub.Publish(publish_requests(header.version, weights, header=header))
+    if encoder is not None:
+        encoder.advance(header.version, weights, None)
+    return reply
+
+
+async def _encode_part(stub: pb_grpc.WeightSyncStub, weights: Weights, encoder: parts.PartEncoder) -> EncodedTensors | None:
+    """The part encoded against the encoder's base; None when it cannot be (no base held)."""
     if encoder.base_version >= 0 and encoder.chunk_bytes <= 0:
         encoder.chunk_bytes = int((await stub.Status(pb.WeightSyncStatusRequest())).chunk_bytes)
     if not encoder.can_encode(weights):
         return None
-    encoded = await asyncio.to_thread(encoder.encode, weights)
+    return await asyncio.to_thread(encoder.encode, weights)
+
+
+async def _publish_encoded_part(
+    stub: pb_grpc.WeightSyncStub, header: pb.PublishHeader, weights: Weights, encoder: parts.PartEncoder, encoded: EncodedTensors
+) -> pb.PublishResponse:
+    """The part sent as ``encoded`` chunk payloads; raises _RefusedEncoded when the
+    origin refuses them (it holds another base, cuts other chunks): send it raw."""
     coded = pb.PublishHeader()
     coded.CopyFrom(header)
     coded.part_encoded, coded.part_base_version, coded.part_chunk_bytes = True, encoder.base_version, encoder.chunk_bytes
@@ -178,11 +233,11 @@ async def _publish_encoded_part(
         reply = await stub.Publish(encoded_part_requests(coded, weights, encoded.payloads))
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-            raise  # the encoder keeps its base: a retry sends the part encoded again
+            raise  # the encoder keeps its base: a retry (a busy origin's too) sends the part encoded again
         # Refused as encoded (or for a reason the raw part meets again, and then raises).
         log.warning("version %d part %d goes raw: %s", header.version, header.part_index, exc.details())
         encoder.forget()
-        return None
+        raise _RefusedEncoded(exc.details()) from None
     encoder.advance(header.version, weights, encoded.carried)
     return reply
 

@@ -124,6 +124,13 @@ def part_header(version_header: pb.PublishHeader, index: int, count: int, weight
     return header
 
 
+#: Trailing metadata an origin sends with its ABORTED refusal of a part of one version
+#: while it assembles another's parts (it takes one version's parts at a time): nothing of
+#: the part was taken, and the same call can succeed once that version is stored or
+#: aborted. ``client.publish_part`` sends such a part again; other ABORTED answers (the
+#: part's own version aborted) are for its caller's retries, with the other ranks'.
+BUSY_METADATA = ("meridian-origin-busy", "another-version")
+
 #: The fields of a part header that are the part's own, not the version's.
 PART_FIELDS = ("part_index", "part_count", "part_tensors", "part_hash", "part_encoded", "part_base_version", "part_chunk_bytes")
 

@@ -227,6 +227,11 @@ class _Handlers:
         self.service, self.handlers = service, handlers
 
 
+class _OriginBusy(Aborted):
+    """A part refused because the parts of another version are being assembled: retrying
+    the same call can succeed (sent with :data:`parts.BUSY_METADATA`)."""
+
+
 class _NotTheBase(Exception):
     """A rank-encoded part that does not decode, against the origin's base, to the tensors
     its part hash names: the rank sends it raw (FAILED_PRECONDITION)."""
@@ -463,7 +468,12 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             raise InvalidArgument("the header must come before any tensor piece")
         header = first.header
         if header.part_count > 1:
-            enc, republish = await self._publish_part(header, request_iterator)
+            try:
+                enc, republish = await self._publish_part(header, request_iterator)
+            except _OriginBusy:
+                # Marks the ABORTED answer as "this very call, later" for the publisher's client.
+                context.set_trailing_metadata((parts.BUSY_METADATA,))
+                raise
         else:
             if header.part_index or header.part_tensors or header.part_hash or header.part_encoded:
                 raise InvalidArgument(f"version {header.version}: part fields set on a whole-version Publish (part_count {header.part_count})")
@@ -581,6 +591,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         (or the error that aborted the version)."""
         parts.check_part_header(header)
         await self._after_store_of(header.version)
+        # Before the encoded part's checks: those compare with a base that storing the
+        # other version changes, and a refusal there would send the part raw for nothing.
+        self._refuse_while_assembling_another(header)
         if header.part_encoded:
             self._check_encoded_part(header)
         if self._is_stored_part(header):
@@ -723,12 +736,30 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self.counters["encoded_parts"] += 1
         return decoded.weights, decoded.encoded, items, decoded.changes
 
+    def _refuse_while_assembling_another(self, header: pb.PublishHeader) -> None:
+        """Refuses (ABORTED, marked busy) a part of another version than the one being
+        assembled, unless the store holds its version (such a part is answered from the
+        store): the origin takes one version's parts at a time. Nothing of the part is
+        taken, and the same call can succeed once that version is stored or aborted, at
+        most part_timeout_s after its first part: not FAILED_PRECONDITION, which the
+        publisher takes as final."""
+        pending = self._pending
+        v, i = header.version, header.part_index
+        if pending is None or pending.version == v or v <= self.store.latest:
+            return
+        left = max(0.0, pending.timer.when() - asyncio.get_running_loop().time()) if pending.timer is not None else 0.0
+        raise _OriginBusy(
+            f"version {v} part {i} refused for now: version {pending.version} is being assembled ({len(pending.done)} of {pending.count} parts in, "
+            f"aborted unless complete within {left:.0f} s); the origin takes the parts of one version at a time: send this part again"
+        )
+
     def _join_part(self, header: pb.PublishHeader) -> _PendingVersion:
         """Registers a part's header with the version being assembled (starting one, and its
         timeout, at the first part); refuses a part of another version while one is pending
-        (FAILED_PRECONDITION), a part index seen already unless it is the same part, in
-        already (ALREADY_EXISTS), and a part that disagrees with the others
-        (INVALID_ARGUMENT; the version is aborted)."""
+        (ABORTED, see _refuse_while_assembling_another), a part index seen already unless it
+        is the same part, in already (ALREADY_EXISTS), and a part that disagrees with the
+        others (INVALID_ARGUMENT; the version is aborted)."""
+        self._refuse_while_assembling_another(header)
         v, i, n = header.version, header.part_index, header.part_count
         pending = self._pending
         if pending is None:
@@ -740,11 +771,6 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             )
             pending.timer = asyncio.get_running_loop().call_later(self.config.part_timeout_s, self._expire, pending)
             self._pending = pending
-        elif pending.version != v:
-            raise FailedPrecondition(
-                f"version {v} part {i} refused: version {pending.version} is being assembled ({len(pending.names)} of {pending.count} parts in); "
-                "the origin takes the parts of one version at a time"
-            )
         if i in pending.names:
             same = i in pending.done and header.part_hash == pending.part_hashes[i] and parts.version_fields(header) == pending.fields
             if same:

@@ -278,8 +278,8 @@ def test_duplicate_foreign_and_inconsistent_parts_are_refused(tmp_path: Path) ->
                 await weightsync.publish_part(address, header, 0, 2, changed)
             assert dup.value.code() == grpc.StatusCode.ALREADY_EXISTS and "other contents" in dup.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as foreign:
-                await weightsync.publish_part(address, _header(1, other), 1, 2, _split(other, 2)[1])
-            assert foreign.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "version 0 is being assembled" in foreign.value.details()
+                await weightsync.publish_part(address, _header(1, other), 1, 2, _split(other, 2)[1], busy_timeout_s=0)
+            assert weightsync.origin_busy(foreign.value) and "version 0 is being assembled" in foreign.value.details()
             # The pending version is untouched by either: its second part completes it.
             await weightsync.publish_part(address, header, 1, 2, split[1])
             assert (await first).version == 0 and (await again).version == 0
@@ -312,6 +312,53 @@ def test_duplicate_foreign_and_inconsistent_parts_are_refused(tmp_path: Path) ->
                 await waiting
             assert aborted.value.code() == grpc.StatusCode.ABORTED
             assert await weightsync.latest_version(address) == 0
+
+    asyncio.run(body())
+
+
+def _record_publish_errors(service: WeightSyncService) -> list[Exception]:
+    """The errors the origin's Publish calls ended with, in order (set before ``register``)."""
+    errors: list[Exception] = []
+    publish = service.Publish
+
+    async def recording(request_iterator: Any, context: Any) -> pb.PublishResponse:
+        try:
+            return await publish(request_iterator, context)
+        except Exception as exc:
+            errors.append(exc)
+            raise
+
+    service.Publish = recording  # type: ignore[method-assign]
+    return errors
+
+
+def test_a_part_of_another_version_is_refused_as_busy_and_sent_again_until_the_origin_takes_it(tmp_path: Path) -> None:
+    """While one version's parts are assembled, a part of another is refused with ABORTED
+    marked busy (retrying can succeed; FAILED_PRECONDITION made the trainer give the
+    version up as refused), and publish_part sends it again until the origin takes it."""
+    w0, w1 = _weights(14), _weights(14, 1)
+
+    async def body() -> None:
+        service = WeightSyncService(_config(tmp_path / "o", part_timeout_s=60.0))
+        errors = _record_publish_errors(service)
+        async with serving(service) as address:
+            header0, split0 = _header(0, w0), _split(w0, 2)
+            header1, split1 = _header(1, w1), _split(w1, 2)
+            first = asyncio.create_task(weightsync.publish_part(address, header0, 0, 2, split0[0]))
+            await _until(lambda: service._pending is not None, "version 0 being assembled")
+            # No time to wait: the refusal comes back as it is.
+            with pytest.raises(grpc.aio.AioRpcError) as busy:
+                await weightsync.publish_part(address, header1, 0, 2, split1[0], busy_timeout_s=0)
+            assert busy.value.code() == grpc.StatusCode.ABORTED and weightsync.origin_busy(busy.value), busy.value
+            assert "version 0 is being assembled (" in busy.value.details() and "send this part again" in busy.value.details()
+            # With time to wait, version 1's parts are sent again until version 0 is stored.
+            later = asyncio.gather(*(weightsync.publish_part(address, header1, i, 2, split1[i]) for i in (0, 1)))
+            await _until(lambda: len(errors) >= 3, "both parts of version 1 refused while version 0 is assembled")
+            await weightsync.publish_part(address, header0, 1, 2, split0[1])
+            replies = await asyncio.wait_for(later, 30)
+            assert [r.version for r in replies] == [1, 1] and (await first).version == 0
+            assert await _latest(address) == 1
+            assert all("version 0 is being assembled" in str(e) for e in errors), errors
 
     asyncio.run(body())
 

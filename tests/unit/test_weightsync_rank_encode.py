@@ -24,7 +24,7 @@ from services.weightsync.server import WeightSyncService
 from services.weightsync.versions import Carried, Spare, decode_tensors, encode_tensors
 from tests.conftest import serving
 from tests.unit.test_weightsync_index_carry import CHUNK_BYTES, _versions
-from tests.unit.test_weightsync_parts import _config, _header, _split, _store_files
+from tests.unit.test_weightsync_parts import _config, _header, _record_publish_errors, _split, _store_files, _until
 
 Weights = dict[str, RawTensor]
 
@@ -151,6 +151,42 @@ def test_a_part_coded_on_another_base_is_refused_alone_and_sent_raw(tmp_path: Pa
 
     asyncio.run(body())
     assert _store_files(tmp_path / "single") == _store_files(tmp_path / "parted")
+
+
+def test_an_encoded_part_refused_as_busy_keeps_its_base_and_goes_encoded_when_taken(tmp_path: Path) -> None:
+    """A busy origin (another version's parts being assembled: here a lagging rank's
+    retry of a version the trainer gave up) is not a refusal of the encoding: the part
+    waits and goes encoded, the rank keeping its base (before, the busy answer was
+    FAILED_PRECONDITION: the rank dropped its base, sent the part raw and was refused again)."""
+    versions = _versions(3, seed=5)
+
+    async def body() -> None:
+        service = WeightSyncService(_config(tmp_path / "o", part_timeout_s=60.0))
+        errors = _record_publish_errors(service)
+        encoders = [parts.PartEncoder() for _ in range(2)]
+        async with serving(service) as address:
+            await _publish_encoded(address, 0, versions[0], encoders)
+            stale = asyncio.create_task(weightsync.publish_part(address, _header(1, versions[1]), 1, 2, _split(versions[1], 2)[1]))
+            await _until(lambda: service._pending is not None, "the lagging rank's version 1 being assembled")
+            header2, split2 = _header(2, versions[2]), _split(versions[2], 2)
+            rank0 = asyncio.create_task(weightsync.publish_part(address, header2, 0, 2, split2[0], encoders[0]))
+            await _until(lambda: bool(errors), "rank 0's part refused while version 1 is assembled")
+            assert "version 1 is being assembled" in str(errors[0]) and encoders[0].base_version == 0
+            # Version 1 ends (a part with other version fields aborts it): rank 0's part gets in.
+            other = _header(1, versions[2])
+            with pytest.raises(grpc.aio.AioRpcError) as odd:
+                await weightsync.publish_part(address, other, 0, 2, _split(versions[2], 2)[0], busy_timeout_s=0)
+            assert odd.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await stale
+            assert gone.value.code() == grpc.StatusCode.ABORTED and not weightsync.origin_busy(gone.value)
+            rank1 = await weightsync.publish_part(address, header2, 1, 2, split2[1], encoders[1])
+            assert rank1 == await asyncio.wait_for(rank0, 30) and rank1.version == 2
+            assert [e.last_encoded for e in encoders] == [True, True] and [e.base_version for e in encoders] == [2, 2]
+            status = await _status(address)
+            assert (status.latest_version, status.encoded_parts, status.encoded_parts_refused) == (2, 2, 0)
+
+    asyncio.run(body())
 
 
 async def _send(address: str, requests: list[pb.PublishRequest]) -> pb.PublishResponse:
