@@ -5,17 +5,20 @@
 Rank 0 is the ordinary trainer service (consumer group, checkpoints, weightsync,
 ``Status`` over gRPC); it broadcasts every batch of complete groups to the other
 ranks, and each rank trains on its shard of the trajectories (gloo on CPU, NCCL on
-GPU). ``--data-parallel ddp`` (the default): DistributedDataParallel all-reduces the
-gradients, every rank holds the same weights, and rank 0 alone checkpoints and
-publishes. ``--data-parallel fsdp``: FSDP2 shards parameters, gradients and optimiser
-state, so reading the training state is a gather every rank joins: rank 0 broadcasts
-those reads as commands too. Each version is published in parts, one per rank, and no
-rank gathers the whole model for it: rank 0 broadcasts a ``publish`` command (version,
-trace context, metrics); every rank gathers the tensors it owns and joins the canary's
-forward pass through the sharded model and the signing of the version header
-(:func:`services.trainer.shard_publish.prepare_part`, collectives, so done right there, in
-order with the steps); then each rank sends its part in the background while the next
-step runs (rank 0 in the Committer's publish task, the others in a
+GPU). A step that fails on any rank is abandoned by every rank alike
+(:class:`~services.trainer.learner_protocol.StepFailed`, see
+:meth:`services.trainer.learner.Learner.step`): rank 0's loop retries or dead-letters
+its batch, and the other ranks follow it into the next command. ``--data-parallel ddp``
+(the default): every rank holds a full replica, the gradients are all-reduced after the
+backward pass, and rank 0 alone checkpoints and publishes. ``--data-parallel fsdp``:
+FSDP2 shards parameters, gradients and optimiser state, so reading the training state is
+a gather every rank joins: rank 0 broadcasts those reads as commands too. Each version
+is published in parts, one per rank, and no rank gathers the whole model for it: rank 0
+broadcasts a ``publish`` command (version, trace context, metrics); every rank gathers the
+tensors it owns and joins the canary's forward pass through the sharded model and the
+signing of the version header (:func:`services.trainer.shard_publish.prepare_part`,
+collectives, so done right there, in order with the steps); then each rank sends its part
+in the background while the next step runs (rank 0 in the Committer's publish task, the others in a
 :class:`~services.trainer.shard_publish.PartSender` thread), and the origin assembles one
 version (``--part-log DIR``: each rank appends a line per part it sent). ``--replay FILE
 --out DIR`` runs saved batches instead of the stream (tests and benchmarks use it).
@@ -29,6 +32,7 @@ import argparse
 import copy
 import datetime
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -39,12 +43,14 @@ from meridian.config import add_config_args, config_from_args
 from meridian.tensors import RawTensor
 from meridian.v1 import common_pb2, weightsync_pb2
 from services.trainer.config import TrainerConfig
-from services.trainer.learner_protocol import StepResult
+from services.trainer.learner_protocol import StepFailed, StepResult
 
 if TYPE_CHECKING:  # torch is imported only by the ranks that train
     from services.trainer.learner import Learner
     from services.trainer.shard_publish import PartSender, PreparedPart
     from services.weightsync.signing import Signer
+
+log = logging.getLogger(__name__)
 
 
 def _init() -> tuple[int, int, str]:
@@ -171,7 +177,7 @@ def follow(learner: Any, sender: PartSender | None = None, part_log: Path | None
         if command == "publish":
             _prepare_and_send(learner, payload, sender, part_log)
         elif command == "step":
-            learner.step(_parse(payload))
+            _follow_step(learner, payload)
         elif command == "load_state":
             learner.load_state(payload)
         elif command == "load_policy_weights":
@@ -180,6 +186,16 @@ def follow(learner: Any, sender: PartSender | None = None, part_log: Path | None
             getattr(learner, command)()
         else:
             raise RuntimeError(f"unknown command from rank 0: {command!r}")
+
+
+def _follow_step(learner: Any, payload: list[list[bytes]]) -> None:
+    """A follower's share of rank 0's step. A step every rank abandoned (StepFailed: it
+    failed on some rank, this one's learner is unchanged) is rank 0's loop's to retry or
+    dead-letter: this rank waits for its next command, as rank 0 does."""
+    try:
+        learner.step(_parse(payload))
+    except StepFailed as exc:
+        log.warning("rank %d: %s; waiting for rank 0's next command", learner.rank, exc, exc_info=exc)
 
 
 def _prepare_and_send(learner: Any, payload: tuple[int, dict[str, str], dict[str, float], bool], sender: PartSender | None, part_log: Path | None) -> None:

@@ -4,11 +4,16 @@ version, and the full training state for checkpoints.
 
 Under ``torch.distributed`` (see ``services.trainer.distributed``) every rank holds the
 same batch, takes its shard of the trajectories, and the gradients are averaged over
-the ranks, either by DistributedDataParallel (every rank a full replica) or by FSDP2
-(``fully_shard``: each rank keeps a shard of the parameters, gradients and optimiser
-state, and gathers one decoder layer at a time). The loss of each shard is normalised
-by the whole batch's token count, so the result equals the single-process step up to
-floating-point summation order.
+the ranks, either replicated (every rank a full replica; the gradients are all-reduced
+after the backward pass) or by FSDP2 (``fully_shard``: each rank keeps a shard of the
+parameters, gradients and optimiser state, and gathers one decoder layer at a time). The
+loss of each shard is normalised by the whole batch's token count, so the result equals
+the single-process step up to floating-point summation order.
+
+A step that fails on one rank fails on all of them alike (:class:`StepFailed`): the ranks
+agree on whether each phase of the step succeeded everywhere before any of them enters
+the next phase's collectives (see :meth:`Learner.step`), so none is left waiting in a
+collective the others never join, and none updates its weights when another did not.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -34,12 +39,17 @@ from meridian.v1 import common_pb2
 from meridian.v1 import weightsync_pb2
 from services.trainer.batch import Batch, build_batch, policy_lag, token_logprobs
 from services.trainer.config import TrainerConfig, cpu_set
-from services.trainer.learner_protocol import PASS_REWARD, StepResult
+from services.trainer.learner_protocol import PASS_REWARD, StepFailed, StepResult
 from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal, staleness_weight
 from services.trainer.packing import PackedLayout, pack, packed_logprobs, plan_packs
 from meridian.tensors import RawTensor, from_torch, to_torch
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Bytes of gradients a replicated learner all-reduces in one call (DistributedDataParallel's default bucket).
+GRADIENT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +139,7 @@ def prepare_groups(groups: list[list[common_pb2.Trajectory]], version: int, conf
 
 def _shard(batch: Batch, rank: int, world: int) -> Batch:
     """Rows ``rank::world`` of the batch (a rank with no rows keeps row 0 at weight 0,
-    so it still runs the backward pass DistributedDataParallel waits for)."""
+    so it still runs the forward and backward passes whose collectives FSDP's other ranks wait in)."""
     rows = torch.arange(rank, batch.input_ids.shape[0], world)
     empty = rows.numel() == 0
     if empty:
@@ -181,6 +191,24 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _buckets(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
+    """``tensors`` in order, in runs of one dtype (so each flattens into one tensor) of at
+    least ``limit`` bytes, but where the dtype changes and for the last run."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        if bucket and t.dtype != bucket[0].dtype:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel() * t.element_size()
+        if size >= limit:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
 class Learner:
     """Owns the model and optimizer; knows nothing of Redis or gRPC.
 
@@ -208,7 +236,6 @@ class Learner:
         self.limits = ModelLimits.of(self.module)
         self.rank, self.world = 0, 1
         self.sharded = False
-        self.model: torch.nn.Module = self.module
         self._twin: torch.nn.Module | None = None  # the sharded canary's bf16 twin (see shard_canary)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -245,9 +272,12 @@ class Learner:
             fully_shard(self.module)
             self.sharded = True
             return
-        from torch.nn.parallel import DistributedDataParallel
-
-        self.model = DistributedDataParallel(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        # Replicated: every rank starts from rank 0's weights (as DistributedDataParallel
+        # would) and sums the gradients itself after the backward pass (_reduce_gradients),
+        # not in it as DDP does: a rank whose forward or backward pass fails then leaves no
+        # other rank waiting in a gradient reduction (see step).
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            torch.distributed.broadcast(t.data, src=0)
 
     # ------------------------------------------------------------ weights
 
@@ -464,7 +494,7 @@ class Learner:
 
     def _loss(self, part: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         layout = pack(part.input_ids, part.attention_mask, part.target_mask) if self.config.pack_prefix else None
-        logprobs = self._logprobs(self.model, part, layout)
+        logprobs = self._logprobs(self.module, part, layout)
         ref = None
         if self.reference is not None:
             with torch.no_grad():
@@ -484,10 +514,10 @@ class Learner:
         loss_sum, tokens = 0.0, 0.0
         weighted: collections.Counter[str] = collections.Counter()
         for i, part in enumerate(parts):
-            with self._gradient_sync(i == len(parts) - 1):
-                loss, stats = self._loss(part)
-                # Ranks average their gradients; scale so they add up to the full batch's.
-                (loss * self.world).backward()
+            self._gradient_sync(i == len(parts) - 1)
+            loss, stats = self._loss(part)
+            # Ranks average their gradients; scale so they add up to the full batch's.
+            (loss * self.world).backward()
             loss_sum += float(loss.detach())
             tokens += stats["tokens"]
             for key, value in stats.items():
@@ -496,14 +526,63 @@ class Learner:
         merged["tokens"] = tokens
         return loss_sum, merged
 
-    def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """Gradients are reduced over the ranks once, in the last micro-batch's backward."""
+    def _gradient_sync(self, last: bool) -> None:
+        """FSDP reduces the gradients over the ranks once, in the last micro-batch's
+        backward (replicated ranks reduce theirs after the backward passes: _reduce_gradients)."""
         if self.sharded:
             self.module.set_requires_gradient_sync(last)  # type: ignore[operator]
-            return contextlib.nullcontext()
-        if self.world == 1 or last:
-            return contextlib.nullcontext()
-        return self.model.no_sync()  # type: ignore[operator]
+
+    def _reduce_gradients(self) -> None:
+        """Averages the replicas' gradients over the ranks, a bucket at a time (as
+        DistributedDataParallel does: each divided by the ranks, then summed). A parameter
+        without a gradient on this rank counts as a zero one, so every rank reduces the
+        same tensors in the same order."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = []
+        for p in self.module.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        for bucket in _buckets(grads, GRADIENT_BUCKET_BYTES):
+            flat = _flatten_dense_tensors(bucket).div_(self.world)
+            torch.distributed.all_reduce(flat)
+            for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(reduced)
+
+    def _agreed(self, work: Callable[[], T], what: str) -> T:
+        """``work()`` on this rank; with several ranks, then an agreement on whether it
+        succeeded on every one: if it failed on any, every rank raises :class:`StepFailed`
+        (naming each failed rank's error), so all of them leave the step at the same point
+        and none is left waiting in a collective the others never join. One process:
+        ``work``'s own exception. ``work`` must not change the learner's state."""
+        if self.world == 1:
+            return work()
+        result: T | None = None
+        error: Exception | None = None
+        try:
+            result = work()
+        except Exception as exc:  # any failure of this rank's share: the others must hear of it
+            error = exc
+        failures = self._rank_failures(error)
+        if failures:
+            raise StepFailed(
+                f"the step failed {what} on {'; '.join(failures)}; every rank abandoned it, the weights are unchanged"
+            ) from error
+        return result  # type: ignore[return-value]
+
+    def _rank_failures(self, error: Exception | None) -> list[str]:
+        """Every rank's ``error`` ('rank N (Type: message)' per failed rank; [] when none
+        failed). A collective: one small all-reduce, and a gather of the errors only when
+        some rank failed."""
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(failed)
+        if not int(failed.item()):
+            return []
+        errors: list[str | None] = [None] * self.world
+        torch.distributed.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        return [f"rank {rank} ({text})" for rank, text in enumerate(errors) if text is not None]
 
     def _clip_gradients(self) -> float:
         """Clips to ``max_grad_norm`` (0: off); returns the norm over the whole model."""
@@ -526,30 +605,28 @@ class Learner:
         optimizer and the schedule stay as they were and the result says why
         (``stepped=False``, ``skipped``). Whatever raises does so before the update: a
         failed step leaves the learner as it found it, and the caller may retry it.
+
+        Under ``torch.distributed`` every rank calls this with the same groups. The ranks
+        agree after building the batch and after the forward and backward passes whether
+        that phase succeeded on all of them; if not, every rank raises :class:`StepFailed`
+        there. Replicated ranks run both phases without a collective, so any failure of
+        one rank is one every rank takes alike. Under FSDP the forward and backward passes
+        are collectives themselves: a failure there that is not every rank's (the same
+        error at the same point) still leaves the other ranks waiting in one.
         """
         start = time.perf_counter()
-        prepared = prepare_groups(groups, self.version, self.config)
-        rewards = [t.reward for g in groups for t in g]
-        common = {
-            "dropped_stale": prepared.dropped_stale,
-            "downweighted_stale": prepared.downweighted_stale,
-            "dropped_groups": prepared.dropped_groups,
-            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-            "pass_rate": sum(1 for r in rewards if r >= PASS_REWARD) / len(rewards) if rewards else 0.0,
-            "lag_mean": sum(prepared.lags) / len(prepared.lags) if prepared.lags else 0.0,
-            "lag_max": max(prepared.lags, default=0),
-            "lr": float(self.scheduler.get_last_lr()[0]),
-        }
-        if not prepared.groups:
+        prepared, common, batch = self._agreed(lambda: self._prepare(groups), "while building the batch")
+        if batch is None:
             return StepResult(self.step_count, 0.0, trajectories=0, groups=0, grad_norm=0.0, seconds=time.perf_counter() - start, stats={}, stepped=False, **common)
-        batch = build_batch(prepared.groups, self.pad_id, self.loss_config, prepared.weights)
         self.optimizer.zero_grad(set_to_none=True)
-        local_loss, stats = self.backward(batch)
+        local_loss, stats = self._agreed(lambda: self.backward(batch), "in the forward and backward passes")
+        if self.world > 1 and not self.sharded:
+            self._reduce_gradients()
         grad_norm = self._clip_gradients()
         # The whole batch's loss, summed over the ranks before the update: nothing that can
         # raise (a collective) comes after optimizer.step, and every rank takes the same
         # decision below (the gradient norm is already the whole model's).
-        reported = torch.tensor(local_loss, dtype=torch.float64)  # this shard's part of the whole batch's loss
+        reported = torch.tensor(local_loss, dtype=torch.float64, device=self.device)  # this shard's part of the whole batch's loss
         if self.world > 1:
             torch.distributed.all_reduce(reported)
         loss = float(reported)
@@ -575,3 +652,23 @@ class Learner:
             stats=stats,
             **common,
         )
+
+    def _prepare(self, groups: list[list[common_pb2.Trajectory]]) -> tuple[Prepared, dict[str, Any], Batch | None]:
+        """What a step trains on: the groups left after the staleness and equal-reward
+        rules, the step's figures, and their batch (None: nothing left to learn). Local to
+        this rank, and changes nothing."""
+        prepared = prepare_groups(groups, self.version, self.config)
+        rewards = [t.reward for g in groups for t in g]
+        common = {
+            "dropped_stale": prepared.dropped_stale,
+            "downweighted_stale": prepared.downweighted_stale,
+            "dropped_groups": prepared.dropped_groups,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "pass_rate": sum(1 for r in rewards if r >= PASS_REWARD) / len(rewards) if rewards else 0.0,
+            "lag_mean": sum(prepared.lags) / len(prepared.lags) if prepared.lags else 0.0,
+            "lag_max": max(prepared.lags, default=0),
+            "lr": float(self.scheduler.get_last_lr()[0]),
+        }
+        if not prepared.groups:
+            return prepared, common, None
+        return prepared, common, build_batch(prepared.groups, self.pad_id, self.loss_config, prepared.weights)

@@ -14,6 +14,13 @@ from meridian.v1 import common_pb2, weightsync_pb2
 PASS_REWARD = 1.0  # a trajectory passes when its reward reaches this (every test passed)
 
 
+class StepFailed(RuntimeError):
+    """A step abandoned by every rank of a distributed learner because it failed on one or
+    more of them (the message names each rank's error). Every rank raises it at the same
+    point, before any update, so the learners stay equal and in step: rank 0's loop retries
+    or dead-letters the batch as for any failed step, and the other ranks go on following."""
+
+
 @dataclasses.dataclass
 class StepResult:
     """What one call of :meth:`PolicyLearner.step` did."""
@@ -53,7 +60,8 @@ class PolicyLearner(Protocol):
     def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
         """One optimizer step on complete groups (no step when nothing is left to learn).
         When it raises, the learner's state (weights, optimizer, step and version) is as it
-        was before the call: the loop retries the batch."""
+        was before the call: the loop retries the batch (a distributed learner raises
+        :class:`StepFailed` on every rank when the step failed on any)."""
         ...
 
     def check_group(self, trajectories: Sequence[common_pb2.Trajectory]) -> str:

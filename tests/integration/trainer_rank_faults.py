@@ -1,0 +1,165 @@
+"""One rank of a two-rank trainer (gloo) whose steps fail or are skipped, run once per rank
+by tests/integration/test_trainer_distributed.py:
+
+    python -m tests.integration.trainer_rank_faults --rank R --world 2 --port P --model DIR --out DIR ...
+
+Rank 0 runs the real training loop (in-memory stream, the loop's retries and dead
+letters, no checkpoints or publishing) on a :class:`BroadcastLearner`; the other ranks
+follow it. Four batches of two groups go through, in this order:
+
+- ``flaky``: rank 0 alone fails its first try (``--flaky-at prepare``: building the batch,
+  before any collective; ``forward``: in its first forward pass, while the other ranks
+  run theirs), then the retry trains;
+- ``poison``: building the batch raises on every rank, every time: dead-lettered after
+  the loop's tries;
+- ``nonfinite``: behaviour log-probs of -3e38, so the loss is inf: the step is skipped;
+- ``good``: rank 1 alone fails its first try (at the same point), then the retry trains.
+
+Each rank writes ``rank-R.json``: its master-weight hash before and after, its step count
+and version, and on rank 0 what the loop saw (dead letters, counters, reported steps).
+Collectives time out after ``--collective-timeout-s``: a rank left waiting for one fails
+instead of hanging."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from meridian.trajectory_transport import MemoryStreams
+from meridian.v1 import common_pb2
+from services.trainer import learner as learner_mod
+from services.trainer import loop as loop_mod
+from services.trainer.config import TrainerConfig
+from services.trainer.distributed import BroadcastLearner, follow
+
+KINDS = ("flaky", "poison", "nonfinite", "good")
+SETTINGS = {"lr": 1e-3, "groups_per_step": 2, "threads": 1, "max_policy_lag": 8, "micro_batch": 2, "tis_cap": 0.0}
+
+
+def _groups(model: Path) -> list[list[common_pb2.Trajectory]]:
+    """Two groups of each kind, in KINDS order, named ``<kind>-<n>``."""
+    from benchmarks.support.synthetic import fixed_groups
+
+    groups = fixed_groups(model, 2 * len(KINDS), group_size=3, seed=3)
+    for i, group in enumerate(groups):
+        kind = KINDS[i // 2]
+        for traj in group:
+            traj.group_id = f"{kind}-{i % 2}"
+            traj.trajectory_id = f"{traj.group_id}-{traj.trajectory_id}"
+            if kind == "nonfinite":
+                # Coupled objective (tis_cap 0): the ratio exp(logp + 3e38) is inf, so is the loss.
+                traj.logprobs[:] = [-3e38] * len(traj.logprobs)
+    return groups
+
+
+class Faults:
+    """Patches the learner module so that building a batch with a ``poison`` group raises
+    on every rank, and the first try of the ``flaky`` batch on rank 0, of the ``good`` one
+    on rank 1, raises at ``flaky_at``."""
+
+    #: The batch whose first try fails on that rank alone.
+    FLAKY = {0: "flaky", 1: "good"}
+
+    def __init__(self, rank: int, flaky_at: str) -> None:
+        self.rank = rank
+        self.flaky_at = flaky_at
+        self.flaky_failed = False
+        self.current: set[str] = set()  # the kinds of the groups in the step being built
+
+    def install(self, learner: Any) -> None:
+        real_build, real_loss = learner_mod.build_batch, learner._loss
+
+        def build_batch(groups: list[list[common_pb2.Trajectory]], *args: Any, **kwargs: Any) -> Any:
+            self.current = {g[0].group_id.split("-")[0] for g in groups}
+            if "poison" in self.current:
+                raise ValueError(f"rank {self.rank}: a poisoned batch (raises on every rank, every time)")
+            if self.flaky_at == "prepare":
+                self._flaky()
+            return real_build(groups, *args, **kwargs)
+
+        def loss(part: Any) -> Any:
+            if self.flaky_at == "forward":
+                self._flaky()
+            return real_loss(part)
+
+        learner_mod.build_batch = build_batch
+        learner._loss = loss
+
+    def _flaky(self) -> None:
+        if self.FLAKY.get(self.rank) in self.current and not self.flaky_failed:
+            self.flaky_failed = True
+            raise RuntimeError(f"a transient fault in rank {self.rank}'s step ({self.flaky_at})")
+
+
+async def _lead(learner: Any, model: Path) -> dict[str, Any]:
+    """Rank 0: the training loop over the four batches until each has been trained,
+    skipped or dead-lettered; then the followers are told to stop."""
+    from tests.unit.test_trainer_loop import build, dead_letters, run_until
+
+    loop_mod.READ_BLOCK_MS = 5
+    loop_mod.STEP_RETRY_S = 0.0
+    lead = BroadcastLearner(learner)
+    tries: list[str] = []  # the kind of batch of each step the loop asked for, in order
+    step = lead.step
+
+    def counted(groups: list[list[common_pb2.Trajectory]]) -> Any:
+        tries.append(groups[0][0].group_id.split("-")[0])
+        return step(groups)
+
+    lead.step = counted  # type: ignore[method-assign]
+    streams = MemoryStreams()
+    loop = build(streams, lead, groups_per_step=2)  # type: ignore[arg-type]
+    try:
+        await loop.consumer.start()
+        for group in _groups(model):
+            await loop.consumer.transport.publish_group(group)
+        # Settled: every batch either reported a step (trained or skipped) or was dead-lettered.
+        await run_until(loop, lambda: len(loop.recent_steps()) + len(dead_letters(streams)) // 2 >= len(KINDS), within=600)
+    finally:
+        lead.close()
+    return {
+        "tries": tries,
+        "dead_lettered": sorted(dead_letters(streams)),
+        "counters": dict(loop.progress.counters),
+        "steps": [{"step": m.step, "stepped": m.stepped, "loss": m.loss, "trajectories": m.trajectories} for m in loop.recent_steps()],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for flag in ("--rank", "--world", "--port", "--collective-timeout-s"):
+        parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--data-parallel", choices=("ddp", "fsdp"), required=True)
+    parser.add_argument("--flaky-at", choices=("prepare", "forward"), required=True)
+    ns = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format=f"rank {ns.rank} %(levelname)s %(name)s: %(message)s")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{ns.port}", rank=ns.rank, world_size=ns.world,
+        timeout=datetime.timedelta(seconds=ns.collective_timeout_s),
+    )
+    try:
+        learner = learner_mod.Learner(ns.model, TrainerConfig(model=str(ns.model), data_parallel=ns.data_parallel, **SETTINGS))  # type: ignore[arg-type]
+        Faults(ns.rank, ns.flaky_at).install(learner)
+        summary: dict[str, Any] = {"initial_hash": learner.master_hash()}
+        if ns.rank == 0:
+            summary.update(asyncio.run(_lead(learner, ns.model)))
+        else:
+            follow(learner)
+        summary.update(master_hash=learner.master_hash(), step_count=learner.step_count, version=learner.version)
+        ns.out.mkdir(parents=True, exist_ok=True)
+        (ns.out / f"rank-{ns.rank}.json").write_text(json.dumps(summary))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
