@@ -75,14 +75,25 @@ def observation_template(engine: PolicyEngine) -> str:
 
 
 def observation_ids(engine: PolicyEngine, template: str, text: str, model_ended_turn: bool) -> list[int]:
-    """Tokens that close the model's turn, carry the tool output and open its next turn."""
+    """Tokens that close the model's turn, carry the tool output and open its next turn.
+
+    The output is what code in the sandbox printed, so it is tokenized as plain text: a
+    ``<|im_end|>`` it prints stays those characters. Tokenized with the template, it became
+    the real end-of-turn token, and the output could close its own turn and open forged
+    ones (an assistant's, a system's) in the policy's context."""
     tok = engine.tokenizer
     assert tok is not None
-    wrapped = template.replace("{observation}", text)
+    before, _, after = template.partition("{observation}")
     eos = tok.eos_token or ""
-    if model_ended_turn and eos and wrapped.startswith(eos):
-        wrapped = wrapped[len(eos) :]  # the model already closed its turn with the end token
-    return list(tok(wrapped, add_special_tokens=False)["input_ids"])
+    if model_ended_turn and eos and before.startswith(eos):
+        before = before[len(eos) :]  # the model already closed its turn with the end token
+    output = tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
+    return [*_template_ids(tok, before), *output, *_template_ids(tok, after)]
+
+
+def _template_ids(tok: Any, text: str) -> list[int]:
+    """The chat template's own text, whose special tokens are meant."""
+    return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
 async def _model_turn(engine: PolicyEngine, ids: list[int], sampling: Sampling) -> tuple[list[int], list[float], list[int], str, str]:
