@@ -38,17 +38,28 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def step_metrics(result: StepResult, version: int) -> pb.StepMetrics:
-    """The learner's step as reported over gRPC (publish figures are filled in at commit)."""
+def step_metrics(result: StepResult, version: int, last_trained: tuple[float, float] = (0.0, 0.0)) -> pb.StepMetrics:
+    """The learner's step as reported over gRPC (publish figures are filled in at commit).
+
+    A step skipped for a non-finite loss or gradient norm reports none of its non-finite
+    figures (the loss gauge, meridian_trainer_loss, reads the last step's loss, and any
+    average over the steps would turn NaN): it reports as a step that trained nothing
+    (``stepped`` false, no trajectories, no importance-weight or KL figures) with the loss
+    and gradient norm of ``last_trained`` (the last step that trained: (loss, grad_norm)),
+    so the last loss stays the last finite one. The loop counts the skip
+    (``skipped_steps``) and logs its values."""
+    loss, grad_norm, stats = result.loss, result.grad_norm, result.stats
+    if result.skipped:
+        (loss, grad_norm), stats = last_trained, {}
     return pb.StepMetrics(
         step=result.step,
         policy_version=version,
-        loss=result.loss,
+        loss=loss,
         reward_mean=result.reward_mean,
         trajectories=result.trajectories,
         groups=result.groups,
         step_seconds=result.seconds,
-        grad_norm=result.grad_norm,
+        grad_norm=grad_norm,
         dropped_stale=result.dropped_stale,
         downweighted_stale=result.downweighted_stale,
         dropped_groups=result.dropped_groups,
@@ -57,8 +68,8 @@ def step_metrics(result: StepResult, version: int) -> pb.StepMetrics:
         policy_lag_max=result.lag_max,
         lr=result.lr,
         stepped=result.stepped,
-        tis_weight_mean=result.stats.get("is_weight_mean", 0.0),
-        kl=result.stats.get("kl", 0.0),
+        tis_weight_mean=stats.get("is_weight_mean", 0.0),
+        kl=stats.get("kl", 0.0),
         peak_rss_mb=peak_rss_mb(),
     )
 
@@ -79,6 +90,8 @@ class TrainingLoop:
         self._uncommitted: list[pb.StepMetrics] = []
         # The group ids of the batch whose step last raised, and how many times in a row.
         self._failing: tuple[tuple[str, ...], int] = ((), 0)
+        # (loss, grad_norm) of the last step that trained: what a skipped step reports (see step_metrics).
+        self._last_trained: tuple[float, float] = (0.0, 0.0)
 
     def recent_steps(self) -> list[pb.StepMetrics]:
         return [*self._committed, *self._uncommitted]
@@ -154,7 +167,9 @@ class TrainingLoop:
             counters["dropped_stale"] += result.dropped_stale
             counters["downweighted_stale"] += result.downweighted_stale
             counters["dropped_groups"] += result.dropped_groups
-            metrics = step_metrics(result, self.learner.version)
+            metrics = step_metrics(result, self.learner.version, self._last_trained)
+            if result.stepped:
+                self._last_trained = (result.loss, result.grad_norm)
             metrics.trajectories_by_region.update(collections.Counter(t.region or "unnamed" for g in trajs for t in g))
             self._uncommitted.append(metrics)
             if result.stepped and self.learner.step_count % self.publish_every == 0:

@@ -1,7 +1,8 @@
 """The training loop's handling of groups it cannot train on, on the in-memory transport
 with stand-in learners (no torch): groups the learner's check refuses are dead-lettered
 on arrival, a step that raises is retried and then its batch dead-lettered (not retried
-for ever, nor its groups forgotten), and a step that trained nothing acks its groups.
+for ever, nor its groups forgotten), a step that trained nothing acks its groups, and a
+step skipped for a non-finite loss reports no NaN in Status (nor in the metrics read from it).
 The same cases with the real learner on the tiny model: tests/unit/test_trainer_learner.py."""
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ class StandInLearner:
             raise exc
         n = sum(len(g) for g in groups)
         if self.skip:
-            return StepResult(self.step_count, float("nan"), 0.0, 0, 0, float("nan"), 0.0, 0, {}, stepped=False, skipped=self.skip)
+            # As the real learner's: the non-finite figures, and the stats of the forward pass that gave them.
+            stats = {"is_weight_mean": float("inf"), "kl": float("nan")}
+            return StepResult(self.step_count, float("nan"), 0.5, 0, 0, float("nan"), 0.0, 0, stats, stepped=False, skipped=self.skip)
         self.trained.append(batch)
         self.step_count += 1
         self.version += 1
@@ -204,6 +207,40 @@ def test_a_step_skipped_for_a_non_finite_loss_is_counted_and_its_groups_acked_li
         assert loop.progress.counters["skipped_steps"] == 1 and loop.committer.commits == 0  # type: ignore[attr-defined]
         assert await loop.consumer.transport.pending() == 0 and dead_letters(streams) == {}
         assert not loop.recent_steps()[-1].stepped
+
+    asyncio.run(body())
+
+
+def test_a_skipped_step_reports_no_non_finite_figure_and_the_last_loss_stays_the_last_trained_steps() -> None:
+    """A step skipped for a NaN loss and gradient norm is reported in Status as a step that
+    trained nothing, with the last trained step's loss and gradient norm: its NaN went into
+    recent_steps and from there into the loss gauge (meridian_trainer_loss) before."""
+    import math
+
+    from meridian import metrics
+    from meridian.v1 import trainer_pb2 as pb
+
+    async def body() -> None:
+        streams = MemoryStreams()
+        learner = StandInLearner()
+        loop = build(streams, learner, groups_per_step=1)
+        await loop.consumer.start()
+        await loop.consumer.transport.publish_group(group("g1"))
+        await run_until(loop, lambda: bool(learner.trained))
+        learner.skip = "non-finite loss nan or gradient norm nan: the optimizer step was skipped"
+        await loop.consumer.transport.publish_group(group("g2"))
+        await run_until(loop, lambda: len(learner.calls) == 2, then=0.05)
+        trained, skipped = loop.recent_steps()
+        assert (trained.stepped, skipped.stepped, skipped.step) == (True, False, 1)
+        assert (skipped.loss, skipped.grad_norm) == (trained.loss, trained.grad_norm) == (0.1, 1.0)
+        fields = [f.name for f in pb.StepMetrics.DESCRIPTOR.fields if f.type == f.TYPE_DOUBLE]
+        assert all(math.isfinite(getattr(skipped, name)) for name in fields), skipped
+        assert (skipped.trajectories, skipped.groups, skipped.reward_mean) == (0, 0, 0.5)
+        assert loop.progress.counters["skipped_steps"] == 1
+        # The figures the metrics endpoint exports from Status.
+        exported = metrics.trainer_values(pb.TrainerStatus(recent_steps=loop.recent_steps()), 0, 0)
+        assert all(math.isfinite(v.value) for v in exported), exported
+        assert [v.value for v in exported if v.spec is metrics.TRAINER_LOSS] == [0.1]
 
     asyncio.run(body())
 
