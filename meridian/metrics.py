@@ -101,6 +101,7 @@ TRAINER_PENDING = _spec("meridian_trainer_stream_pending_entries", "gauge", "str
 TRAINER_STALE = _spec("meridian_trainer_stale_samples_total", "counter", "samples older than the staleness bound, by action (dropped, downweighted)", ["action"])
 TRAINER_FLAT = _spec("meridian_trainer_dropped_groups_total", "counter", "groups skipped because all their rewards were equal")
 TRAINER_DEAD = _spec("meridian_trainer_dead_lettered_total", "counter", "stream entries moved to the dead-letter stream (malformed, untrainable, or a batch whose step kept failing)")
+TRAINER_SKIPPED = _spec("meridian_trainer_skipped_steps_total", "counter", "steps whose optimizer update was skipped for a non-finite loss or gradient norm")
 TRAINER_DUPLICATES = _spec("meridian_trainer_duplicates_skipped_total", "counter", "deliveries of a group already trained on or held")
 TRAINER_STEP_SECONDS = _spec(
     "meridian_trainer_step_seconds", "histogram", "time per training step, by phase (learn: the learner's step; commit: the loop's wait for weights, canary and checkpoint copy; publish: the background publish)",
@@ -108,7 +109,7 @@ TRAINER_STEP_SECONDS = _spec(
 )
 TRAINER_REWARD = _spec("meridian_trainer_reward_mean", "gauge", "mean reward of the last step's trajectories")
 TRAINER_PASS = _spec("meridian_trainer_pass_ratio", "gauge", "fraction of the last step's trajectories that passed every test")
-TRAINER_LOSS = _spec("meridian_trainer_loss", "gauge", "loss of the last step")
+TRAINER_LOSS = _spec("meridian_trainer_loss", "gauge", "loss of the last step that trained (a step with nothing to train, or skipped, leaves it)")
 TRAINER_LAG = _spec("meridian_trainer_sample_policy_lag_versions", "gauge", "policy lag of the last step's samples (trainer version minus the sample's oldest), by stat (mean, max)", ["stat"])
 TRAINER_CHECKPOINT = _spec("meridian_trainer_checkpoint_step", "gauge", "step of the newest durable checkpoint (-1: none)")
 
@@ -372,6 +373,7 @@ def trainer_values(status: Any, stream_entries: int, stream_pending: int) -> lis
         value(TRAINER_STALE, status.dropped_stale_total, action="dropped"),
         value(TRAINER_STALE, status.downweighted_stale_total, action="downweighted"),
         value(TRAINER_FLAT, status.dropped_groups_total),
+        value(TRAINER_SKIPPED, status.skipped_steps_total),
         value(TRAINER_DEAD, status.dead_lettered),
         value(TRAINER_DUPLICATES, status.duplicates_skipped),
         value(TRAINER_CHECKPOINT, status.checkpoint_step),
@@ -381,10 +383,14 @@ def trainer_values(status: Any, stream_entries: int, stream_pending: int) -> lis
         out += [
             value(TRAINER_REWARD, last.reward_mean),
             value(TRAINER_PASS, last.pass_rate),
-            value(TRAINER_LOSS, last.loss),
             value(TRAINER_LAG, last.policy_lag_mean, stat="mean"),
             value(TRAINER_LAG, last.policy_lag_max, stat="max"),
         ]
+    # A step that trained nothing (every group flat or stale) reports loss 0: the gauge
+    # would dive to 0 on it.
+    trained = [s for s in status.recent_steps if s.stepped]
+    if trained:
+        out.append(value(TRAINER_LOSS, trained[-1].loss))
     return out
 
 

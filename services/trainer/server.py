@@ -117,4 +117,5 @@ class TrainerService(pb_grpc.TrainerServicer):
             checkpoint_step=p.checkpoint_step,
             resumed_from_step=p.resumed_from_step,
             dropped_groups_total=c["dropped_groups"],
+            skipped_steps_total=c["skipped_steps"],
         )
