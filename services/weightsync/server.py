@@ -314,7 +314,10 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self._changed = asyncio.Condition()
         # The store is mutated in worker threads (encoding is CPU-bound); every store
         # step on a thread holds this lock from before the thread starts until it ends
-        # (see _store_step), whatever happens to the call that started it.
+        # (see _store_step), whatever happens to the call that started it. Readers on the
+        # loop do not take it (it is held for as long as a version encodes): they read
+        # the store's state snapshot, which a step replaces whole (VersionStore.held),
+        # taking it once where they combine fields of it.
         self._store_lock = asyncio.Lock()
         self._mirror: asyncio.Task[None] | None = None
         # Store-and-announce steps running on after their publisher went away (see _to_completion).
@@ -416,10 +419,11 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
     async def _mirror_upstream(self) -> None:
         """Relay: one subscription upstream, re-serving the same encoded chunks locally."""
         while True:
+            held = self.store.held  # the latest version and its weights, of one state
             subscriber = WeightSubscriber(
                 self.config.upstream,
-                self.store.weights,
-                self.store.latest,
+                held.weights,
+                held.latest,
                 max_mib_s=self.config.upstream_mib_s,
                 on_manifest=self._upstream_manifest,
                 on_chunk=self._upstream_chunk,
@@ -694,10 +698,11 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         held already (a republish is checked against the held one: raw)."""
         v, i = header.version, header.part_index
         pending = self._pending
-        base = pending.base_version if pending is not None and pending.version == v else self.store.latest
+        latest = self.store.latest
+        base = pending.base_version if pending is not None and pending.version == v else latest
         problem = ""
-        if v <= self.store.latest:
-            problem = f"version {v} is held already (latest {self.store.latest}): a republished part comes raw, to be checked against it"
+        if v <= latest:
+            problem = f"version {v} is held already (latest {latest}): a republished part comes raw, to be checked against it"
         elif header.part_base_version != base:
             problem = f"it is coded against version {header.part_base_version}, the parts of version {v} against {base}"
         elif header.part_chunk_bytes != self.store.chunk_bytes:
@@ -763,11 +768,15 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         v, i, n = header.version, header.part_index, header.part_count
         pending = self._pending
         if pending is None:
-            latest = self.store.latest
+            # One state of the store: a store step running on its thread meanwhile (the
+            # previous version's) must not give the parts its new weights with the old
+            # version's indexes, which the encoder refuses as stale.
+            held = self.store.held
+            latest = held.latest
             pending = _PendingVersion(
                 version=v, count=n, fields=parts.version_fields(header), header=header, base_version=latest,
-                base=self.store.weights if latest >= 0 else None, base_carried=self.store.carried, encode=v > latest,
-                spare=self.store.take_spare() if v > latest else None,
+                base=held.weights if latest >= 0 else None, base_carried=held.carried, encode=v > latest,
+                spare=self.store.take_spare(latest) if v > latest else None,
             )
             pending.timer = asyncio.get_running_loop().call_later(self.config.part_timeout_s, self._expire, pending)
             self._pending = pending
@@ -982,12 +991,13 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         return metrics.weightsync_values(await self.Status(pb.WeightSyncStatusRequest(), None))  # type: ignore[arg-type]
 
     async def Status(self, request: pb.WeightSyncStatusRequest, context: grpc.aio.ServicerContext) -> pb.WeightSyncStatus:
+        held = self.store.held  # every figure from one state, whatever a store thread does meanwhile
         return pb.WeightSyncStatus(
-            latest_version=self.store.latest,
-            versions=self.store.versions(),
-            stored_bytes=self.store.stored_bytes(),
+            latest_version=held.latest,
+            versions=held.versions(),
+            stored_bytes=held.stored_bytes(),
             role=self.config.role,
-            compacted_built=self.store.compacted_built,
+            compacted_built=held.compacted_built,
             chunk_bytes=self.store.chunk_bytes,
             **self.counters,
         )

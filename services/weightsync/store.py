@@ -11,11 +11,17 @@ fsynced before :meth:`VersionStore.publish` returns, so a version the origin
 acknowledged survives a host crash (a trainer that acked its trajectories after the
 publish relies on that).
 
+What the store holds is one :class:`Held` snapshot, never changed once made: a step that
+changes the store builds the next snapshot and swaps it in with one assignment, so a
+reader on another thread (the server's event loop, while a store step runs on a thread)
+that takes :attr:`VersionStore.held` once sees one consistent state.
+
 This is the service's pure core: no gRPC, no asyncio.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -39,7 +45,7 @@ log = logging.getLogger(__name__)
 MAX_COMPACTED = 4
 COMPLETE = "COMPLETE"
 
-__all__ = ["CODEC_NAME", "COMPLETE", "Encoded", "VersionStore", "encode_version"]
+__all__ = ["CODEC_NAME", "COMPLETE", "Encoded", "Held", "VersionStore", "encode_version"]
 
 
 def _write_durably(path: Path, data: bytes) -> None:
@@ -70,8 +76,48 @@ def _same_tensor(held: RawTensor | None, sent: RawTensor) -> bool:
     return held is not None and (held.dtype, tuple(held.shape)) == (sent.dtype, tuple(sent.shape)) and bool(np.array_equal(held.bits, sent.bits))
 
 
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What a store holds at one moment. Neither it nor its dicts change once it is the
+    store's :attr:`~VersionStore.held`: the store swaps in a new one instead, so a reader
+    on another thread can iterate its dicts and combine its fields (a version's weights
+    with the indexes its encoding left) while a store step runs. A version enters a
+    state only once its data is in place (a stored version's folder is written and
+    fsynced; a keyframe or compacted delta built for late joiners lives in memory), and
+    a version's folder is removed only after a state without it was swapped in."""
+
+    #: The newest version (-1: none).
+    latest: int = -1
+    #: Its weights (a relay's: buffers its decoder updates in place, see ``live_weights``).
+    weights: dict[str, RawTensor] = dataclasses.field(default_factory=dict)
+    #: What the latest version's encoding left for coding the next delta against
+    #: ``weights`` (position indexes, element-hash sums): no extra pass over the model
+    #: per version. Empty after a restart or a version received already encoded (a relay).
+    carried: Carried = dataclasses.field(default_factory=Carried)
+    deltas: Mapping[int, Encoded] = dataclasses.field(default_factory=dict)
+    keyframes: Mapping[int, Encoded] = dataclasses.field(default_factory=dict)
+    #: (version, base) -> compacted delta for late joiners; memory only, a few at most.
+    compacted: Mapping[tuple[int, int], Encoded] = dataclasses.field(default_factory=dict)
+    compacted_built: int = 0
+
+    def encoding(self, version: int) -> Encoded | None:
+        """The stored encoding of ``version`` (its delta, else its keyframe), if held."""
+        return self.deltas.get(version) or self.keyframes.get(version)
+
+    def versions(self) -> list[int]:
+        """The versions held, oldest first."""
+        return sorted({*self.deltas, *self.keyframes})
+
+    def stored_bytes(self) -> int:
+        """The encoded bytes of every stored delta and keyframe."""
+        return sum(e.size for e in (*self.deltas.values(), *self.keyframes.values()))
+
+
 class VersionStore:
-    """The versions an origin or relay holds, in memory and on disk."""
+    """The versions an origin or relay holds, in memory and on disk.
+
+    One writer at a time (the server runs every step that changes the store under its
+    store lock); readers on other threads take :attr:`held` once and read only from it."""
 
     def __init__(
         self, data_dir: Path, keep: int = 16, chunk_bytes: int = 4 << 20, keyframe_every: int = 8, *, live_weights: bool = False, encode_threads: int = 1
@@ -89,22 +135,48 @@ class VersionStore:
         self.chunk_bytes = chunk_bytes
         self.keyframe_every = keyframe_every
         self.encode_threads = max(1, encode_threads)
-        self.deltas: dict[int, Encoded] = {}
-        self.keyframes: dict[int, Encoded] = {}
-        self.latest = -1
-        self.weights: dict[str, RawTensor] = {}
-        # What the last encoding left for coding the next delta against ``weights``
-        # (position indexes, element-hash sums): no extra pass over the model per version.
-        # Empty after a restart or a version received already encoded (a relay).
-        self.carried = Carried()
-        # (version, base) -> compacted delta for late joiners; memory only, a few at most.
-        self.compacted: dict[tuple[int, int], Encoded] = {}
-        self.compacted_built = 0
+        self._held = Held()
         # The previous weights' buffers, for decoding the next rank-encoded version into
-        # (see take_spare). Keeping them costs a second copy of the model between versions,
-        # which a version being decoded needs anyway.
-        self.spare: Spare | None = None
+        # (see take_spare), with the version they lead to. Keeping them costs a second copy
+        # of the model between versions, which a version being decoded needs anyway.
+        self._spare: tuple[int, Spare] | None = None
         self._recover()
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def held(self) -> Held:
+        """What the store holds now, one consistent state: a reader that combines fields
+        (the latest version and its weights, the versions and their bytes) takes this once."""
+        return self._held
+
+    @property
+    def latest(self) -> int:
+        return self._held.latest
+
+    @property
+    def weights(self) -> dict[str, RawTensor]:
+        return self._held.weights
+
+    @property
+    def carried(self) -> Carried:
+        return self._held.carried
+
+    @property
+    def deltas(self) -> Mapping[int, Encoded]:
+        return self._held.deltas
+
+    @property
+    def keyframes(self) -> Mapping[int, Encoded]:
+        return self._held.keyframes
+
+    @property
+    def compacted(self) -> Mapping[tuple[int, int], Encoded]:
+        return self._held.compacted
+
+    @property
+    def compacted_built(self) -> int:
+        return self._held.compacted_built
 
     # ------------------------------------------------------------ publishing
 
@@ -125,10 +197,11 @@ class VersionStore:
         and changes nothing. Other weights under a held version are refused."""
         if not weights:
             raise InvalidArgument(f"version {version} has no tensors")
-        if version <= self.latest:
+        held = self._held
+        if version <= held.latest:
             return self._republished(version, weights)
-        base = self.weights if self.latest >= 0 else None
-        enc = encode_version(version, weights, base, self.latest, self.chunk_bytes, trace_context, canary, signature, self.carried, self.encode_threads)
+        base = held.weights if held.latest >= 0 else None
+        enc = encode_version(version, weights, base, held.latest, self.chunk_bytes, trace_context, canary, signature, held.carried, self.encode_threads)
         if expected_hash and expected_hash != enc.manifest.weights_hash:
             raise DataLoss(f"version {version}: received weights hash {enc.manifest.weights_hash[:12]} != publisher's {expected_hash[:12]}")
         return self.add_encoded(enc, weights)
@@ -159,34 +232,37 @@ class VersionStore:
         when the latest version moved past ``base_version`` while the parts were encoding."""
         if not weights:
             raise InvalidArgument(f"version {version} has no tensors")
-        if version <= self.latest:
+        held = self._held
+        if version <= held.latest:
             return self._republished(version, weights)
-        if base_version != self.latest:
-            raise Aborted(f"version {version} was encoded against version {base_version}, but the latest is now {self.latest}; publish it again")
-        check_tensor_set(version, weights, self.weights if self.latest >= 0 else None)
+        if base_version != held.latest:
+            raise Aborted(f"version {version} was encoded against version {base_version}, but the latest is now {held.latest}; publish it again")
+        check_tensor_set(version, weights, held.weights if held.latest >= 0 else None)
         if expected_hash and expected_hash != digest:
             raise DataLoss(f"version {version}: received weights hash {digest[:12]} != publisher's {expected_hash[:12]}")
         enc = assemble_version(version, weights, payloads, base_version, digest, trace_context, canary, signature, sha256)
         enc.carried = carried or Carried()
-        previous = self.weights
+        previous = held.weights
         stored = self.add_encoded(enc, weights)
         if changes:
-            self.spare = Spare({n: previous[n] for n in changes if n in previous}, dict(changes))
+            self._spare = (version, Spare({n: previous[n] for n in changes if n in previous}, dict(changes)))
         return stored
 
-    def take_spare(self) -> Spare | None:
+    def take_spare(self, base_version: int) -> Spare | None:
         """Buffers the next version's rank-encoded parts can be decoded into instead of
         fresh copies of the latest weights (see :class:`~services.weightsync.versions.Spare`):
         the tensors of the version before the latest, which nothing reads any more, and the
         latest's changes against them. Given once (the caller writes into them), and only
-        while the latest version is the one they lead to."""
-        spare, self.spare = self.spare, None
-        return spare
+        when they lead to ``base_version``, the version the caller read as the latest (a
+        store step may have stored another meanwhile)."""
+        spare, self._spare = self._spare, None  # one step: a store thread may set it too
+        return spare[1] if spare is not None and spare[0] == base_version else None
 
     def _republished(self, version: int, weights: Weights) -> Encoded:
-        held = self.deltas.get(version) or self.keyframes.get(version)
+        state = self._held
+        held = state.encoding(version)
         if held is None:
-            raise FailedPrecondition(f"version {version} is older than the latest ({self.latest}) and no longer held: a republish cannot be checked")
+            raise FailedPrecondition(f"version {version} is older than the latest ({state.latest}) and no longer held: a republish cannot be checked")
         received = weights_hash(weights)
         if received != held.manifest.weights_hash:
             raise AlreadyExists(
@@ -203,7 +279,7 @@ class VersionStore:
         version's, which every part carries; empty: not checked) the held one. Returns the
         held encoding; FAILED_PRECONDITION when the version can no longer be checked,
         ALREADY_EXISTS when the part differs from it."""
-        held = self.deltas.get(version) or self.keyframes.get(version)
+        held = self._held.encoding(version)
         reference = self.weights_at(version) if held is not None else None
         if held is None or reference is None:
             raise FailedPrecondition(f"version {version} is older than the latest ({self.latest}) and no longer held: a republished part cannot be checked")
@@ -225,16 +301,22 @@ class VersionStore:
         too, when one is due), and only then recorded; a step that fails removes what this
         call wrote, so a version never acknowledged is neither served nor recovered."""
         version = enc.manifest.version
-        self.spare = None  # it led to the version before this one
+        self._spare = None  # it led to the version before this one
         keyframe = self._write_version(enc, weights)
-        (self.keyframes if enc.is_keyframe else self.deltas)[version] = enc
+        held = self._held
+        deltas, keyframes = dict(held.deltas), dict(held.keyframes)
+        (keyframes if enc.is_keyframe else deltas)[version] = enc
         if keyframe is not None:
-            self.keyframes[version] = keyframe
-        self.weights, self.latest = dict(weights), version
+            keyframes[version] = keyframe
         # Kept for the latest version only (the indexes are ~10 % of the model's size).
-        self.carried, enc.carried = enc.carried, Carried()
-        self.compacted = {k: e for k, e in self.compacted.items() if k[0] == version}
-        self._retain()
+        carried, enc.carried = enc.carried, Carried()
+        dropped = self._retain(version, deltas, keyframes)
+        # One assignment: a reader sees the version with its weights and indexes, or none of them.
+        self._held = dataclasses.replace(
+            held, latest=version, weights=dict(weights), carried=carried, deltas=deltas, keyframes=keyframes,
+            compacted={k: e for k, e in held.compacted.items() if k[0] == version},
+        )
+        self._remove(dropped)
         return enc
 
     def _write_version(self, enc: Encoded, weights: Weights) -> Encoded | None:
@@ -255,26 +337,29 @@ class VersionStore:
     # ------------------------------------------------------------ serving
 
     def manifest(self, version: int) -> pb.Manifest:
-        version = self.latest if version < 0 else version
-        enc = self.deltas.get(version) or self.keyframes.get(version)
+        """The manifest of a held ``version`` (-1: the latest); NOT_FOUND if not held."""
+        held = self._held
+        version = held.latest if version < 0 else version
+        enc = held.encoding(version)
         if enc is None:
-            raise NotFound(f"version {version} is not held (latest {self.latest})")
+            raise NotFound(f"version {version} is not held (latest {held.latest})")
         return enc.manifest
 
     def plan(self, from_version: int) -> list[Encoded]:
         """What to send a subscriber holding ``from_version`` to bring it to the latest:
         the chain of deltas, or a keyframe of the latest when that is smaller or the
         chain is not held."""
-        if self.latest < 0 or from_version >= self.latest:
+        held = self._held
+        if held.latest < 0 or from_version >= held.latest:
             return []
         chain: list[Encoded] = []
-        v = self.latest
-        while v != from_version and v in self.deltas:
-            chain.append(self.deltas[v])
-            v = self.deltas[v].manifest.base_version
+        v = held.latest
+        while v != from_version and v in held.deltas:
+            chain.append(held.deltas[v])
+            v = held.deltas[v].manifest.base_version
         if v == from_version and from_version >= 0:
             chain.reverse()
-            if self.latest not in self.keyframes or sum(e.size for e in chain) <= self.keyframes[self.latest].size:
+            if held.latest not in held.keyframes or sum(e.size for e in chain) <= held.keyframes[held.latest].size:
                 return chain
         return [self.keyframe_of_latest()]
 
@@ -287,26 +372,33 @@ class VersionStore:
         plan = self.plan(from_version)
         if len(plan) < 2 or plan[0].is_keyframe:
             return plan
-        key = (self.latest, from_version)
-        compacted = self.compacted.get(key)
+        held = self._held
+        key = (held.latest, from_version)
+        compacted = held.compacted.get(key)
         if compacted is None:
             base = self.weights_at(from_version)
             if base is None:
                 return plan
             compacted = encode_version(
-                self.latest, self._latest_weights(), base, from_version, self.chunk_bytes, *_version_meta(self.manifest(self.latest)), threads=self.encode_threads
+                held.latest, self._latest_weights(), base, from_version, self.chunk_bytes, *_version_meta(self.manifest(held.latest)), threads=self.encode_threads
             )
-            self.compacted[key] = compacted
-            self.compacted_built += 1
-            while len(self.compacted) > MAX_COMPACTED:
-                self.compacted.pop(next(iter(self.compacted)))
+            self._keep_compacted(key, compacted)
         if compacted.size < sum(e.size for e in plan):
             return [compacted]
         return plan
 
+    def _keep_compacted(self, key: tuple[int, int], compacted: Encoded) -> None:
+        """Adds a compacted delta to the few kept, the oldest going first (a new state)."""
+        held = self._held
+        kept = {**held.compacted, key: compacted}
+        while len(kept) > MAX_COMPACTED:
+            kept.pop(next(iter(kept)))
+        self._held = dataclasses.replace(held, compacted=kept, compacted_built=held.compacted_built + 1)
+
     def find(self, version: int, base_version: int) -> Encoded | None:
         """The held encoding of ``version`` against ``base_version`` (-1: keyframe), if any."""
-        for enc in (self.deltas.get(version), self.keyframes.get(version), self.compacted.get((version, base_version))):
+        held = self._held
+        for enc in (held.deltas.get(version), held.keyframes.get(version), held.compacted.get((version, base_version))):
             if enc is not None and enc.manifest.base_version == base_version:
                 return enc
         return None
@@ -314,40 +406,48 @@ class VersionStore:
     def weights_at(self, version: int) -> dict[str, RawTensor] | None:
         """Rebuilds the weights of a held ``version`` from the newest keyframe at or before it
         and the deltas after that keyframe; None when the store cannot."""
-        if version == self.latest and not self.live_weights:
-            return dict(self.weights)
-        starts = [k for k in self.keyframes if k <= version]
+        held = self._held
+        if version == held.latest and not self.live_weights:
+            return dict(held.weights)
+        starts = [k for k in held.keyframes if k <= version]
         for start in sorted(starts, reverse=True):
             chain, v = [], version
-            while v != start and v in self.deltas:
-                chain.append(self.deltas[v])
-                v = self.deltas[v].manifest.base_version
+            while v != start and v in held.deltas:
+                chain.append(held.deltas[v])
+                v = held.deltas[v].manifest.base_version
             if v == start:
-                return decode_all([self.keyframes[start], *reversed(chain)]).weights
+                return decode_all([held.keyframes[start], *reversed(chain)]).weights
         return None
 
     def keyframe_of_latest(self) -> Encoded:
-        if self.latest not in self.keyframes:
-            latest = self._latest_weights()
-            self.keyframes[self.latest] = encode_version(
-                self.latest, latest, None, -1, self.chunk_bytes, *_version_meta(self.manifest(self.latest)), threads=self.encode_threads
+        """A keyframe of the latest version: the stored one, or one encoded now and kept
+        in memory (a new state) for the next late joiner."""
+        held = self._held
+        keyframe = held.keyframes.get(held.latest)
+        if keyframe is None:
+            keyframe = encode_version(
+                held.latest, self._latest_weights(), None, -1, self.chunk_bytes, *_version_meta(self.manifest(held.latest)), threads=self.encode_threads
             )
-        return self.keyframes[self.latest]
+            self._held = dataclasses.replace(held, keyframes={**held.keyframes, held.latest: keyframe})
+        return keyframe
 
     def _latest_weights(self) -> Mapping[str, RawTensor]:
         """The latest weights, safe to encode from (see ``live_weights``)."""
+        held = self._held
         if not self.live_weights:
-            return self.weights
-        rebuilt = self.weights_at(self.latest)
+            return held.weights
+        rebuilt = self.weights_at(held.latest)
         if rebuilt is None:
-            raise FailedPrecondition(f"version {self.latest} cannot be rebuilt from the versions held")
+            raise FailedPrecondition(f"version {held.latest} cannot be rebuilt from the versions held")
         return rebuilt
 
     def versions(self) -> list[int]:
-        return sorted(set(self.deltas) | set(self.keyframes))
+        """The versions held, oldest first (see :meth:`Held.versions`)."""
+        return self._held.versions()
 
     def stored_bytes(self) -> int:
-        return sum(e.size for e in (*self.deltas.values(), *self.keyframes.values()))
+        """The encoded bytes held (see :meth:`Held.stored_bytes`)."""
+        return self._held.stored_bytes()
 
     # ------------------------------------------------------------ disk
 
@@ -433,6 +533,8 @@ class VersionStore:
 
     def _recover(self) -> None:
         """Rebuilds the latest weights from the newest keyframe and the deltas after it."""
+        deltas: dict[int, Encoded] = {}
+        keyframes: dict[int, Encoded] = {}
         for folder in sorted(self.data_dir.glob("*/*")):
             if folder.name.endswith(".tmp"):
                 # Written before a rename that never happened (a crash): never a version,
@@ -446,30 +548,38 @@ class VersionStore:
             if enc.manifest.codec not in READABLE_CODECS:
                 log.warning("skipping %s: codec %r, this store reads %r", folder, enc.manifest.codec, READABLE_CODECS)
                 continue
-            (self.keyframes if enc.is_keyframe else self.deltas)[enc.manifest.version] = enc
-        if not self.keyframes:
-            self.deltas.clear()
-            return
-        start = max(self.keyframes)
-        decoder = decode_all([self.keyframes[start]])
+            (keyframes if enc.is_keyframe else deltas)[enc.manifest.version] = enc
+        if not keyframes:
+            return  # deltas alone cannot be decoded: nothing is held
+        start = max(keyframes)
+        decoder = decode_all([keyframes[start]])
         v = start
-        while (nxt := next((d for d in sorted(self.deltas) if d > v and self.deltas[d].manifest.base_version == v), None)) is not None:
-            decoder = decode_all([self.deltas[nxt]], decoder.weights, v)
+        while (nxt := next((d for d in sorted(deltas) if d > v and deltas[d].manifest.base_version == v), None)) is not None:
+            decoder = decode_all([deltas[nxt]], decoder.weights, v)
             v = nxt
-        self.weights, self.latest = decoder.weights, v
+        self._held = Held(latest=v, weights=decoder.weights, deltas=deltas, keyframes=keyframes)
         log.info("recovered versions up to %d from %s", v, self.data_dir)
 
-    def _retain(self) -> None:
-        """Keeps the newest ``keep`` versions, plus the newest keyframe recovery needs."""
-        floor = self.latest - self.keep
-        persisted = [k for k in self.keyframes if (self._dir(k, True) / COMPLETE).exists()]
+    def _retain(self, latest: int, deltas: dict[int, Encoded], keyframes: dict[int, Encoded]) -> list[Path]:
+        """Keeps the newest ``keep`` versions up to ``latest``, plus the newest keyframe
+        recovery needs: drops the others from ``deltas`` and ``keyframes`` (the next
+        state's) and returns their folders, removed once that state is in place."""
+        floor = latest - self.keep
+        persisted = [k for k in keyframes if (self._dir(k, True) / COMPLETE).exists()]
         anchor = max(persisted, default=-1)
-        for version in [v for v in self.deltas if v <= min(floor, anchor)]:
-            del self.deltas[version]
-            shutil.rmtree(self._dir(version, False), ignore_errors=True)
-        for version in [k for k in self.keyframes if k not in (anchor, self.latest) and k <= floor]:
-            del self.keyframes[version]
-            shutil.rmtree(self._dir(version, True), ignore_errors=True)
+        dropped: list[Path] = []
+        for version in [v for v in deltas if v <= min(floor, anchor)]:
+            del deltas[version]
+            dropped.append(self._dir(version, False))
+        for version in [k for k in keyframes if k not in (anchor, latest) and k <= floor]:
+            del keyframes[version]
+            dropped.append(self._dir(version, True))
+        return dropped
+
+    def _remove(self, folders: list[Path]) -> None:
+        """Removes the folders of versions no longer held, and version folders left empty."""
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
         for folder in self.data_dir.iterdir():
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
