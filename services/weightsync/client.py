@@ -427,10 +427,10 @@ class WeightSubscriber:
         """Starts ``manifest``'s version. The first delta of a decoder needs one full pass
         over the held weights (their element-hash sums): it runs on a thread, or a relay
         would stop forwarding to every subscriber of its own for as long as that pass
-        takes, at each reconnect upstream (each builds a new subscriber)."""
+        takes, at each reconnect upstream (each builds a new subscriber). The manifest's
+        refusals (a signature check among them) are made once, before that pass."""
+        self.decoder.check(manifest)
         if self.decoder.needs_prepare(manifest):
-            # Refusals come before the pass, as begin() makes them.
-            self.decoder.check(manifest)
             job = asyncio.ensure_future(asyncio.to_thread(self.decoder.prepare))
             try:
                 await asyncio.shield(job)
@@ -438,7 +438,7 @@ class WeightSubscriber:
                 # The thread runs on: nothing may touch the weights it reads until it ends.
                 await asyncio.wait({job})
                 raise
-        self.decoder.begin(manifest)
+        self.decoder.begin(manifest, checked=True)  # only this subscriber's task changes the decoder
 
     async def _take_chunks(self, receiving: _Receiving, chunks: Sequence[pb.ChunkData]) -> VersionUpdate | None:
         """Verifies one message's chunks in order, hands each to ``on_chunk`` once it passed

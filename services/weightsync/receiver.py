@@ -112,10 +112,14 @@ class Decoder:
         self._tensor_sha256: dict[str, bytes] = {}
         self._count_lock = threading.Lock()
 
-    def begin(self, manifest: pb.Manifest) -> None:
+    def begin(self, manifest: pb.Manifest, *, checked: bool = False) -> None:
         """Starts a version; a delta must be based on the version held now. A manifest
-        whose signature the verifier refuses is refused here, before anything changes."""
-        self.check(manifest)
+        whose signature the verifier refuses is refused here, before anything changes.
+        ``checked``: the caller made :meth:`check` of this manifest already and nothing
+        changed the decoder since (a signature check is an Ed25519 verification over every
+        tensor's name, dtype and shape: not made twice)."""
+        if not checked:
+            self.check(manifest)
         self.abort()
         delta = manifest.base_version >= 0
         if delta:

@@ -13,9 +13,11 @@ import pytest
 
 from meridian import elementhash
 from meridian.tensors import RawTensor
+from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import client as weightsync
 from services.weightsync.config import WeightSyncConfig
 from services.weightsync.server import WeightSyncService
+from services.weightsync.signing import Signer, Verifier, generate_signing_key
 from tests.conftest import serving
 
 Weights = dict[str, RawTensor]
@@ -89,5 +91,40 @@ def test_the_first_deltas_full_pass_does_not_block_the_event_loop(tmp_path: Path
         assert [u.version for u in updates] == [1]
         assert all(np.array_equal(updates[0].weights[n].bits, w1[n].bits) for n in w1), "the delta decoded and verified"
         assert lag.worst < 0.15, f"the event loop stalled {lag.worst:.2f} s during the full pass"
+
+    asyncio.run(body())
+
+
+def test_a_verifying_subscribers_first_delta_is_checked_once(tmp_path: Path) -> None:
+    """The signature check of a subscriber's first delta (an Ed25519 verification over
+    every tensor's name, dtype and shape) is made once, before the full pass, and not
+    again when the version begins; so is every later version's."""
+    generate_signing_key(tmp_path / "key.pem", tmp_path / "pub.pem")
+    signer, verifier = Signer.load(tmp_path / "key.pem"), Verifier.load(tmp_path / "pub.pem")
+    checked: list[int] = []
+    real = verifier.check_manifest
+
+    def counting(manifest: pb.Manifest) -> None:
+        checked.append(manifest.version)
+        real(manifest)
+
+    verifier.check_manifest = counting  # type: ignore[method-assign]
+    w0 = _weights(0)
+    w1 = _changed(w0)
+    w2 = _changed(w1)
+
+    async def body() -> None:
+        async with serving(WeightSyncService(WeightSyncConfig(role="origin", data_dir=str(tmp_path / "o"), chunk_mb=0.002))) as address:
+            for version, weights in enumerate((w0, w1)):
+                await weightsync.publish(address, version, weights, signer=signer)
+            subscriber = weightsync.WeightSubscriber(address, w0, 0, decode_threads=2, verifier=verifier)
+            try:
+                updates = [u.version async for u in subscriber.updates(follow=False)]  # the first delta
+                await weightsync.publish(address, 2, w2, signer=signer)
+                updates += [u.version async for u in subscriber.updates(follow=False)]  # a later one
+            finally:
+                await subscriber.close()
+        assert updates == [1, 2]
+        assert checked == [1, 2], f"signature checks made per version: {checked}"
 
     asyncio.run(body())
