@@ -10,12 +10,12 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from meridian import credentials
 from meridian.errors import Unauthenticated
@@ -74,8 +74,25 @@ def choice_sampling(sampling: Sampling, index: int) -> Sampling:
     return dataclasses.replace(sampling, seed=(sampling.seed + index) % SEED_RANGE)
 
 
-async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """(stream index, item) from several async iterators as items arrive."""
+#: The status of an answer whose client left first (nginx's convention; nobody reads it).
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection before its answer was complete."""
+
+
+async def client_gone(request: Request) -> None:
+    """Returns once ``request``'s client has disconnected. Only for after the body was
+    read: the server then has nothing more to deliver but the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def merged(streams: list[AsyncIterator[Any]], until: Awaitable[None] | None = None) -> AsyncIterator[tuple[int, Any]]:
+    """(stream index, item) from several async iterators as items arrive; raises
+    :class:`ClientGone` once ``until`` (:func:`client_gone`) returns. Every stream is
+    closed when this ends, however it ends: the engine aborts what nobody will read."""
     queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[Any]) -> None:
@@ -87,9 +104,15 @@ async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
             return
         await queue.put((i, None, None, True))
 
+    async def watch(until: Awaitable[None]) -> None:
+        await until
+        await queue.put((-1, None, ClientGone("the client disconnected"), True))
+
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    if until is not None:
+        tasks.append(asyncio.create_task(watch(until)))
     try:
-        open_streams = len(tasks)
+        open_streams = len(streams)
         while open_streams:
             i, item, error, ended = await queue.get()
             if error is not None:
@@ -283,12 +306,20 @@ def create_app(
         # The n choices run at once on the engine (they share the prompt's cached prefix).
         streams = [run(ids, choice_sampling(sampling, i), priority) for i in range(n)]
         if body.get("stream"):
+            # A stream's client leaving ends the response (Starlette watches for it), and
+            # with it merged(): the engine's requests are aborted.
             return StreamingResponse(_stream(rid, created, kind, streams, chat), media_type="text/event-stream")
         texts, reasons, tokens = [""] * n, [""] * n, 0
-        async for i, (piece, finish, count) in merged(streams):
-            texts[i] += piece
-            reasons[i] = finish or reasons[i]
-            tokens += count
+        # Nothing else notices a non-streaming client leaving: the engine would generate
+        # up to max_tokens for nobody, holding capacity production traffic needs.
+        try:
+            async for i, (piece, finish, count) in merged(streams, client_gone(request)):
+                texts[i] += piece
+                reasons[i] = finish or reasons[i]
+                tokens += count
+        except ClientGone:
+            # The engine's requests were aborted; nobody is there to read an answer.
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = []
         for i in range(n):
             choice: dict[str, Any] = {"index": i, "finish_reason": reasons[i] or "stop", "logprobs": None}

@@ -636,3 +636,58 @@ def test_local_stack_redis_refuses_a_port_another_redis_answers_on(tmp_path: Pat
         assert not (tmp_path / "second" / "redis.log").exists()  # nothing was started
     finally:
         stack._terminate(proc.pid, 10.0)
+
+
+class EndlessEngine(FakeEngine):
+    """Generates one token every 50 ms up to ``max_tokens``, and records how each
+    generation ended (finished, or the exception that closed it)."""
+
+    ended: list[str] = []
+
+    async def generate(self, prompt_ids: list[int], sampling: Any, priority: int, request_id: str = "") -> AsyncIterator[Any]:
+        from services.rollout.engine import Delta
+
+        try:
+            for _ in range(sampling.max_tokens - 1):
+                await asyncio.sleep(0.05)
+                yield Delta([7], [-0.5], self.version, "x", False, "", None)
+            yield Delta([7], [-0.5], self.version, "x", True, "length", [self.version] * sampling.max_tokens)
+            EndlessEngine.ended.append("finished")
+        except BaseException as exc:
+            EndlessEngine.ended.append(type(exc).__name__)
+            raise
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_an_http_client_leaving_aborts_its_generation(stream: bool, rollout: Callable[..., Any], grpc_serving: Serving, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that disconnects mid-answer: its generation is closed (the engine aborts
+    the request), not run to max_tokens (50 s here) for nobody while it holds capacity.
+    A whole (non-streaming) answer ran on before."""
+    import httpx
+
+    from services.rollout import server
+
+    monkeypatch.setattr(server, "Engine", EndlessEngine)
+    body = {"prompt": "x", "max_tokens": 1000, "stream": stream}
+
+    async def main() -> None:
+        service = rollout()
+        async with grpc_serving(service):
+            EndlessEngine.ended = []  # the warm-up's generation is not the caller's
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service._http.port}/v1", timeout=30) as http:
+                async def call() -> None:
+                    async with http.stream("POST", "/completions", json=body) as reply:
+                        async for _ in reply.aiter_bytes():
+                            pass
+
+                caller = asyncio.create_task(call())
+                await asyncio.sleep(0.5)  # generating
+                caller.cancel()  # closes its connection
+                await asyncio.gather(caller, return_exceptions=True)
+            for _ in range(200):  # up to 20 s, well before the 50 s of a full answer
+                if EndlessEngine.ended:
+                    break
+                await asyncio.sleep(0.1)
+            assert EndlessEngine.ended and EndlessEngine.ended[0] in ("CancelledError", "GeneratorExit"), EndlessEngine.ended
+
+    run(main())
