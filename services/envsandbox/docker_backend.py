@@ -10,6 +10,9 @@ container but its init is killed, and the sweep checks that none is left.
 
 The workspace is a tmpfs, which ``docker cp`` cannot reach, so file operations run
 ``workspace_files`` inside the container (python3 is in the image) over an exec's stdin.
+Fork copies a workspace the same way the process backend does, as a stream:
+``workspace_files.send_tree`` in the source container, ``receive_tree`` in the new one,
+and the host relaying one piece at a time between them (``docker_stream``).
 The SDK is synchronous: blocking calls run in worker threads.
 """
 from __future__ import annotations
@@ -28,11 +31,10 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from meridian.errors import FailedPrecondition, NotFound, Unavailable
-from meridian.errors import ResourceExhausted
-from services.envsandbox import seccomp_policy, workspace_files
+from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from services.envsandbox import docker_stream, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import instance_name, process_start_time
-from services.envsandbox.sandbox import SANDBOX_UID, Backend, Drained, ExecItem, ExecResult, Limits, collect, drain
+from services.envsandbox.sandbox import SANDBOX_UID, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain
 
 UID_POOL = 4096
 
@@ -57,18 +59,27 @@ try:
         _out = {}
     else:
         _out = {"error": ["invalid", "unknown op"]}
-except PathError as _exc:
-    _out = {"error": [_exc.kind, str(_exc)]}
-except OSError as _exc:
-    _out = {"error": ["os", _exc.strerror or str(_exc), _exc.errno, _exc.filename if isinstance(_exc.filename, str) else None]}
+except (PathError, OSError) as _exc:
+    _out = {"error": describe_error(_exc)}
 _sys.stdout.write(_json.dumps(_out))
 '''
-
-
-def _os_error(message: str, code: int | None = None, filename: str | None = None) -> OSError:
-    """The ``OSError`` the container reported, with its errno and file name (the caller's
-    status depends on them: no space left is not an I/O error)."""
-    return OSError(code, message, filename) if code else OSError(message)
+#: Fork's two halves (argv[1]): "send" streams the workspace to stdout, stopping when stdin
+#: closes; "receive" builds the stream from stdin and answers like FILES_MAIN.
+COPY_MAIN = r'''
+import json as _json, sys as _sys
+_root = os.open("/workspace", os.O_RDONLY | os.O_DIRECTORY)
+if _sys.argv[1] == "send":
+    send_tree(_root, 1, 0)
+else:
+    try:
+        receive_tree(_root, 0)
+        _out = {}
+    except (PathError, OSError) as _exc:
+        _out = {"error": describe_error(_exc)}
+    _sys.stdout.write(_json.dumps(_out))
+'''
+#: The longest a Fork's copy may take (a workspace holds at most LimitCaps.disk_bytes).
+COPY_WALL_S = 300.0
 
 
 def _instance_alive(name: str) -> bool:
@@ -220,10 +231,8 @@ class DockerBackend(Backend):
             raise Unavailable(f"file operation in sandbox {sandbox_id} failed (exit {result.exit_code}): {err[-300:].decode(errors='replace')}")
         reply = json.loads(out or b"{}")
         if "error" in reply:
-            kind, message, *more = reply["error"]
-            if kind == "os":
-                raise _os_error(message, *more)
-            raise workspace_files.PathError(kind, message)
+            # With its kind, or its errno and file name: the caller's status depends on them.
+            raise workspace_files.error_from(reply["error"])
         return reply
 
     async def write_files(self, sandbox_id: str, files: dict[str, bytes], mode: int = 0o644) -> None:
@@ -238,16 +247,67 @@ class DockerBackend(Backend):
         await self._files_op(sandbox_id, {"op": "remove", "path": path})
 
     async def copy_workspace(self, src_id: str, dst_id: str) -> None:
-        # tar streams the workspace out of one container and into the other.
-        archive, err, result = await self._run_collect(src_id, ["tar", "-C", "/workspace", "-cf", "-", "."], b"", 60.0, 1 << 30)
-        if result.exit_code != 0:
-            raise Unavailable(f"cannot archive the workspace of {src_id}: {err[-300:].decode(errors='replace')}")
-        _, err, result = await self._run_collect(dst_id, ["tar", "-C", "/workspace", "-xf", "-"], archive, 60.0, 1 << 20)
-        if result.exit_code != 0:
-            raise Unavailable(f"cannot unpack the workspace into {dst_id}: {err[-300:].decode(errors='replace')}")
+        """Copies as the process backend does (workspace_files' walk and builder, so the same
+        tree whatever the sandbox made of it), streamed between the two containers through
+        the host, which holds one piece of it at a time; within COPY_WALL_S."""
+        argv = ["python3", "-I", "-S", "-c", FILES_SOURCE + COPY_MAIN]
+        # A sender is told to stop (its stdin closed) and given time to end before it is
+        # killed: it gives back the modes it changed in the source as it ends.
+        grace = docker_stream.GRACE_S
+        sender = await self._start_exec(src_id, [*argv, "send"])
+        try:
+            receiver = await self._start_exec(dst_id, [*argv, "receive"])
+        except BaseException:
+            await self._end_exec(src_id, *sender, kill=True, grace_s=grace)
+            raise
+        try:
+            relayed = await _relay_to_the_end(sender[1], receiver[1], time.monotonic() + COPY_WALL_S)
+        except BaseException:
+            await self._end_exec(dst_id, *receiver, kill=True)
+            await self._end_exec(src_id, *sender, kill=True, grace_s=grace)
+            raise
+        # Both have ended unless the relay gave up waiting for them: then they are killed.
+        await self._end_exec(dst_id, *receiver, kill=not relayed.ended)
+        await self._end_exec(src_id, *sender, kill=not relayed.ended)
+        _check_copy(src_id, relayed)
 
     async def _run_collect(self, sandbox_id: str, argv: list[str], stdin: bytes, wall_s: float, max_output: int) -> tuple[bytes, bytes, ExecResult]:
         return await collect(self._exec(sandbox_id, argv, stdin, {}, "", wall_s, max_output))
+
+    async def _start_exec(self, sandbox_id: str, argv: list[str], env: dict[str, str] | None = None, cwd: str = "") -> tuple[str, socket.socket]:
+        """Starts ``argv`` in the sandbox as its user: (exec id, the exec's raw socket). The
+        exec counts as active (the sweep that ends an exec spares it) until :meth:`_end_exec`."""
+        cid = self._container(sandbox_id)
+        workdir = "/workspace/" + "/".join(workspace_files.split_relative(cwd)) if cwd else "/workspace"
+        api = self._client.api
+        user = f"{self._uid[sandbox_id]}:{self._uid[sandbox_id]}"
+        try:
+            exec_id = (await asyncio.to_thread(api.exec_create, cid, argv, stdin=True, environment=env or {}, workdir=workdir, user=user))["Id"]
+            sock = await asyncio.to_thread(api.exec_start, exec_id, socket=True)
+        except Exception as exc:
+            if sandbox_id not in self._containers:
+                raise NotFound(f"no live sandbox {sandbox_id!r}") from None
+            raise Unavailable(f"docker exec in sandbox {sandbox_id} failed: {exc}") from exc
+        self._active[sandbox_id] = self._active.get(sandbox_id, 0) + 1
+        return exec_id, getattr(sock, "_sock", sock)
+
+    async def _end_exec(self, sandbox_id: str, exec_id: str, raw: socket.socket, kill: bool, grace_s: float = 0.0) -> None:
+        """Ends an exec :meth:`_start_exec` started: kills its processes when asked (after
+        closing its stdin and waiting up to ``grace_s`` for it to end by itself), closes its
+        socket, and, when no other exec runs in the sandbox, sweeps every process of it but
+        the container's init (as in the process backend, nothing an exec started outlives it)."""
+        if kill and grace_s > 0:
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_WR)
+            kill = await asyncio.to_thread(self._still_running, exec_id, grace_s)
+        if kill:
+            await asyncio.to_thread(self._kill_exec, exec_id)
+        with contextlib.suppress(OSError):
+            raw.close()
+        self._active[sandbox_id] -= 1
+        if not self._active[sandbox_id]:
+            del self._active[sandbox_id]
+            await asyncio.to_thread(self._sweep, sandbox_id)
 
     # ------------------------------------------------------------ exec
 
@@ -259,20 +319,8 @@ class DockerBackend(Backend):
     async def _exec(
         self, sandbox_id: str, argv: list[str], stdin: bytes, env: dict[str, str], cwd: str, wall_s: float, max_output: int
     ) -> AsyncIterator[ExecItem]:
-        cid = self._container(sandbox_id)
-        workdir = "/workspace/" + "/".join(workspace_files.split_relative(cwd)) if cwd else "/workspace"
         start = time.monotonic()
-        api = self._client.api
-        try:
-            exec_id = (await asyncio.to_thread(
-                api.exec_create, cid, argv, stdin=True, environment=env, workdir=workdir, user=f"{self._uid[sandbox_id]}:{self._uid[sandbox_id]}"
-            ))["Id"]
-            sock = await asyncio.to_thread(api.exec_start, exec_id, socket=True)
-        except Exception as exc:
-            if sandbox_id not in self._containers:
-                raise NotFound(f"no live sandbox {sandbox_id!r}") from None
-            raise Unavailable(f"docker exec in sandbox {sandbox_id} failed: {exc}") from exc
-        raw: socket.socket = getattr(sock, "_sock", sock)
+        exec_id, raw = await self._start_exec(sandbox_id, argv, env, cwd)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         budget = {"stdout": max_output, "stderr": max_output}
@@ -309,27 +357,17 @@ class DockerBackend(Backend):
                 loop.call_soon_threadsafe(queue.put_nowait, None)
 
         thread = threading.Thread(target=reader, daemon=True, name=f"exec-{sandbox_id}")
-        thread.start()
         timed_out = False
         deadline = start + wall_s
-        self._active[sandbox_id] = self._active.get(sandbox_id, 0) + 1
         drained = Drained()
         try:
+            thread.start()
             async for item in drain(queue, 1, deadline, drained):
                 yield item
             timed_out = drained.timed_out
         finally:
-            if timed_out or thread.is_alive():
-                await asyncio.to_thread(self._kill_exec, exec_id)
             stop.set()
-            with contextlib.suppress(OSError):
-                raw.close()
-            self._active[sandbox_id] -= 1
-            if not self._active[sandbox_id]:
-                del self._active[sandbox_id]
-                # As in the process backend, nothing an exec started outlives it (when no
-                # other exec runs in the sandbox): sweep all but the container's init.
-                await asyncio.to_thread(self._sweep, sandbox_id)
+            await self._end_exec(sandbox_id, exec_id, raw, kill=timed_out or thread.is_alive())
         info = await asyncio.to_thread(self._wait_exec, exec_id)
         code = info.get("ExitCode")
         code = -1 if code is None else int(code)
@@ -374,6 +412,16 @@ class DockerBackend(Backend):
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(victim, signal.SIGKILL)
 
+    def _still_running(self, exec_id: str, within_s: float) -> bool:
+        """Whether the exec still runs after waiting up to ``within_s`` for it to end."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if not self._client.api.exec_inspect(exec_id).get("Running"):
+                    return False
+            time.sleep(0.05)
+        return True
+
     def _wait_exec(self, exec_id: str) -> dict:
         for _ in range(200):
             info = self._client.api.exec_inspect(exec_id)
@@ -381,6 +429,68 @@ class DockerBackend(Backend):
                 return info
             time.sleep(0.01)
         return self._client.api.exec_inspect(exec_id)
+
+
+async def _relay_to_the_end(sender: socket.socket, receiver: socket.socket, deadline: float) -> docker_stream.Relayed:
+    """docker_stream.relay in a thread of its own (a copy can take minutes; the default
+    executor's few workers serve every other call). A caller that goes away stops the
+    relay (so the sender gives back what it changed in the source) and still waits for its
+    end: the sockets must not be closed, and their descriptors reused, under the thread."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[docker_stream.Relayed] = loop.create_future()
+    stop = threading.Event()
+
+    def settle(result: docker_stream.Relayed | None, exc: BaseException | None) -> None:
+        if done.done():
+            return
+        if exc is not None:
+            done.set_exception(exc)
+        elif result is not None:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result = docker_stream.relay(sender, receiver, deadline, stop)
+        except BaseException as exc:  # handed to the awaiting caller
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, daemon=True, name="fork-relay").start()
+    cancelled = False
+    while not done.done():
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            cancelled = True
+            stop.set()
+        except BaseException:
+            break  # the relay's own error, raised below
+    error = done.exception()
+    if cancelled:
+        raise asyncio.CancelledError()
+    if error is not None:
+        raise error
+    return done.result()
+
+
+def _check_copy(src_id: str, relayed: docker_stream.Relayed) -> None:
+    """Raises what a copy's relay says went wrong: the receiver's reply, or why there is none."""
+    if relayed.timed_out:
+        raise Unavailable(f"copying the workspace of sandbox {src_id} took more than {COPY_WALL_S:.0f} s")
+    try:
+        reply = json.loads(relayed.reply)
+    except ValueError:
+        reply = None
+    if not isinstance(reply, dict):
+        stderr = (relayed.receiver_stderr or relayed.sender_stderr)[-300:].decode(errors="replace")
+        raise Unavailable(f"copying the workspace of sandbox {src_id} failed: {stderr or 'no reply from the copy'}")
+    if "error" in reply:
+        exc = workspace_files.error_from(reply["error"])
+        if isinstance(exc, workspace_files.PathError) and exc.kind == "truncated":
+            stderr = relayed.sender_stderr[-300:].decode(errors="replace")
+            raise Unavailable(f"copying the workspace of sandbox {src_id} failed: {exc}: {stderr or 'the sending side ended early'}")
+        raise copy_error(src_id, exc)
 
 
 def _cgroup_procs_file(pid: int) -> Path | None:

@@ -37,10 +37,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from meridian.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
-from services.envsandbox.sandbox import SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, pump_process
+from services.envsandbox.sandbox import SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, pump_process
 from services.envsandbox.spawn import SpawnedProcess, spawn
 
 log = logging.getLogger(__name__)
@@ -287,12 +287,8 @@ class ProcessBackend(Backend):
 
         try:
             await asyncio.to_thread(copy)
-        except workspace_files.PathError as exc:
-            raise Aborted(f"cannot copy the workspace of sandbox {src_id}: {exc}") from None
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ResourceExhausted(f"the workspace of sandbox {src_id} does not fit in a copy: {exc.strerror}") from None
-            raise
+        except (workspace_files.PathError, OSError) as exc:
+            raise copy_error(src_id, exc) from None
 
     # ------------------------------------------------------------ exec
 

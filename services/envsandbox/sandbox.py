@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from meridian.errors import FailedPrecondition, InvalidArgument, MeridianError, NotFound, ResourceExhausted, Unavailable
+from meridian.errors import Aborted, FailedPrecondition, InvalidArgument, MeridianError, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import swebench, workspace_files
 from services.envsandbox.tasks import TESTS_DIR, Task, TestOutcome, score_output
 
@@ -195,6 +195,22 @@ def write_error(sandbox_id: str, exc: OSError) -> MeridianError:
         return Unavailable(f"{what}: {reason}; the host is short of it for now, retry later")
     log.error("%s: %s", what, reason)
     return HostFault(f"{what}: {reason}; a fault of the host, not of the request")
+
+
+def copy_error(src_id: str, exc: workspace_files.PathError | OSError) -> MeridianError:
+    """The status of an error that copying sandbox ``src_id``'s workspace (Fork) raised, the
+    same on every backend: ABORTED when the tree changed under the copy (a retry can work),
+    RESOURCE_EXHAUSTED when the copy does not fit, UNAVAILABLE when the host is short of
+    descriptors or memory, INTERNAL (logged) for a host fault."""
+    if isinstance(exc, workspace_files.PathError):
+        return Aborted(f"cannot copy the workspace of sandbox {src_id}: {exc}")
+    reason = f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno, exc.errno)})" if exc.errno else str(exc)
+    if exc.errno in NO_ROOM_ERRNOS:
+        return ResourceExhausted(f"the workspace of sandbox {src_id} does not fit in a copy: {reason}")
+    if exc.errno in HOST_SHORT_ERRNOS:
+        return Unavailable(f"cannot copy the workspace of sandbox {src_id}: {reason}; the host is short of it for now, retry later")
+    log.error("cannot copy the workspace of sandbox %s: %s", src_id, reason)
+    return HostFault(f"cannot copy the workspace of sandbox {src_id}: {reason}; a fault of the host, not of the request")
 
 
 def sandbox_env(env: dict[str, str] | None) -> dict[str, str]:

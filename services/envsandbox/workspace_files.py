@@ -7,23 +7,28 @@ instead of followed out of the workspace. ``..`` and absolute paths are refused 
 Folder trees are walked without recursion and with a fixed number of descriptors open,
 however deep they are (a sandbox can make a folder chain thousands of levels deep):
 :func:`remove_tree` flattens the tree as it goes, :func:`copy_tree` climbs back up through
-``..`` only after checking that it leads to the very folder it came down from.
+``..`` only after checking that it leads to the very folder it came down from. A copy can
+also run as two processes, :func:`send_tree` and :func:`receive_tree`, joined by a stream.
 
 This module is self-contained (standard library only, no Meridian imports) because the
 Docker backend runs it inside the container as well; errors are ``PathError`` with a
 ``kind`` that callers map to their own error types: ``invalid`` (a bad path: through a
 symlink or a file, too long, a socket or device where a file should be, ...),
-``not_found``, ``too_large`` (a read past the caller's total budget) or ``changed`` (the
-tree changed under a copy). Any other ``OSError`` (no space left, I/O error) is passed on,
+``not_found``, ``too_large`` (a read past the caller's total budget), ``changed`` (the
+tree changed under a copy) or ``truncated`` (a copy's stream was cut off). Any other ``OSError`` (no space left, I/O error) is passed on,
 from a read or write with the workspace path as its ``filename``.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import select
 import stat
+import struct
 from collections.abc import Iterator
+from typing import Any
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -310,46 +315,83 @@ def _parent_of(fd: int, expected: tuple[int, int]) -> int:
     return parent
 
 
-def copy_tree(src_fd: int, dst_fd: int, owner: tuple[int, int] | None = None) -> None:
-    """Copies folders, regular files and symlinks (as links) from ``src_fd`` into ``dst_fd``,
-    keeping names and permission bits.
+# ------------------------------------------------------------------ copying a tree
+#
+# A copy is a walk of the source (walk_tree) into a stream of entries that a TreeBuilder
+# makes again below the destination. copy_tree joins the two in one process; the Docker
+# backend walks in the source's container and builds in the destination's, the entries
+# streamed between them (send_tree, receive_tree), so both backends copy the same way.
+# The entries, in the order a depth-first walk meets them (names and targets are bytes):
+#
+#   ("dir", name, mode)      a folder; the entries below it follow, then ("up",)
+#   ("up",)                  the end of the folder entered last
+#   ("link", name, target)   a symlink, copied as a link (never followed)
+#   ("file", name, mode)     a regular file; its data follows, then ("end", size)
+#   ("data", offset, bytes)  some of the file's data; holes are not sent, so the copy of a
+#                            sparse file is as sparse (and fits wherever the source did)
+#   ("end", size)            the end of the file and its size
+#
+# FIFOs, sockets and devices are not copied; hard links are copied as separate files.
 
-    Iterative, with one folder descriptor open on each side however deep the tree: the
-    walk goes down by name (``O_NOFOLLOW``) and back up through ``..``, which must lead to
-    the folder it came down from (PathError('changed') otherwise). An entry that goes away
-    while it is copied is left out."""
-    src, dst = os.dup(src_fd), os.dup(dst_fd)
+#: The most file data one entry carries: what a copy holds in memory at a time.
+CHUNK_BYTES = 1 << 20
+
+Entry = tuple[Any, ...]
+
+
+def copy_tree(src_fd: int, dst_fd: int, owner: tuple[int, int] | None = None) -> None:
+    """Copies folders, regular files (data, holes and permission bits) and symlinks (as
+    links) from ``src_fd`` into the empty folder ``dst_fd``, ``owner``'s when given.
+
+    Iterative, with one folder descriptor open on each side however deep the tree (see
+    :func:`walk_tree`); PathError('changed') when a folder is moved during the copy."""
+    builder = TreeBuilder(dst_fd, owner)
     try:
-        # One frame a level: what is left to copy there, both sides' identities, and the
-        # folder's mode (set on the copy once it is filled, so a read-only folder can be).
-        stack = [(iter(os.listdir(src)), _identity(src), _identity(dst), -1)]
+        with contextlib.closing(walk_tree(src_fd)) as entries:
+            for entry in entries:
+                builder.add(entry)
+        builder.finish()
+    finally:
+        builder.close()
+
+
+def walk_tree(src_fd: int) -> Iterator[Entry]:
+    """The entries of the tree below ``src_fd`` (see above).
+
+    Iterative, with one folder descriptor open however deep the tree: the walk goes down
+    by name (``O_NOFOLLOW``) and back up through ``..``, which must lead to the folder it
+    came down from (PathError('changed') otherwise). An entry that goes away while it is
+    walked is left out.
+
+    Not as root (the Docker backend walks as the sandbox's user), a folder or file its
+    owner may not read (or search) is opened to the owner for the walk and given its mode
+    back once the walk is done with it, also when the walk stops early."""
+    src = os.dup(src_fd)
+    # One frame a level: the names left to walk there, the folder's identity, and the mode
+    # to give the folder back when the walk leaves it (-1: it was not changed).
+    stack: list[tuple[Iterator[str], tuple[int, int], int]] = []
+    try:
+        stack.append((iter(os.listdir(src)), _identity(src), -1))
         while stack:
-            pending, _, _, mode = stack[-1]
-            name = next(pending, None)
+            name = next(stack[-1][0], None)
             if name is None:
-                stack.pop()
-                if mode >= 0:
-                    os.fchmod(dst, mode)
+                back = stack.pop()[2]
                 if stack:
-                    up_src = _parent_of(src, stack[-1][1])
-                    os.close(src)
-                    src = up_src
-                    up_dst = _parent_of(dst, stack[-1][2])
-                    os.close(dst)
-                    dst = up_dst
+                    src = _leave(src, stack[-1][1], back)
+                    yield ("up",)
                 continue
             try:
                 st = os.stat(name, dir_fd=src, follow_symlinks=False)
             except FileNotFoundError:
                 continue
             if stat.S_ISDIR(st.st_mode):
-                down = _open_dir_pair(src, dst, name, owner)
+                down = _enter(src, name, st)
                 if down is None:
                     continue
                 os.close(src)
-                os.close(dst)
-                src, dst = down
-                stack.append((iter(os.listdir(src)), _identity(src), _identity(dst), st.st_mode & 0o777))
+                src, frame = down
+                stack.append(frame)
+                yield ("dir", os.fsencode(name), st.st_mode & 0o777)
             elif stat.S_ISLNK(st.st_mode):
                 try:
                     target = os.readlink(name, dir_fd=src)
@@ -357,15 +399,138 @@ def copy_tree(src_fd: int, dst_fd: int, owner: tuple[int, int] | None = None) ->
                     continue
                 except OSError as exc:
                     raise _changed(name, exc) from None
-                os.symlink(target, name, dir_fd=dst)
-                if owner is not None:
-                    os.chown(name, *owner, dir_fd=dst, follow_symlinks=False)
+                yield ("link", os.fsencode(name), os.fsencode(target))
             elif stat.S_ISREG(st.st_mode):
-                _copy_file(src, dst, name, st.st_mode & 0o777, owner)
+                yield from _file_entries(src, name, st)
             # FIFOs, sockets and devices are not copied.
     finally:
-        os.close(src)
-        os.close(dst)
+        _unwind(src, stack)
+
+
+def _enter(src: int, name: str, st: os.stat_result) -> tuple[int, tuple[Iterator[str], tuple[int, int], int]] | None:
+    """A descriptor of folder ``name`` below ``src`` and its walk frame (None: it is gone)."""
+    opened = _open_to_walk(src, name, _DIR_FLAGS, 0o500, stat.S_IFDIR, st)
+    if opened is None:
+        return None
+    fd, back = opened
+    try:
+        return fd, (iter(os.listdir(fd)), _identity(fd), back)
+    except BaseException:
+        _give_back(fd, back)
+        os.close(fd)
+        raise
+
+
+def _file_entries(src: int, name: str, st: os.stat_result) -> Iterator[Entry]:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    opened = _open_to_walk(src, name, flags, 0o400, stat.S_IFREG, st)
+    if opened is None:
+        return
+    fd, back = opened
+    try:
+        _give_back(fd, back)  # the descriptor is all the walk needs
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return  # swapped for something else since the stat: not copied, like any special file
+        yield ("file", os.fsencode(name), st.st_mode & 0o777)
+        for offset, data in _extents(fd):
+            yield ("data", offset, data)
+        yield ("end", os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def _extents(fd: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) of the file's data, CHUNK_BYTES at most each, skipping its holes."""
+    pos = 0
+    while True:
+        end: int | None
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return  # no data at or past pos
+            if exc.errno != errno.EINVAL:
+                raise
+            start, end = pos, None  # a file system without SEEK_DATA: read it all
+        while end is None or start < end:
+            data = os.pread(fd, CHUNK_BYTES if end is None else min(CHUNK_BYTES, end - start), start)
+            if not data:
+                return  # shorter than it was a moment ago
+            yield start, data
+            start += len(data)
+        pos = end
+
+
+def _open_to_walk(dir_fd: int, name: str, flags: int, need: int, kind: int, st: os.stat_result) -> tuple[int, int] | None:
+    """``name`` below ``dir_fd`` opened with ``flags``, and the mode to give it back later
+    (-1: none); None when it is gone. Not as root, an entry whose owner lacks the ``need``
+    permission bits gets them first: through an ``O_PATH`` descriptor, so the very entry
+    that was checked (a ``kind`` one, never a symlink) is changed and then opened."""
+    if os.geteuid() == 0 or stat.S_IMODE(st.st_mode) & need == need:
+        try:
+            return os.open(name, flags, dir_fd=dir_fd), -1
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _changed(name, exc) from None
+    try:
+        path = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    try:
+        mode = os.fstat(path).st_mode
+        if stat.S_IFMT(mode) != kind:
+            raise PathError("changed", f"{name!r} changed while the workspace was being copied")
+        back = stat.S_IMODE(mode)
+        proc = f"/proc/self/fd/{path}"
+        os.chmod(proc, back | need)
+        try:
+            # Through /proc the open reaches the entry the O_PATH descriptor holds (a magic
+            # link, so without O_NOFOLLOW), whatever took its name meanwhile.
+            return os.open(proc, flags & ~os.O_NOFOLLOW), back
+        except BaseException:
+            os.chmod(proc, back)
+            raise
+    finally:
+        os.close(path)
+
+
+def _give_back(fd: int, mode: int) -> None:
+    """Gives the entry open at ``fd`` its mode ``mode`` back (-1: it was never changed)."""
+    if mode >= 0:
+        os.fchmod(fd, mode)
+
+
+def _leave(fd: int, parent: tuple[int, int], back: int) -> int:
+    """Climbs from folder ``fd`` to its parent, which must be ``parent``, and closes ``fd``,
+    giving it its mode ``back`` once '..' is open (opening it took the search permission)."""
+    try:
+        up = _parent_of(fd, parent)
+    except BaseException:
+        _give_back(fd, back)
+        raise
+    try:
+        _give_back(fd, back)
+    except BaseException:
+        os.close(up)
+        raise
+    os.close(fd)
+    return up
+
+
+def _unwind(fd: int, stack: list[tuple[Iterator[str], tuple[int, int], int]]) -> None:
+    """Ends a walk at folder ``fd``, ``stack`` deep: a walk that stopped early (an error, a
+    reader that stopped) gives the folders it opened to itself their modes back, as far up
+    as '..' still leads where the walk came down from; then ``fd`` is closed."""
+    try:
+        while len(stack) > 1:
+            back = stack.pop()[2]
+            fd = _leave(fd, stack[-1][1], back)
+    except (OSError, PathError):
+        pass  # moved or gone meanwhile: what is above can no longer be reached
+    finally:
+        os.close(fd)
 
 
 def _changed(name: str, exc: OSError) -> OSError | PathError:
@@ -376,50 +541,261 @@ def _changed(name: str, exc: OSError) -> OSError | PathError:
     return PathError("changed", f"{name!r} changed while the workspace was being copied: {exc.strerror or exc}")
 
 
-def _open_dir_pair(src: int, dst: int, name: str, owner: tuple[int, int] | None) -> tuple[int, int] | None:
-    """Descriptors of folder ``name`` below ``src`` and of its new copy below ``dst``."""
-    try:
-        s = os.open(name, _DIR_FLAGS, dir_fd=src)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise _changed(name, exc) from None
-    try:
-        os.mkdir(name, 0o700, dir_fd=dst)
-        d = os.open(name, _DIR_FLAGS, dir_fd=dst)
-    except BaseException:
-        os.close(s)
-        raise
-    if owner is not None:
+class TreeBuilder:
+    """Makes the entries of a walk (see above) below an empty folder, ``owner``'s when given.
+
+    Its entries are checked as the hostile input they may be (in the Docker backend they
+    come out of the source sandbox's container): a name must be one component, ``up``
+    never climbs above the top, data only goes into a file; PathError('invalid') otherwise.
+    A folder gets its mode once it is filled, so a read-only one can be."""
+
+    def __init__(self, dst_fd: int, owner: tuple[int, int] | None = None) -> None:
+        self.owner = owner
+        self.dst = os.dup(dst_fd)
+        self.file = -1
+        # One frame a level: the folder's identity and the mode it gets when it is left.
+        self.frames: list[tuple[tuple[int, int], int]] = [(_identity(self.dst), -1)]
+
+    def add(self, entry: Entry) -> None:
+        """Makes one entry."""
+        kind, args = entry[0], entry[1:]
+        if (self.file >= 0) != (kind in ("data", "end")):
+            raise _bad_stream(f"{kind!r} entry {'inside' if self.file >= 0 else 'outside'} a file")
+        make = {"dir": self._dir, "up": self._up, "link": self._link, "file": self._file, "data": self._data, "end": self._end}.get(kind)
+        if make is None:
+            raise _bad_stream(f"unknown entry {kind!r}")
         try:
-            os.fchown(d, *owner)
+            make(*args)
+        except FileExistsError:
+            raise _bad_stream(f"{args[0]!r} comes twice") from None
+
+    def finish(self) -> None:
+        """Checks that the entries ended where they began (every folder and file closed)."""
+        if self.file >= 0 or len(self.frames) != 1:
+            raise _bad_stream("the entries end inside a folder or file")
+
+    def close(self) -> None:
+        """Closes the descriptors the builder holds."""
+        if self.file >= 0:
+            os.close(self.file)
+            self.file = -1
+        if self.dst >= 0:
+            os.close(self.dst)
+            self.dst = -1
+
+    def _dir(self, name: bytes, mode: int) -> None:
+        os.mkdir(_one_name(name), 0o700, dir_fd=self.dst)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=self.dst)
+        try:
+            if self.owner is not None:
+                os.fchown(fd, *self.owner)
+            self.frames.append((_identity(fd), mode & 0o777))
         except BaseException:
-            os.close(s)
-            os.close(d)
+            os.close(fd)
             raise
-    return s, d
+        os.close(self.dst)
+        self.dst = fd
 
+    def _up(self) -> None:
+        if len(self.frames) < 2:
+            raise _bad_stream("'up' above the top of the copy")
+        self.dst = _leave(self.dst, self.frames[-2][0], self.frames[-1][1])
+        self.frames.pop()
 
-def _copy_file(src: int, dst: int, name: str, mode: int, owner: tuple[int, int] | None) -> None:
-    try:
-        s = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise _changed(name, exc) from None
-    try:
-        if not stat.S_ISREG(os.fstat(s).st_mode):
-            return  # swapped for something else since the stat: not copied, like any special file
-        d = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dst)
+    def _link(self, name: bytes, target: bytes) -> None:
+        os.symlink(target, _one_name(name), dir_fd=self.dst)
+        if self.owner is not None:
+            os.chown(name, *self.owner, dir_fd=self.dst, follow_symlinks=False)
+
+    def _file(self, name: bytes, mode: int) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(_one_name(name), flags, 0o600, dir_fd=self.dst)
         try:
-            if owner is not None:
-                os.fchown(d, *owner)
-            os.fchmod(d, mode)
-            while chunk := os.read(s, 1 << 20):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(d, view):]
+            if self.owner is not None:
+                os.fchown(fd, *self.owner)
+            os.fchmod(fd, mode & 0o777)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.file = fd
+
+    def _data(self, offset: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(self.file, view, offset)
+            view, offset = view[written:], offset + written
+
+    def _end(self, size: int) -> None:
+        fd, self.file = self.file, -1
+        try:
+            os.ftruncate(fd, size)
         finally:
-            os.close(d)
+            os.close(fd)
+
+
+def _one_name(name: bytes) -> bytes:
+    """``name`` if it names an entry of the folder itself (one component), else PathError."""
+    if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+        raise _bad_stream(f"bad name {name!r}")
+    return name
+
+
+def _bad_stream(what: str) -> PathError:
+    return PathError("invalid", f"not a copy of a workspace: {what}")
+
+
+# ------------------------------------------------------------------ a copy as a byte stream
+#
+# send_tree writes a walk as records (a kind byte, a big-endian 8-byte length, the payload)
+# and receive_tree builds from them: the Docker backend runs one in each container and
+# relays the bytes between them. The stream ends with an end mark, or an error record
+# (what stopped the walk); a stream without either was cut off.
+
+_HEADER = struct.Struct(">cQ")
+_U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
+#: The longest payload a receiver accepts: a chunk of data and its offset; a link's name and target are shorter.
+_MAX_PAYLOAD = CHUNK_BYTES + _U64.size
+
+
+class _Stopped(Exception):
+    """The reading side of a send_tree went away, or asked it to stop."""
+
+
+def send_tree(src_fd: int, out_fd: int, stop_fd: int) -> bool:
+    """Streams :func:`walk_tree` of ``src_fd`` into ``out_fd`` for receive_tree: its entries,
+    then an end mark, or an error record where the walk failed. True once all is sent;
+    False when it stopped because ``stop_fd`` became readable (the relay closed it: the
+    receiving side gave up) or ``out_fd`` was closed. Stopping ends the walk as an error
+    does, giving back the modes it changed, where a blocked write would hold them."""
+    os.set_blocking(out_fd, False)
+    try:
+        try:
+            with contextlib.closing(walk_tree(src_fd)) as entries:
+                for entry in entries:
+                    _send(out_fd, stop_fd, _record(entry))
+            last = _HEADER.pack(b"Z", 0)
+        except (PathError, OSError) as exc:
+            body = json.dumps(describe_error(exc)).encode()
+            last = _HEADER.pack(b"X", len(body)) + body
+        _send(out_fd, stop_fd, last)
+    except _Stopped:
+        return False
+    return True
+
+
+def receive_tree(dst_fd: int, in_fd: int, owner: tuple[int, int] | None = None) -> None:
+    """Makes below the empty folder ``dst_fd`` the tree that send_tree streams into
+    ``in_fd``. Raises what the sender reported (see :func:`error_from`), PathError
+    ('truncated') for a stream that ends before its end mark and PathError('invalid') for
+    one that is not a copy of a workspace."""
+    builder = TreeBuilder(dst_fd, owner)
+    try:
+        for entry in _entries(in_fd):
+            builder.add(entry)
+        builder.finish()
     finally:
-        os.close(s)
+        builder.close()
+
+
+def describe_error(exc: PathError | OSError) -> list[Any]:
+    """A PathError or OSError as JSON-able data for :func:`error_from` on the other side of
+    a process boundary: [kind, message, errno, file name]."""
+    if isinstance(exc, PathError):
+        return [exc.kind, str(exc), None, None]
+    filename = exc.filename if isinstance(exc.filename, str) else None
+    return ["os", exc.strerror or str(exc), exc.errno, filename]
+
+
+def error_from(described: list[Any]) -> PathError | OSError:
+    """The error :func:`describe_error` described (an OSError with its errno and file name)."""
+    kind, message, code, filename = (list(described) + [None, None])[:4]
+    if kind != "os":
+        return PathError(str(kind), str(message))
+    return OSError(code, message, filename) if isinstance(code, int) else OSError(message)
+
+
+def _record(entry: Entry) -> bytes:
+    kind = entry[0]
+    if kind == "dir":
+        body = _U32.pack(entry[2]) + entry[1]
+    elif kind == "up":
+        body = b""
+    elif kind == "link":
+        body = _U32.pack(len(entry[1])) + entry[1] + entry[2]
+    elif kind == "file":
+        body = _U32.pack(entry[2]) + entry[1]
+    elif kind == "data":
+        body = _U64.pack(entry[1]) + entry[2]
+    else:
+        body = _U64.pack(entry[1])
+    return _HEADER.pack({"dir": b"D", "up": b"U", "link": b"L", "file": b"F", "data": b"B", "end": b"E"}[kind], len(body)) + body
+
+
+def _send(out_fd: int, stop_fd: int, data: bytes) -> None:
+    """Writes all of ``data`` to the non-blocking ``out_fd``; _Stopped when ``stop_fd`` turns
+    readable (or at its end) first, or when nobody reads ``out_fd`` any more."""
+    view = memoryview(data)
+    while view:
+        readable, writable, _ = select.select([stop_fd], [out_fd], [])
+        if readable:
+            raise _Stopped()
+        try:
+            view = view[os.write(out_fd, view):]
+        except BlockingIOError:
+            continue
+        except BrokenPipeError:
+            raise _Stopped() from None
+
+
+def _entries(in_fd: int) -> Iterator[Entry]:
+    """The entries of a send_tree stream read from ``in_fd``, checked for shape."""
+    while True:
+        kind, body = _read_record(in_fd)
+        if kind == b"Z":
+            return
+        if kind == b"X":
+            try:
+                described = json.loads(body)
+            except ValueError:
+                raise _bad_stream("an unreadable error record") from None
+            raise error_from(described if isinstance(described, list) else [])
+        yield _entry(kind, body)
+
+
+def _entry(kind: bytes, body: bytes) -> Entry:
+    fixed = {b"D": _U32.size, b"L": _U32.size, b"F": _U32.size, b"B": _U64.size, b"E": _U64.size, b"U": 0}.get(kind)
+    if fixed is None or len(body) < fixed or kind in (b"E", b"U") and len(body) != fixed:
+        raise _bad_stream(f"a record of kind {kind!r} and {len(body)} bytes")
+    head, rest = body[:fixed], body[fixed:]
+    if kind == b"D":
+        return ("dir", rest, _U32.unpack(head)[0])
+    if kind == b"F":
+        return ("file", rest, _U32.unpack(head)[0])
+    if kind == b"L":
+        size = _U32.unpack(head)[0]
+        if size > len(rest):
+            raise _bad_stream("a link record shorter than its name")
+        return ("link", rest[:size], rest[size:])
+    if kind == b"B":
+        return ("data", _U64.unpack(head)[0], rest)
+    if kind == b"E":
+        return ("end", _U64.unpack(head)[0])
+    return ("up",)
+
+
+def _read_record(in_fd: int) -> tuple[bytes, bytes]:
+    header = _read_exactly(in_fd, _HEADER.size)
+    kind, size = _HEADER.unpack(header)
+    if size > _MAX_PAYLOAD:
+        raise _bad_stream(f"a record of {size} bytes")
+    return kind, _read_exactly(in_fd, size)
+
+
+def _read_exactly(in_fd: int, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = os.read(in_fd, size - len(data))
+        if not chunk:
+            raise PathError("truncated", "the copy of the workspace was cut off before its end")
+        data += chunk
+    return bytes(data)

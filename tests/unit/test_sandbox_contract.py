@@ -343,6 +343,191 @@ def test_hostile_killing_its_parent(pair) -> None:  # type: ignore[no-untyped-de
     assert out == b"still-usable\n"
 
 
+# A workspace made as hostile to a copy as a sandbox can make it: a folder chain 1,300
+# levels deep, a path far beyond PATH_MAX, a FIFO and a socket, hard links, a sparse file
+# far larger than the disk (1 TiB where no file size limit applies, 60 MiB otherwise),
+# entries their owner may not read or search, names that are not UTF-8, symlinks out.
+HOSTILE_TREE = r"""
+import os, socket
+os.mkdir('hostile'); os.chdir('hostile')
+os.mkdir('deep'); os.chdir('deep')
+for i in range(1300):
+    if i % 250 == 0:
+        open('f.txt', 'w').write('level %d' % i)
+    os.mkdir('a'); os.chdir('a')
+open('bottom.txt', 'w').write('bottom')
+os.symlink('../../..', 'up')
+for i in range(1301):
+    os.chdir('..')
+os.mkdir('long'); os.chdir('long')
+for i in range(24):
+    os.mkdir(chr(97 + i) * 200); os.chdir(chr(97 + i) * 200)
+open('far.txt', 'w').write('far')
+for i in range(25):
+    os.chdir('..')
+os.mkfifo('fifo')
+socket.socket(socket.AF_UNIX).bind('sock')
+open('h1', 'w').write('linked'); os.link('h1', 'h2')
+with open('sparse.bin', 'wb') as f:
+    f.write(b'head')
+    try:
+        f.truncate(1 << 40)
+    except OSError:
+        f.truncate(60 << 20)
+    f.seek(-4, 2); f.write(b'tail')
+with open('big.bin', 'wb') as f:
+    f.write(os.urandom(16 << 20))
+open('secret', 'w').write('not even for me'); os.chmod('secret', 0)
+os.makedirs('locked/sub'); open('locked/in.txt', 'w').write('in'); os.chmod('locked', 0)
+os.mkdir('ro'); open('ro/x', 'w').write('x'); os.chmod('ro', 0o555)
+os.mkdir('wx'); open('wx/y', 'w').write('y'); os.chmod('wx', 0o300)
+open('run.sh', 'w').write('#!/bin/sh\n'); os.chmod('run.sh', 0o751)
+open(b'\xff\xfe', 'w').write('bytes'); open('new\nline', 'w').write('nl')
+os.symlink('/', 'root'); os.symlink('nowhere', 'dangling'); os.mkdir('empty')
+"""
+
+# What is in a tree, one line an entry in a fixed order (depth, name, kind, mode, size, and a
+# digest of a file's data extents, read once per inode, or a link's target), walked with
+# chdir so that no path is ever longer than a name; folders and files the owner may not
+# read are opened to it for the walk and given their mode back.
+MANIFEST = r"""
+import hashlib, os, stat, sys
+
+def granted(name, st, need):
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & need == need:
+        return None
+    os.chmod(name, mode | need)
+    return mode
+
+seen = {}
+
+def digest(name, st):
+    if st.st_ino not in seen:
+        seen[st.st_ino] = read_digest(name, st)
+    return seen[st.st_ino]
+
+def read_digest(name, st):
+    back = granted(name, st, 0o400)
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    h, pos = hashlib.sha256(), 0
+    try:
+        while True:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:
+                break
+            pos = os.lseek(fd, start, os.SEEK_HOLE)
+            h.update(b'@%d:' % start)
+            while start < pos:
+                chunk = os.pread(fd, min(1 << 20, pos - start), start)
+                if not chunk:
+                    break
+                h.update(chunk)
+                start += len(chunk)
+    finally:
+        os.close(fd)
+        if back is not None:
+            os.chmod(name, back)
+    return h.hexdigest()[:16]
+
+os.chdir(sys.argv[1])
+stack = [[iter(sorted(os.listdir(b'.'))), None]]
+while stack:
+    name = next(stack[-1][0], None)
+    if name is None:
+        _, back = stack.pop()
+        if stack:
+            os.chdir(b'..')
+            if back is not None:
+                os.chmod(*back)
+        continue
+    st = os.lstat(name)
+    mode = stat.S_IMODE(st.st_mode)
+    line = [len(stack) - 1, name, '', mode, 0, '']
+    if stat.S_ISDIR(st.st_mode):
+        line[2] = 'dir'
+        back = granted(name, st, 0o500)
+        os.chdir(name)
+        stack.append([iter(sorted(os.listdir(b'.'))), None if back is None else (name, back)])
+    elif stat.S_ISLNK(st.st_mode):
+        line[2:] = ['link', 0, 0, os.readlink(name)]
+    elif stat.S_ISREG(st.st_mode):
+        line[2:] = ['file', mode, st.st_size, digest(name, st)]
+    else:
+        line[2] = 'fifo' if stat.S_ISFIFO(st.st_mode) else 'sock' if stat.S_ISSOCK(st.st_mode) else 'other'
+    print(*map(repr, line))
+"""
+
+
+def _manifest(loop: Loop, m: SandboxManager, sid: str, top: str) -> list[str]:
+    out, err, res = loop.run(run(m, sid, ["python3", "-c", MANIFEST, top], timeout_s=10))
+    assert res.exit_code == 0 and not res.stdout_truncated, err
+    return out.decode().splitlines()
+
+
+def test_hostile_workspace_forks_faithfully(pair) -> None:  # type: ignore[no-untyped-def]
+    """What the sandbox built to break a copy forks, on both backends, into the same tree:
+    every folder, file (data, holes, mode) and symlink, whatever its depth, path length,
+    name or permissions; FIFOs and sockets are left out, hard links become separate files
+    (as the process backend has always copied). The source is left as it was, the host
+    holds no copy of the workspace in memory, and nothing is left behind."""
+    import tracemalloc
+
+    loop, m, attacker, bystander = pair
+    _, err, res = loop.run(run(m, attacker, ["python3", "-c", HOSTILE_TREE], timeout_s=10))
+    assert res.exit_code == 0, err
+    try:
+        source = _manifest(loop, m, attacker, "hostile")
+        kinds = {line.split()[2] for line in source}
+        assert {"'dir'", "'file'", "'link'", "'fifo'", "'sock'"} <= kinds and len(source) > 1300
+        tracemalloc.start()
+        try:
+            (copy,) = loop.run(asyncio.wait_for(m.fork(attacker, 1), 300))
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        try:
+            assert peak < 8 << 20, f"the host held {peak} bytes while copying a workspace of 16 MiB"
+            expected = [line for line in source if line.split()[2] not in ("'fifo'", "'sock'")]
+            assert _manifest(loop, m, copy.sandbox_id, "hostile") == expected
+            out, _, _ = loop.run(sh(m, copy.sandbox_id, "stat -c %h hostile/h1 hostile/h2; echo changed > hostile/h1; cat hostile/h2"))
+            assert out == b"1\n1\nlinked", out
+        finally:
+            loop.run(m.close(copy.sandbox_id))
+        assert _manifest(loop, m, attacker, "hostile") == source
+        assert loop.run(m.backend.leftovers()) == []
+    finally:
+        loop.run(m.backend.remove(attacker, "hostile"))
+    loop.run(_healthy(m, bystander))
+
+
+def test_hostile_fork_that_does_not_fit_is_resource_exhausted(pair) -> None:  # type: ignore[no-untyped-def]
+    """A workspace whose copy needs more room than the disk limit (a 12 MiB file hard-linked
+    4,000 times, in folders only root may search: links are copied as files) fails Fork
+    with RESOURCE_EXHAUSTED, leaving no sandbox behind and the source exactly as it was: the
+    copy gave up inside the folders it had opened to itself, stopped reading the source
+    (48 GB of it) and gave the folders their modes back."""
+    loop, m, attacker, bystander = pair
+    build = (
+        "import os\nos.makedirs('bomb/locked/inner'); os.chdir('bomb/locked/inner')\n"
+        "open('a', 'wb').write(os.urandom(12 << 20))\nfor i in range(4000):\n    os.link('a', 'l%d' % i)\n"
+        "open('secret', 'w').write('s'); os.chmod('secret', 0); os.chmod('.', 0o100); os.chmod('..', 0)\n"
+    )
+    _, err, res = loop.run(run(m, attacker, ["python3", "-c", build], timeout_s=10))
+    assert res.exit_code == 0, err
+    try:
+        source = _manifest(loop, m, attacker, "bomb")
+        assert "'locked' 'dir' 0 " in " ".join(source).replace("b'", "'"), source
+        live = {b.sandbox_id for b in m.list()}
+        with pytest.raises(ResourceExhausted, match="does not fit"):
+            loop.run(asyncio.wait_for(m.fork(attacker, 1), 300))
+        assert {b.sandbox_id for b in m.list()} == live and loop.run(m.backend.leftovers()) == []
+        assert _manifest(loop, m, attacker, "bomb") == source
+    finally:
+        loop.run(m.backend.remove(attacker, "bomb"))
+    loop.run(_healthy(m, bystander))
+
 # ------------------------------------------------------------------ integrity: nothing outlives, fools or links
 
 

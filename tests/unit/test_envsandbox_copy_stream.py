@@ -1,0 +1,399 @@
+"""A workspace copy as two processes joined by a stream (the Docker backend's Fork, here
+without Docker): workspace_files.send_tree walks, receive_tree builds, docker_stream.relay
+carries the bytes between two Docker exec sockets. The copy is copy_tree's (holes kept,
+special files left out); a sender walking as the owner opens what only root could read and
+gives every mode back, also when it is stopped half-way; a receiver takes no stream that is
+not a copy; the relay holds one read at a time, stops the sender when the receiver fails,
+and gives up at its deadline."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from services.envsandbox import docker_stream, workspace_files
+from services.envsandbox.workspace_files import PathError
+from tests.unit.test_envsandbox_workspace_files import DIR_FLAGS, build_deep, describe
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def folders(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """An empty source and an empty destination folder; everything below tmp_path is removed
+    with remove_tree afterwards (trees here are too deep for pytest's clean-up)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    yield src, dst
+    fd = os.open(tmp_path, DIR_FLAGS)
+    try:
+        for name in os.listdir(fd):
+            workspace_files.remove_tree(fd, name)
+    finally:
+        os.close(fd)
+
+
+def _streamed(src: Path, dst: Path) -> bool:
+    """send_tree(src) in a thread into a pipe, receive_tree(dst) from it: what send_tree returned."""
+    read, write = os.pipe()
+    stop_read, stop_write = os.pipe()
+    src_fd, dst_fd = os.open(src, DIR_FLAGS), os.open(dst, DIR_FLAGS)
+    sent: list[bool] = []
+
+    def send() -> None:
+        try:
+            sent.append(workspace_files.send_tree(src_fd, write, stop_read))
+        finally:
+            os.close(write)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        workspace_files.receive_tree(dst_fd, read)
+    finally:
+        os.close(stop_write)  # a sender still writing stops
+        thread.join()
+        for fd in (read, stop_read, src_fd, dst_fd):
+            os.close(fd)
+    return sent == [True]
+
+
+def test_a_streamed_copy_is_copy_tree_s_copy_and_keeps_holes(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    src, dst = folders
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    build_deep(src / ".tests", outside)
+    # 64 MiB: a copy that fills the holes fails the check below, without filling the disk.
+    size = 64 << 20
+    with open(src / "sparse.bin", "wb") as fh:
+        fh.write(b"head")
+        fh.truncate(size)
+        fh.seek(-4, os.SEEK_END)
+        fh.write(b"tail")
+    os.link(src / "sparse.bin", src / "hard.bin")
+    assert _streamed(src, dst)
+    want = [e for e in describe(src / ".tests") if e[2] != "special"]
+    assert list(describe(dst / ".tests")) == want
+    for name in ("sparse.bin", "hard.bin"):
+        copy = os.stat(dst / name)
+        assert copy.st_size == size and copy.st_blocks * 512 <= 1 << 20, "a hole was filled"
+        assert copy.st_nlink == 1, "hard links are copied as separate files"
+        with open(dst / name, "rb") as fh:
+            assert fh.read(4) == b"head" and os.pread(fh.fileno(), 4, size - 4) == b"tail"
+
+
+def _as_owner(fn: Callable[[], int], folder: Path) -> int:
+    """Starts ``fn`` in a child that is uid NOBODY and owns ``folder``; the child's pid. Its
+    exit status is what ``fn`` returns (99 when it raised)."""
+    os.chown(folder, NOBODY, NOBODY)
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            code = fn()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _exit_status(pid: int, within_s: float = 60.0) -> int:
+    """The child's exit status; a child still running after ``within_s`` (a sender that
+    never stops: the defect under test) is killed, and its status is -SIGKILL."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+LOCKED = {"secret": 0o000, "locked": 0o000, "locked/inner": 0o000, "wx": 0o300, "ro": 0o555}
+
+
+def _build_locked(src_fd: int, big: int) -> None:
+    """As the owner: a file and folders only root may read or search (LOCKED's modes), the
+    innermost holding ``big`` bytes."""
+    for folder in ("locked", "locked/inner", "wx", "ro"):
+        os.mkdir(folder, 0o755, dir_fd=src_fd)
+    for path, data in (("secret", b"s"), ("locked/inner/big.bin", os.urandom(big)), ("wx/y", b"y"), ("ro/x", b"x")):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=src_fd)
+        os.write(fd, data)
+        os.close(fd)
+    for path in sorted(LOCKED, key=len, reverse=True):
+        os.chmod(path, LOCKED[path], dir_fd=src_fd)
+
+
+def _modes(src: Path) -> dict[str, int]:
+    return {path: stat.S_IMODE(os.lstat(src / path).st_mode) for path in LOCKED}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_a_sender_walking_as_the_owner_copies_what_only_root_could_read(folders: tuple[Path, Path]) -> None:
+    """The Docker backend walks as the sandbox's user: what that user made unreadable to
+    itself is copied all the same, with its mode, and the source keeps its modes."""
+    src, dst = folders
+    src_fd = os.open(src, DIR_FLAGS)
+    read, write = os.pipe()
+    stop_read, stop_write = os.pipe()
+
+    def send() -> int:
+        os.close(read)
+        _build_locked(src_fd, 3 << 20)
+        return 0 if workspace_files.send_tree(src_fd, write, stop_read) else 1
+
+    pid = _as_owner(send, src)
+    try:
+        os.close(write)
+        dst_fd = os.open(dst, DIR_FLAGS)
+        try:
+            workspace_files.receive_tree(dst_fd, read)
+        finally:
+            os.close(dst_fd)
+    finally:
+        for fd in (read, stop_read, stop_write, src_fd):
+            os.close(fd)
+        status = _exit_status(pid)
+    assert status == 0
+    assert _modes(src) == LOCKED
+    assert _modes(dst) == LOCKED
+    for path in ("secret", "locked/inner/big.bin", "wx/y", "ro/x"):
+        assert (dst / path).read_bytes() == (src / path).read_bytes()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_a_sender_stopped_half_way_gives_every_mode_back(folders: tuple[Path, Path]) -> None:
+    """The receiving side gives up (its disk is full, say) while the sender is deep in
+    folders it opened to itself: told to stop, the sender ends and the source has all its
+    modes back, where a sender blocked on a full pipe would have held them."""
+    src, _ = folders
+    src_fd = os.open(src, DIR_FLAGS)
+    read, write = os.pipe()
+    stop_read, stop_write = os.pipe()
+    ready_read, ready_write = os.pipe()
+
+    def send() -> int:
+        os.close(read)
+        os.close(stop_write)
+        _build_locked(src_fd, 8 << 20)
+        os.write(ready_write, b"x")
+        return 0 if workspace_files.send_tree(src_fd, write, stop_read) is False else 1
+
+    pid = _as_owner(send, src)
+    status: int | None = None
+    try:
+        os.close(write)
+        os.close(ready_write)
+        assert os.read(ready_read, 1) == b"x"
+        received = b""
+        while len(received) < 200_000:  # into locked/inner/big.bin, the pipe then full
+            received += os.read(read, 65536)
+        os.close(stop_write)
+        stop_write = -1
+        status = _exit_status(pid)
+    finally:
+        for fd in (read, stop_read, stop_write, ready_read, src_fd):
+            if fd >= 0:
+                os.close(fd)
+        if status is None:  # the test failed before its wait: the sender ends with its pipes
+            _exit_status(pid, within_s=5)
+    assert status == 0, "the sender did not stop when told"
+    assert _modes(src) == LOCKED
+
+
+def _records(*records: tuple[bytes, bytes]) -> bytes:
+    return b"".join(struct.pack(">cQ", kind, len(body)) + body for kind, body in records)
+
+
+def _dir(name: bytes) -> tuple[bytes, bytes]:
+    return b"D", struct.pack(">I", 0o755) + name
+
+
+def _file(name: bytes) -> tuple[bytes, bytes]:
+    return b"F", struct.pack(">I", 0o644) + name
+
+
+END = (b"Z", b"")
+UP = (b"U", b"")
+
+
+@pytest.mark.parametrize(
+    ("stream", "kind"),
+    [
+        (_records(_file(b"../escape"), (b"E", struct.pack(">Q", 0)), END), "invalid"),
+        (_records(_dir(b".."), END), "invalid"),
+        (_records(_dir(b"a/b"), END), "invalid"),
+        (_records(UP, _file(b"escape"), END), "invalid"),
+        (_records((b"B", struct.pack(">Q", 0) + b"data"), END), "invalid"),
+        (_records(_file(b"f"), _dir(b"d"), END), "invalid"),
+        (_records(_dir(b"d"), END), "invalid"),
+        (_records(_file(b"f"), (b"E", struct.pack(">Q", 0)), _file(b"f"), END), "invalid"),
+        (_records((b"L", struct.pack(">I", 99) + b"x")), "invalid"),
+        (_records((b"Q", b""), END), "invalid"),
+        (struct.pack(">cQ", b"B", 1 << 40), "invalid"),
+        (_records(_dir(b"d")), "truncated"),
+        (_records(_file(b"f"), (b"B", struct.pack(">Q", 0) + b"da")), "truncated"),
+        (_records((b"X", json.dumps(["changed", "moved"]).encode())), "changed"),
+    ],
+)
+def test_a_receiver_takes_no_stream_that_is_not_a_copy(folders: tuple[Path, Path], stream: bytes, kind: str) -> None:
+    """Whatever comes out of the source's container: nothing is made outside the
+    destination, and the answer is a PathError of the right kind, never a crash."""
+    _, dst = folders
+    (dst / "sub").mkdir()
+    read, write = os.pipe()
+    os.write(write, stream)
+    os.close(write)
+    dst_fd = os.open(dst / "sub", DIR_FLAGS)
+    try:
+        with pytest.raises(PathError) as caught:
+            workspace_files.receive_tree(dst_fd, read)
+    finally:
+        os.close(dst_fd)
+        os.close(read)
+    assert caught.value.kind == kind, caught.value
+    assert sorted(os.listdir(dst)) == ["sub"]
+
+
+def test_a_receiver_reports_the_sender_s_os_error_with_its_errno(folders: tuple[Path, Path]) -> None:
+    _, dst = folders
+    read, write = os.pipe()
+    os.write(write, _records((b"X", json.dumps(["os", "Input/output error", 5, "a/b"]).encode())))
+    os.close(write)
+    dst_fd = os.open(dst, DIR_FLAGS)
+    try:
+        with pytest.raises(OSError) as caught:
+            workspace_files.receive_tree(dst_fd, read)
+    finally:
+        os.close(dst_fd)
+        os.close(read)
+    assert (caught.value.errno, caught.value.filename) == (5, "a/b")
+
+
+# ------------------------------------------------------------------ docker_stream
+
+
+def _frame(stream: int, payload: bytes) -> bytes:
+    return struct.pack(">BxxxI", stream, len(payload)) + payload
+
+
+def test_demux_hands_on_payload_however_the_stream_is_cut() -> None:
+    stream = _frame(1, b"hello ") + _frame(2, b"oops") + _frame(1, b"") + _frame(1, b"world" * 1000)
+    for cut in (1, 3, 7, 8, 9, 100, len(stream)):
+        demux = docker_stream.Demux()
+        got: dict[int, bytes] = {1: b"", 2: b""}
+        for at in range(0, len(stream), cut):
+            for kind, piece in demux.feed(stream[at : at + cut]):
+                got[kind] += piece
+        assert got == {1: b"hello " + b"world" * 1000, 2: b"oops"}, cut
+
+
+class FakeExec:
+    """The Docker side of one exec's socket: ``run(sock)`` plays the process in a thread."""
+
+    def __init__(self, run: Callable[[socket.socket], None]) -> None:
+        self.ours, theirs = socket.socketpair()
+        self.thread = threading.Thread(target=self._play, args=(theirs, run))
+        self.thread.start()
+
+    @staticmethod
+    def _play(sock: socket.socket, run: Callable[[socket.socket], None]) -> None:
+        try:
+            run(sock)
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        self.thread.join()
+        self.ours.close()
+
+
+def _receive_all(reply: Callable[[bytes], bytes]) -> Callable[[socket.socket], None]:
+    """A receiver that reads its whole input, then writes ``reply(input)`` on stdout."""
+
+    def run(sock: socket.socket) -> None:
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+        sock.sendall(_frame(1, reply(got)))
+
+    return run
+
+
+def test_relay_carries_the_sender_s_output_into_the_receiver() -> None:
+    data = os.urandom(3 << 20)
+
+    def send(sock: socket.socket) -> None:
+        for at in range(0, len(data), 30000):
+            sock.sendall(_frame(1, data[at : at + 30000]))
+        sock.sendall(_frame(2, b"a warning"))
+        sock.shutdown(socket.SHUT_WR)
+
+    sender, receiver = FakeExec(send), FakeExec(_receive_all(lambda got: b"{}" if got == data else b"wrong"))
+    try:
+        relayed = docker_stream.relay(sender.ours, receiver.ours, deadline=float("inf"))
+    finally:
+        sender.close()
+        receiver.close()
+    assert relayed.reply == b"{}" and relayed.sender_stderr == b"a warning" and relayed.ended and not relayed.timed_out
+
+
+def test_relay_stops_the_sender_when_the_receiver_gives_up() -> None:
+    told: list[bool] = []
+
+    def send(sock: socket.socket) -> None:
+        # Writes until its standard input closes, as send_tree does.
+        sock.setblocking(False)
+        while True:
+            try:
+                if sock.recv(1) == b"":
+                    told.append(True)
+                    return
+            except BlockingIOError:
+                pass
+            try:
+                sock.send(_frame(1, b"x" * 30000))
+            except BlockingIOError:
+                pass
+
+    def receive(sock: socket.socket) -> None:
+        sock.recv(100_000)
+        sock.sendall(_frame(1, b'{"error": ["os", "No space left on device", 28, null]}'))
+
+    sender, receiver = FakeExec(send), FakeExec(receive)
+    try:
+        relayed = docker_stream.relay(sender.ours, receiver.ours, deadline=float("inf"))
+    finally:
+        sender.close()
+        receiver.close()
+    assert told == [True] and relayed.ended and b"No space" in relayed.reply
+
+
+def test_relay_gives_up_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender that never ends: both sides are told to stop at the deadline, and the
+    relay returns after the grace even though they do not end (the caller kills them)."""
+    monkeypatch.setattr(docker_stream, "GRACE_S", 0.2)
+    release = threading.Event()
+    sender = FakeExec(lambda sock: release.wait(30) and None)
+    receiver = FakeExec(lambda sock: release.wait(30) and None)
+    try:
+        relayed = docker_stream.relay(sender.ours, receiver.ours, deadline=0.0)
+    finally:
+        release.set()
+        sender.close()
+        receiver.close()
+    assert relayed.timed_out and not relayed.ended
