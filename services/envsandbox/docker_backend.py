@@ -9,7 +9,12 @@ that no longer runs. When an exec ends (and before RunTests) every process in th
 container but its init is killed, and the sweep checks that none is left.
 
 The workspace is a tmpfs, which ``docker cp`` cannot reach, so file operations run
-``workspace_files`` inside the container (python3 is in the image) over an exec's stdin.
+``workspace_files`` inside the container (python3 is in the image) over an exec's stdin,
+as the sandbox's user with no capability: they hold the workspace folder by an ``O_PATH``
+descriptor (no permission needed on it), and where the sandbox took away an owner
+permission bit an operation needs, workspace_files gives it back for that step and
+restores the mode after: they do what the process backend's do as root, whatever the
+modes (see workspace_files' docstring).
 Fork copies a workspace the same way the process backend does, as a stream:
 ``workspace_files.send_tree`` in the source container, ``receive_tree`` in the new one,
 and the host relaying one piece at a time between them (``docker_stream``).
@@ -46,7 +51,7 @@ FILES_SOURCE = (Path(__file__).parent / "workspace_files.py").read_text()
 FILES_MAIN = r'''
 import base64 as _b64, json as _json, sys as _sys
 _req = _json.loads(_sys.stdin.buffer.read())
-_root = os.open("/workspace", os.O_RDONLY | os.O_DIRECTORY)
+_root = os.open("/workspace", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 try:
     if _req["op"] == "write":
         for _f in _req["files"]:
@@ -67,7 +72,7 @@ _sys.stdout.write(_json.dumps(_out))
 #: closes; "receive" builds the stream from stdin and answers like FILES_MAIN.
 COPY_MAIN = r'''
 import json as _json, sys as _sys
-_root = os.open("/workspace", os.O_RDONLY | os.O_DIRECTORY)
+_root = os.open("/workspace", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 if _sys.argv[1] == "send":
     send_tree(_root, 1, 0)
 else:

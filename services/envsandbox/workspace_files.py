@@ -10,6 +10,15 @@ however deep they are (a sandbox can make a folder chain thousands of levels dee
 ``..`` only after checking that it leads to the very folder it came down from. A copy can
 also run as two processes, :func:`send_tree` and :func:`receive_tree`, joined by a stream.
 
+Every operation works whatever modes the sandbox left on its workspace, the workspace
+folder itself included, and leaves them as they were. As root (the process backend) modes
+do not stand in the way. Without root (the Docker backend runs this module in the container
+as the sandbox's user, who owns every entry of the workspace) an entry that lacks an owner
+permission bit an operation needs gets it from its owner for that step, through a
+descriptor of that very entry (never by name, so never through a symlink), and its mode
+back right after: see :func:`_owner_may` and :func:`_open_as_owner`. The process needs no
+capability for this, and the sandbox gains nothing: its owner could change those modes itself.
+
 This module is self-contained (standard library only, no Meridian imports) because the
 Docker backend runs it inside the container as well; errors are ``PathError`` with a
 ``kind`` that callers map to their own error types: ``invalid`` (a bad path: through a
@@ -31,6 +40,10 @@ from collections.abc import Iterator
 from typing import Any
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: A folder held to look names up in: opening it takes no permission on the folder itself.
+_LOOKUP_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Owner permission bits: to look a name up in a folder; to add or remove names there too.
+_SEARCH, _CHANGE = 0o100, 0o300
 
 #: errno values that say the path is wrong (the caller's or the sandbox's doing, never the
 #: service's): a name too long, a symlink, file, socket or device where something else
@@ -74,21 +87,69 @@ def split_relative(relative: str) -> list[str]:
     return parts
 
 
+def _grant(fd: int, need: int) -> int:
+    """Gives the owner of the entry open at ``fd`` (any descriptor, ``O_PATH`` too) the
+    permission bits ``need``; returns the mode to give back with :func:`_restore` (-1: none
+    was changed). As root nothing is changed: root needs no permission bits. The change goes
+    through /proc to the very entry ``fd`` holds, whatever took its name meanwhile."""
+    if os.geteuid() == 0:
+        return -1
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    if mode & need == need:
+        return -1
+    os.chmod(f"/proc/self/fd/{fd}", mode | need)
+    return mode
+
+
+def _restore(fd: int, mode: int) -> None:
+    """Gives the entry open at ``fd`` its mode ``mode`` back (-1: it was never changed)."""
+    if mode >= 0:
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+
+
+@contextlib.contextmanager
+def _owner_may(fd: int, need: int) -> Iterator[None]:
+    """For the duration, the owner of the entry open at ``fd`` has the permission bits
+    ``need`` on it (see :func:`_grant`); afterwards, also after an error, its mode is back."""
+    back = _grant(fd, need)
+    try:
+        yield
+    finally:
+        _restore(fd, back)
+
+
+def _open_as_owner(dir_fd: int, name: str, flags: int, need: int, mode: int = 0o600) -> int:
+    """``name`` below ``dir_fd`` opened with ``flags`` (which hold ``O_NOFOLLOW``). When its
+    owner lacks the bits ``need`` for that (the sandbox took them away), they are given for
+    the open and taken back after it: through an ``O_PATH`` descriptor of the very entry
+    (never a symlink) and /proc, so the entry that got them is the entry opened. ``mode``:
+    that of a file ``O_CREAT`` makes."""
+    try:
+        return os.open(name, flags, mode, dir_fd=dir_fd)
+    except PermissionError:
+        if os.geteuid() == 0:
+            raise
+    path = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if stat.S_ISLNK(os.fstat(path).st_mode):
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), name)
+        with _owner_may(path, need):
+            # The magic link reaches what the O_PATH descriptor holds: no O_NOFOLLOW (it
+            # would refuse the link itself), and no O_CREAT (the entry exists).
+            return os.open(f"/proc/self/fd/{path}", flags & ~(os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL))
+    finally:
+        os.close(path)
+
+
 def _walk_dirs(root_fd: int, parts: list[str], relative: str, create: bool, owner: tuple[int, int] | None) -> int:
-    """A descriptor of the directory ``parts`` below ``root_fd`` (created when asked)."""
+    """A descriptor of the directory ``parts`` below ``root_fd`` (created when asked), to
+    look names up in: an ``O_PATH`` one, unless this call made the folder."""
     with _bad_paths(relative):
         fd = os.dup(root_fd)
         try:
             for name in parts:
                 try:
-                    nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise PathError("not_found", f"no such folder in the workspace: {relative!r}") from None
-                    os.mkdir(name, 0o755, dir_fd=fd)
-                    nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                    if owner is not None:
-                        os.fchown(nxt, *owner)
+                    nxt = _step_down(fd, name, relative, create, owner)
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                         raise PathError("invalid", f"path goes through a symlink or a file: {relative!r}") from None
@@ -101,12 +162,33 @@ def _walk_dirs(root_fd: int, parts: list[str], relative: str, create: bool, owne
             raise
 
 
+def _step_down(fd: int, name: str, relative: str, create: bool, owner: tuple[int, int] | None) -> int:
+    """The folder ``name`` below the folder ``fd``, made (``owner``'s) when it is missing and
+    ``create`` is set. Searching ``fd`` and adding to it are granted for the step alone."""
+    with _owner_may(fd, _SEARCH):
+        try:
+            return os.open(name, _LOOKUP_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            if not create:
+                raise PathError("not_found", f"no such folder in the workspace: {relative!r}") from None
+    with _owner_may(fd, _CHANGE):
+        os.mkdir(name, 0o755, dir_fd=fd)
+        nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    try:
+        if owner is not None:
+            os.fchown(nxt, *owner)
+    except BaseException:
+        os.close(nxt)
+        raise
+    return nxt
+
+
 def write_file(root_fd: int, relative: str, content: bytes, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
     """Writes ``content`` at ``relative``, replacing a symlink there rather than following it."""
     parts = split_relative(relative)
     parent = _walk_dirs(root_fd, parts[:-1], relative, create=True, owner=owner)
     try:
-        with _bad_paths(relative):
+        with _bad_paths(relative), _owner_may(parent, _CHANGE):
             _write_in(parent, parts[-1], relative, content, mode, owner)
     finally:
         os.close(parent)
@@ -124,7 +206,7 @@ def _write_in(parent: int, name: str, relative: str, content: bytes, mode: int, 
     # O_NONBLOCK: a FIFO swapped in after the check above fails the open (no reader)
     # instead of blocking; anything but a regular file is refused before writing.
     try:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode & 0o777, dir_fd=parent)
+        fd = _open_as_owner(parent, name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o200, mode & 0o777)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
             raise PathError("invalid", f"not a regular file: {relative!r}") from None
@@ -151,7 +233,8 @@ def read_file(root_fd: int, relative: str, max_bytes: int, total_left: int | Non
         with _bad_paths(relative):
             try:
                 # O_NONBLOCK: a FIFO planted under the name must not hang the service.
-                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+                with _owner_may(parent, _SEARCH):
+                    fd = _open_as_owner(parent, parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o400)
             except FileNotFoundError:
                 raise PathError("not_found", f"no file {relative!r} in the workspace") from None
             except OSError as exc:
@@ -188,7 +271,7 @@ def remove_tree(root_fd: int, relative: str) -> None:
     except PathError:
         return
     try:
-        with _bad_paths(relative):
+        with _bad_paths(relative), _owner_may(parent, _CHANGE):
             try:
                 st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
             except OSError as exc:
@@ -243,25 +326,15 @@ def _open_to_owner(dir_fd: int, name: str) -> int:
 
     Without root (the Docker backend works as the sandbox's user) a folder the sandbox made
     read-only or unreadable could not be emptied otherwise; its owner can give itself the
-    permission back. As root this changes nothing."""
+    permission back (never given back: the folder is being removed). As root this changes
+    nothing."""
+    path = os.open(name, _LOOKUP_FLAGS, dir_fd=dir_fd)
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except PermissionError:
-        # Unreadable: an O_PATH descriptor (never through a symlink) and /proc set its mode.
-        path = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        try:
-            os.chmod(f"/proc/self/fd/{path}", stat.S_IMODE(os.fstat(path).st_mode) | 0o700)
-        finally:
-            os.close(path)
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    try:
-        mode = stat.S_IMODE(os.fstat(fd).st_mode)
-        if mode & 0o700 != 0o700 and os.geteuid() != 0:
-            os.fchmod(fd, mode | 0o700)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        _grant(path, 0o700)
+        # '.' of the O_PATH descriptor: the very folder that was granted, whatever its name is now.
+        return os.open(".", _DIR_FLAGS, dir_fd=path)
+    finally:
+        os.close(path)
 
 
 def _is_dir(dir_fd: int, name: str) -> bool:
@@ -330,6 +403,7 @@ def _parent_of(fd: int, expected: tuple[int, int]) -> int:
 #   ("data", offset, bytes)  some of the file's data; holes are not sent, so the copy of a
 #                            sparse file is as sparse (and fits wherever the source did)
 #   ("end", size)            the end of the file and its size
+#   ("top", mode)            the mode of the copied folder itself: the last entry
 #
 # FIFOs, sockets and devices are not copied; hard links are copied as separate files.
 
@@ -364,9 +438,16 @@ def walk_tree(src_fd: int) -> Iterator[Entry]:
     walked is left out.
 
     Not as root (the Docker backend walks as the sandbox's user), a folder or file its
-    owner may not read (or search) is opened to the owner for the walk and given its mode
-    back once the walk is done with it, also when the walk stops early."""
-    src = os.dup(src_fd)
+    owner may not read (or search), ``src_fd``'s folder included (``src_fd`` may be an
+    ``O_PATH`` descriptor), is opened to the owner for the walk and given its mode back
+    once the walk is done with it, also when the walk stops early."""
+    top_mode = stat.S_IMODE(os.fstat(src_fd).st_mode) & 0o777
+    top_back = _grant(src_fd, 0o500)
+    try:
+        src = os.open(".", _DIR_FLAGS, dir_fd=src_fd)
+    except BaseException:
+        _restore(src_fd, top_back)
+        raise
     # One frame a level: the names left to walk there, the folder's identity, and the mode
     # to give the folder back when the walk leaves it (-1: it was not changed).
     stack: list[tuple[Iterator[str], tuple[int, int], int]] = []
@@ -403,8 +484,12 @@ def walk_tree(src_fd: int) -> Iterator[Entry]:
             elif stat.S_ISREG(st.st_mode):
                 yield from _file_entries(src, name, st)
             # FIFOs, sockets and devices are not copied.
+        yield ("top", top_mode)
     finally:
-        _unwind(src, stack)
+        try:
+            _unwind(src, stack)
+        finally:
+            _restore(src_fd, top_back)
 
 
 def _enter(src: int, name: str, st: os.stat_result) -> tuple[int, tuple[Iterator[str], tuple[int, int], int]] | None:
@@ -546,8 +631,10 @@ class TreeBuilder:
 
     Its entries are checked as the hostile input they may be (in the Docker backend they
     come out of the source sandbox's container): a name must be one component, ``up``
-    never climbs above the top, data only goes into a file; PathError('invalid') otherwise.
-    A folder gets its mode once it is filled, so a read-only one can be."""
+    never climbs above the top, data only goes into a file, ``top`` comes last and at the
+    top; PathError('invalid') otherwise. A folder gets its mode once it is filled, so a
+    read-only one can be; the top folder (``dst_fd``, possibly an ``O_PATH`` descriptor)
+    gets the mode of a ``top`` entry when the builder finishes."""
 
     def __init__(self, dst_fd: int, owner: tuple[int, int] | None = None) -> None:
         self.owner = owner
@@ -555,13 +642,16 @@ class TreeBuilder:
         self.file = -1
         # One frame a level: the folder's identity and the mode it gets when it is left.
         self.frames: list[tuple[tuple[int, int], int]] = [(_identity(self.dst), -1)]
+        self.top_mode = -1  # the top's mode from a "top" entry; -1: none came yet
 
     def add(self, entry: Entry) -> None:
         """Makes one entry."""
         kind, args = entry[0], entry[1:]
+        if self.top_mode >= 0:
+            raise _bad_stream(f"{kind!r} entry after the top's mode")
         if (self.file >= 0) != (kind in ("data", "end")):
             raise _bad_stream(f"{kind!r} entry {'inside' if self.file >= 0 else 'outside'} a file")
-        make = {"dir": self._dir, "up": self._up, "link": self._link, "file": self._file, "data": self._data, "end": self._end}.get(kind)
+        make = {"dir": self._dir, "up": self._up, "link": self._link, "file": self._file, "data": self._data, "end": self._end, "top": self._top}.get(kind)
         if make is None:
             raise _bad_stream(f"unknown entry {kind!r}")
         try:
@@ -570,9 +660,12 @@ class TreeBuilder:
             raise _bad_stream(f"{args[0]!r} comes twice") from None
 
     def finish(self) -> None:
-        """Checks that the entries ended where they began (every folder and file closed)."""
+        """Checks that the entries ended where they began (every folder and file closed) and
+        gives the top folder its mode, last: the copy was made in it whatever that mode is."""
         if self.file >= 0 or len(self.frames) != 1:
             raise _bad_stream("the entries end inside a folder or file")
+        if self.top_mode >= 0:
+            os.chmod(f"/proc/self/fd/{self.dst}", self.top_mode)
 
     def close(self) -> None:
         """Closes the descriptors the builder holds."""
@@ -601,6 +694,11 @@ class TreeBuilder:
             raise _bad_stream("'up' above the top of the copy")
         self.dst = _leave(self.dst, self.frames[-2][0], self.frames[-1][1])
         self.frames.pop()
+
+    def _top(self, mode: int) -> None:
+        if len(self.frames) != 1:
+            raise _bad_stream("the top's mode inside a folder")
+        self.top_mode = mode & 0o777
 
     def _link(self, name: bytes, target: bytes) -> None:
         os.symlink(target, _one_name(name), dir_fd=self.dst)
@@ -726,9 +824,12 @@ def _record(entry: Entry) -> bytes:
         body = _U32.pack(entry[2]) + entry[1]
     elif kind == "data":
         body = _U64.pack(entry[1]) + entry[2]
+    elif kind == "top":
+        body = _U32.pack(entry[1])
     else:
         body = _U64.pack(entry[1])
-    return _HEADER.pack({"dir": b"D", "up": b"U", "link": b"L", "file": b"F", "data": b"B", "end": b"E"}[kind], len(body)) + body
+    kinds = {"dir": b"D", "up": b"U", "link": b"L", "file": b"F", "data": b"B", "end": b"E", "top": b"T"}
+    return _HEADER.pack(kinds[kind], len(body)) + body
 
 
 def _send(out_fd: int, stop_fd: int, data: bytes) -> None:
@@ -763,8 +864,8 @@ def _entries(in_fd: int) -> Iterator[Entry]:
 
 
 def _entry(kind: bytes, body: bytes) -> Entry:
-    fixed = {b"D": _U32.size, b"L": _U32.size, b"F": _U32.size, b"B": _U64.size, b"E": _U64.size, b"U": 0}.get(kind)
-    if fixed is None or len(body) < fixed or kind in (b"E", b"U") and len(body) != fixed:
+    fixed = {b"D": _U32.size, b"L": _U32.size, b"F": _U32.size, b"B": _U64.size, b"E": _U64.size, b"U": 0, b"T": _U32.size}.get(kind)
+    if fixed is None or len(body) < fixed or kind in (b"E", b"U", b"T") and len(body) != fixed:
         raise _bad_stream(f"a record of kind {kind!r} and {len(body)} bytes")
     head, rest = body[:fixed], body[fixed:]
     if kind == b"D":
@@ -780,6 +881,8 @@ def _entry(kind: bytes, body: bytes) -> Entry:
         return ("data", _U64.unpack(head)[0], rest)
     if kind == b"E":
         return ("end", _U64.unpack(head)[0])
+    if kind == b"T":
+        return ("top", _U32.unpack(head)[0])
     return ("up",)
 
 

@@ -176,6 +176,42 @@ def test_a_sender_walking_as_the_owner_copies_what_only_root_could_read(folders:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_a_sender_walking_as_the_owner_copies_a_top_folder_it_locked_with_its_mode(folders: tuple[Path, Path]) -> None:
+    """A sandbox that took every permission on its workspace folder from itself (chmod 0
+    /workspace) still forks: the sender, holding the folder by an O_PATH descriptor as the
+    Docker backend does, opens it to itself for the walk and gives its mode back, and the
+    copy's top folder gets that mode too."""
+    src, dst = folders
+    src_fd = os.open(src, DIR_FLAGS)
+    read, write = os.pipe()
+    stop_read, stop_write = os.pipe()
+
+    def send() -> int:
+        os.close(read)
+        _build_locked(src_fd, 1 << 10)
+        top = os.open(".", os.O_PATH | os.O_DIRECTORY, dir_fd=src_fd)
+        os.fchmod(src_fd, 0)
+        return 0 if workspace_files.send_tree(top, write, stop_read) else 1
+
+    pid = _as_owner(send, src)
+    try:
+        os.close(write)
+        dst_fd = os.open(dst, DIR_FLAGS)
+        try:
+            workspace_files.receive_tree(dst_fd, read)
+        finally:
+            os.close(dst_fd)
+    finally:
+        for fd in (read, stop_read, stop_write, src_fd):
+            os.close(fd)
+        status = _exit_status(pid)
+    assert status == 0
+    assert stat.S_IMODE(os.stat(src).st_mode) == 0 and stat.S_IMODE(os.stat(dst).st_mode) == 0
+    assert _modes(src) == LOCKED and _modes(dst) == LOCKED
+    assert (dst / "ro" / "x").read_bytes() == b"x"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 def test_a_sender_stopped_half_way_gives_every_mode_back(folders: tuple[Path, Path]) -> None:
     """The receiving side gives up (its disk is full, say) while the sender is deep in
     folders it opened to itself: told to stop, the sender ends and the source has all its
@@ -229,6 +265,7 @@ def _file(name: bytes) -> tuple[bytes, bytes]:
 
 END = (b"Z", b"")
 UP = (b"U", b"")
+TOP = (b"T", struct.pack(">I", 0o755))
 
 
 @pytest.mark.parametrize(
@@ -248,6 +285,9 @@ UP = (b"U", b"")
         (_records(_dir(b"d")), "truncated"),
         (_records(_file(b"f"), (b"B", struct.pack(">Q", 0) + b"da")), "truncated"),
         (_records((b"X", json.dumps(["changed", "moved"]).encode())), "changed"),
+        (_records(TOP, _file(b"f"), (b"E", struct.pack(">Q", 0)), END), "invalid"),
+        (_records(_dir(b"d"), TOP, UP, END), "invalid"),
+        (_records((b"T", b"\x00"), END), "invalid"),
     ],
 )
 def test_a_receiver_takes_no_stream_that_is_not_a_copy(folders: tuple[Path, Path], stream: bytes, kind: str) -> None:

@@ -336,3 +336,67 @@ def _as_nobody(fn: Callable[[], object], owned: Path) -> str:
         said = fh.read()
     os.waitpid(pid, 0)
     return said
+
+
+def _owner_operations(ws: int, own: int) -> dict[str, object]:
+    """As the owner of the folder ``ws`` (and of ``own``, outside it): takes away from itself
+    what a hostile sandbox would (folders and files it may not read, search or change, the
+    top folder ``ws`` included, a symlink to ``../own``, a locked folder of its own), then runs
+    the service's file operations; what they answered."""
+    for folder in ("ro", "ro/deep", "locked", "gone", "gone/sub"):
+        os.mkdir(folder, 0o755, dir_fd=ws)
+    for path, data in (("ro/old.txt", b"old"), ("locked/h.txt", b"hidden"), ("gone/sub/f", b"f"), ("own.txt", b"own")):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=own if path == "own.txt" else ws)
+        os.write(fd, data)
+        os.close(fd)
+    os.symlink("../own", "link", dir_fd=ws)
+    for path, mode in (("ro/old.txt", 0o444), ("locked/h.txt", 0), ("locked", 0), ("ro/deep", 0o555), ("ro", 0o555), ("gone/sub", 0), ("gone", 0o500)):
+        os.chmod(path, mode, dir_fd=ws)
+    os.fchmod(own, 0)
+    os.fchmod(ws, 0)
+    said: dict[str, object] = {}
+    for path, data in (("ro/new.txt", b"new"), ("ro/old.txt", b"replaced"), ("ro/deep/more/m.txt", b"m"), ("locked/w.txt", b"w"), ("top.txt", b"t")):
+        workspace_files.write_file(ws, path, data)
+    for path in ("ro/new.txt", "ro/old.txt", "ro/deep/more/m.txt", "locked/w.txt", "locked/h.txt", "top.txt"):
+        said[path] = workspace_files.read_file(ws, path, 100)
+    for path in ("link/own.txt", "link/new.txt"):
+        for name, op in (("read", lambda p=path: workspace_files.read_file(ws, p, 100)), ("write", lambda p=path: workspace_files.write_file(ws, p, b"x"))):
+            try:
+                op()
+                said[f"{name} {path}"] = "done"
+            except PathError as exc:
+                said[f"{name} {path}"] = exc.kind
+    workspace_files.remove_tree(ws, "gone")
+    return said
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_file_operations_as_the_owner_work_whatever_modes_it_left(tmp_path: Path) -> None:
+    """Without root (the Docker backend works as the sandbox's user) writes, reads and
+    removals do what they do as root, whatever modes the owner took from itself, and leave
+    every mode as it was (a written file has the mode write_file gives); a symlink to a
+    locked folder is neither followed nor changed."""
+    ws, own = tmp_path / "ws", tmp_path / "own"
+    ws.mkdir()
+    own.mkdir()
+    os.chown(own, 65534, 65534)
+    ws_fd, own_fd = os.open(ws, DIR_FLAGS), os.open(own, DIR_FLAGS)
+    umask = os.umask(0o022)
+    try:
+        said = _as_nobody(lambda: _owner_operations(ws_fd, own_fd), ws)
+    finally:
+        os.umask(umask)
+        os.close(ws_fd)
+        os.close(own_fd)
+    assert said == repr({
+        "ro/new.txt": b"new", "ro/old.txt": b"replaced", "ro/deep/more/m.txt": b"m", "locked/w.txt": b"w",
+        "locked/h.txt": b"hidden", "top.txt": b"t",
+        "read link/own.txt": "invalid", "write link/own.txt": "invalid", "read link/new.txt": "invalid", "write link/new.txt": "invalid",
+    })
+    modes = {p: oct(stat.S_IMODE(os.lstat(ws / p).st_mode)) for p in (".", "ro", "ro/deep", "ro/old.txt", "ro/new.txt", "ro/deep/more", "locked", "locked/h.txt", "locked/w.txt")}
+    assert modes == {
+        ".": "0o0", "ro": "0o555", "ro/deep": "0o555", "ro/old.txt": "0o644", "ro/new.txt": "0o644",
+        "ro/deep/more": "0o755", "locked": "0o0", "locked/h.txt": "0o0", "locked/w.txt": "0o644",
+    }
+    assert stat.S_IMODE(os.stat(own).st_mode) == 0 and sorted(os.listdir(own)) == ["own.txt"]
+    assert sorted(os.listdir(ws)) == ["link", "locked", "ro", "top.txt"]

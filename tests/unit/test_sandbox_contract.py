@@ -62,7 +62,8 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
         backend = ProcessBackend(root)
     loop = Loop()
-    manager = SandboxManager(backend, default_limits=Limits(memory_bytes=256 << 20, max_pids=64, disk_bytes=32 << 20, wall_seconds=10), max_sandboxes=3)
+    # Four: the two of `pair` live on while a test forks a sandbox of its own.
+    manager = SandboxManager(backend, default_limits=Limits(memory_bytes=256 << 20, max_pids=64, disk_bytes=32 << 20, wall_seconds=10), max_sandboxes=4)
     loop.run(manager.start())
     try:
         yield loop, manager
@@ -804,6 +805,155 @@ def test_write_errors_say_what_happened_and_name_the_file(env: tuple[Loop, Sandb
                 assert caught.value.status == status, (errno.errorcode[code], caught.value)
             await m.write_files(sid, {"d/e.txt": b"e"})
             assert await m.read_files(sid, ["d/e.txt", "small.txt"]) == {"d/e.txt": b"e", "small.txt": b"s"}
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
+# ------------------------------------------------------------------ modes the sandbox leaves on its own workspace
+#
+# The sandbox's user owns its workspace and may leave any mode on any of it (the folder
+# itself included). RunTests scores the workspace as the sandbox's user sees it (the tests
+# run as that user): a solution it can no longer read scores 0, one it can read scores as
+# it should. The service's own file operations (RunTests' set-up, Fork, WriteFiles,
+# ReadFiles) work whatever the modes, leave every mode as it was (a written file gets the
+# mode WriteFiles gives), and never follow a symlink the sandbox planted. Same on both backends.
+
+# name: (what the sandbox does, the reward RunTests must then give the reference solution)
+MODE_ATTACKS = {
+    "workspace_mode_0": ("chmod 0 /workspace", 0.0),
+    "workspace_read_only": ("mkdir -p .tests/deep && chmod 0 .tests/deep .tests && chmod 555 /workspace", 1.0),
+    "workspace_search_only": ("chmod 111 /workspace", 1.0),
+    "solution_mode_0": ("chmod 0 solution.py", 0.0),
+    "folders_and_files_mode_0": ("mkdir -p junk/in && touch junk/in/f && chmod 0 junk/in/f junk/in junk", 1.0),
+    "workspace_removed_or_replaced": (
+        "mkdir /tmp/mine && cp solution.py /tmp/mine/ && cd / && rm -rf /workspace; mv /workspace /tmp/old; ln -sfn /tmp/mine /workspace; true",
+        0.0,
+    ),
+}
+
+
+async def _mode_of_workspace(m: SandboxManager, sid: str) -> str:
+    """The workspace folder's mode as the sandbox's user sees it (``stat`` needs no access to it)."""
+    out, err, res = await run(m, sid, ["stat", "-c", "%a", "/workspace"])
+    assert res.exit_code == 0, err
+    return out.decode().strip()
+
+
+@pytest.mark.parametrize("attack", list(MODE_ATTACKS))
+def test_run_tests_scores_whatever_modes_the_sandbox_left(env: tuple[Loop, SandboxManager], attack: str) -> None:
+    """After the sandbox changed the modes of its own workspace (or tried to remove or
+    replace it), RunTests gives a real reward (1.0 where the tests, as the sandbox's user,
+    can still read the solution; 0.0 where they cannot), never an error; the workspace's
+    mode is left as the sandbox set it; Exec, WriteFiles, ReadFiles and Fork still work."""
+    loop, m = env
+    script, reward = MODE_ATTACKS[attack]
+    task = TaskSuite.builtin().get("python/add")
+
+    async def main() -> None:
+        box = await m.create(task=task, files={"solution.py": task.reference["solution.py"].encode()})
+        sid = box.sandbox_id
+        try:
+            _, err, res = await sh(m, sid, script)
+            assert res.exit_code == 0, err
+            mode = await _mode_of_workspace(m, sid)
+            outcome, _, output = await m.run_tests(sid)
+            assert outcome.reward == reward, output
+            assert await _mode_of_workspace(m, sid) == mode
+            with pytest.raises(NotFound):
+                await m.read_files(sid, [".tests/test_solution.py"])
+            _, _, res = await run(m, sid, ["true"])
+            assert res.exit_code == 0
+            await m.write_files(sid, {"probe/p.txt": b"probe"})
+            assert await m.read_files(sid, ["probe/p.txt"]) == {"probe/p.txt": b"probe"}
+            assert await _mode_of_workspace(m, sid) == mode
+            (copy,) = await m.fork(sid, 1)
+            try:
+                assert await _mode_of_workspace(m, copy.sandbox_id) == mode
+                assert await m.read_files(copy.sandbox_id, ["probe/p.txt"]) == {"probe/p.txt": b"probe"}
+            finally:
+                await m.close(copy.sandbox_id)
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
+# Entries their owner may not read, search or change, and a workspace only root could list.
+LOCKED_WORKSPACE = (
+    "mkdir -p box/locked/sub box/ro/deep box/wx && echo in > box/locked/sub/in.txt && echo s > box/secret && "
+    "echo r > box/ro/deep/r.txt && echo x > box/wx/x.txt && echo old > box/ro/old.txt && "
+    "chmod 0 box/secret box/locked/sub/in.txt box/locked/sub box/locked && chmod 444 box/ro/old.txt && "
+    "chmod 555 box/ro/deep box/ro && chmod 300 box/wx && chmod 0 /workspace"
+)
+
+
+def test_fork_copies_a_workspace_whatever_its_modes(env: tuple[Loop, SandboxManager]) -> None:
+    """A workspace whose folder and entries their owner may not read or search forks into
+    the same tree, the workspace folder's mode included; the source keeps every mode."""
+    loop, m = env
+    sid = loop.run(m.create()).sandbox_id
+    try:
+        _, err, res = loop.run(sh(m, sid, LOCKED_WORKSPACE))
+        assert res.exit_code == 0, err
+        (copy,) = loop.run(m.fork(sid, 1))
+        try:
+            assert loop.run(_mode_of_workspace(m, sid)) == "0"
+            assert loop.run(_mode_of_workspace(m, copy.sandbox_id)) == "0"
+            for each in (sid, copy.sandbox_id):
+                loop.run(sh(m, each, "chmod 755 /workspace"))
+            source = _manifest(loop, m, sid, "box")
+            assert "'locked' 'dir' 0 " in " ".join(source).replace("b'", "'"), source
+            assert _manifest(loop, m, copy.sandbox_id, "box") == source
+        finally:
+            loop.run(m.close(copy.sandbox_id))
+    finally:
+        loop.run(m.close(sid))
+
+
+def test_file_operations_work_whatever_modes_the_sandbox_left(env: tuple[Loop, SandboxManager]) -> None:
+    """WriteFiles writes into folders the sandbox made read-only or unreadable, over files
+    it made read-only, and in a workspace folder it made unreadable; ReadFiles reads what
+    the sandbox made unreadable. Every mode stays as the sandbox left it (a written file has
+    WriteFiles' mode), the same on both backends; a symlink the sandbox planted to a locked
+    folder of its own is neither followed nor changed."""
+    loop, m = env
+
+    async def main() -> None:
+        box = await m.create()
+        sid = box.sandbox_id
+        try:
+            plant = "mkdir /tmp/own && echo own > /tmp/own/o.txt && chmod 0 /tmp/own && ln -s /tmp/own box/link && "
+            _, err, res = await sh(m, sid, "mkdir box && " + plant + LOCKED_WORKSPACE)
+            assert res.exit_code == 0, err
+            written = {
+                "box/ro/new.txt": b"new", "box/ro/old.txt": b"replaced", "box/ro/deep/more/m.txt": b"m",
+                "box/locked/sub/w.txt": b"w", "box/wx/x.txt": b"x2", "top.txt": b"t",
+            }
+            await m.write_files(sid, written)
+            read = await m.read_files(sid, [*written, "box/secret", "box/locked/sub/in.txt", "box/ro/deep/r.txt"])
+            assert read == {**written, "box/secret": b"s\n", "box/locked/sub/in.txt": b"in\n", "box/ro/deep/r.txt": b"r\n"}
+            for path in ("box/link/o.txt", "box/link/new.txt"):
+                with pytest.raises((InvalidArgument, NotFound)):
+                    await m.read_files(sid, [path])
+                with pytest.raises(InvalidArgument):
+                    await m.write_files(sid, {path: b"x"})
+            await m.backend.remove(sid, "box/wx")
+            modes, err, res = await sh(
+                m, sid,
+                "stat -c '%a %n' /workspace /tmp/own; chmod 755 /workspace; "
+                "stat -c '%a %n' box/ro box/ro/deep box/ro/old.txt box/ro/new.txt box/ro/deep/more box/ro/deep/more/m.txt box/locked top.txt; "
+                "chmod 700 box/locked box/locked/sub; stat -c '%a %n' box/locked/sub/in.txt box/locked/sub/w.txt; ls box",
+            )
+            assert res.exit_code == 0, err
+            assert modes.decode().split("\n") == [
+                "0 /workspace", "0 /tmp/own",
+                "555 box/ro", "555 box/ro/deep", "644 box/ro/old.txt", "644 box/ro/new.txt", "755 box/ro/deep/more",
+                "644 box/ro/deep/more/m.txt", "0 box/locked", "644 top.txt",
+                "0 box/locked/sub/in.txt", "644 box/locked/sub/w.txt",
+                "link", "locked", "ro", "secret", "",
+            ]
         finally:
             await m.close(sid)
 
