@@ -95,8 +95,12 @@ class ProcessBackend(Backend):
         self._cleanup_root()
         self.mount_dir.mkdir(mode=0o711)
         self._launcher = await asyncio.to_thread(launcher.build, self.root / "bin")
-        names = [*seccomp_policy.DENIED, *seccomp_policy.NO_SYS, "clone"]
+        names = [*seccomp_policy.DENIED, *seccomp_policy.NO_SYS, *seccomp_policy.ARGUMENT_RULES]
         numbers, arch = await asyncio.to_thread(launcher.syscall_numbers, self._launcher, names)
+        # Every ABI has these: a number the launcher does not know would drop its rule silently.
+        unknown = [name for name in seccomp_policy.ARGUMENT_RULES if numbers.get(name, -1) < 0]
+        if unknown:
+            raise FailedPrecondition(f"the sandbox launcher does not know the system call numbers of {unknown}: their seccomp rules would be missing")
         fd = os.open(self._seccomp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(seccomp_policy.bpf_program(numbers, arch))

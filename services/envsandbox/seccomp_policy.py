@@ -11,7 +11,10 @@ is what those layers leave reachable, or what shares kernel state across sandbox
 * new namespaces (``unshare``, ``setns``, ``clone`` with ``CLONE_NEW*`` flags; ``clone3``
   answers ENOSYS so libc falls back to ``clone``, whose flags a filter can read) and every
   mount call: the sandbox's own view of the system stays as built;
-* host-wide settings (clock, hostname, swap, modules, kexec, reboot, accounting, syslog).
+* host-wide settings (clock, hostname, swap, modules, kexec, reboot, accounting, syslog);
+* ``prctl(PR_SET_PDEATHSIG)``: the process backend's launcher arms it so the sandboxed
+  command dies with the service; clearing it (or trading SIGKILL for a signal it ignores)
+  would let the command outlive a killed service.
 
 Denied calls fail with EPERM (ENOSYS for ``clone3``); a call made through another
 architecture's ABI (x32, or a foreign audit arch) kills the process.
@@ -40,8 +43,12 @@ DENIED = (
     "iopl", "ioperm", "uselib", "lookup_dcookie",
 )
 NO_SYS = ("clone3",)
+#: Calls judged by their first argument (see bpf_program), on every ABI.
+ARGUMENT_RULES = ("clone", "prctl")
 #: CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET (clone's low byte is the exit signal).
 CLONE_NEW_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+#: prctl's option that sets (or clears) the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 X32_SYSCALL_BIT = 0x40000000
 AUDIT_ARCH_X86_64 = 0xC000003E
 
@@ -59,6 +66,7 @@ def bpf_program(numbers: Mapping[str, int], arch: int) -> bytes:
     denied = sorted({numbers[n] for n in DENIED if numbers.get(n, -1) >= 0})
     nosys = sorted({numbers[n] for n in NO_SYS if numbers.get(n, -1) >= 0})
     clone = numbers.get("clone", -1)
+    prctl = numbers.get("prctl", -1)
     # (opcode, k, label if the condition holds, label if not); None: fall through.
     Step = tuple[int, int, str | None, str | None]
     steps: list[Step] = [(_LD_W_ABS, _ARCH, None, None), (_JEQ_K, arch, None, "kill"), (_LD_W_ABS, _NR, None, None)]
@@ -68,12 +76,17 @@ def bpf_program(numbers: Mapping[str, int], arch: int) -> bytes:
     steps += [(_JEQ_K, nr, "nosys", None) for nr in nosys]
     if clone >= 0:
         steps.append((_JEQ_K, clone, "clone", None))
-    # Jumps only go forward: the clone check comes before the return blocks it ends in.
+    if prctl >= 0:
+        steps.append((_JEQ_K, prctl, "prctl", None))
+    # Jumps only go forward: the argument checks come before the return blocks they end in.
     blocks: list[tuple[str, list[Step]]] = [
         ("allow", [(_RET_K, RET_ALLOW, None, None)]),
         # clone: the low 32 bits of its flags; any namespace bit set -> deny.
         ("clone", [(_LD_W_ABS, _ARG0_LOW, None, None), (_JSET_K, CLONE_NEW_FLAGS, "deny", "allow_after_clone")]),
         ("allow_after_clone", [(_RET_K, RET_ALLOW, None, None)]),
+        # prctl: its option (an int, the low 32 bits) PR_SET_PDEATHSIG -> deny.
+        ("prctl", [(_LD_W_ABS, _ARG0_LOW, None, None), (_JEQ_K, PR_SET_PDEATHSIG, "deny", "allow_after_prctl")]),
+        ("allow_after_prctl", [(_RET_K, RET_ALLOW, None, None)]),
         ("deny", [(_RET_K, RET_ERRNO | errno.EPERM, None, None)]),
         ("nosys", [(_RET_K, RET_ERRNO | errno.ENOSYS, None, None)]),
         ("kill", [(_RET_K, RET_KILL_PROCESS, None, None)]),
@@ -140,4 +153,8 @@ def docker_profile() -> str:
          "args": [{"index": 0, "value": bit, "valueTwo": bit, "op": "SCMP_CMP_MASKED_EQ"}]}
         for bit in bits
     ]
+    profile["syscalls"].append(
+        {"names": ["prctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
+         "args": [{"index": 0, "value": PR_SET_PDEATHSIG, "valueTwo": 0, "op": "SCMP_CMP_EQ"}]}
+    )
     return json.dumps(profile)

@@ -2,8 +2,9 @@
 
 The real service (``meridian serve envsandbox``) runs as a subprocess with live sandboxes
 and a command still running in one; it is killed with SIGKILL. Its sandboxed processes
-die with it (parent-death signals), its mounts with its mount helper, and the restarted
-service removes the stale cgroups (process backend) or labelled containers (docker).
+die with it (parent-death signals, which sandboxed code cannot clear), its mounts with its
+mount helper, and the restarted service removes the stale cgroups (process backend) or
+labelled containers (docker).
 """
 from __future__ import annotations
 
@@ -145,6 +146,50 @@ def test_sigkilled_process_backend_leaves_nothing_after_restart(tmp_path: Path, 
         _stop(again)
     assert _instances(again.pid) == []
     assert not any(GROUP_NAME in line and str(again.pid) in line for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+#: Sandboxed code that tries to outlive the service: it clears its parent-death signal
+#: (denied by the seccomp filter) and sleeps.
+OUTLIVE = (
+    "import ctypes, sys, time\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "print('cleared' if libc.prctl(1, 0, 0, 0, 0) == 0 else 'refused', ctypes.get_errno(), flush=True)\n"
+    "time.sleep(300)\n"
+)
+
+
+def test_a_sandboxed_command_dies_with_a_sigkilled_service(tmp_path: Path, pick_port: Any) -> None:
+    """The service is SIGKILLed while an exec runs (its caller still waiting, so nothing
+    cancelled it first): the command dies at once, even one that tried to clear its
+    parent-death signal, not when (or if) a restarted service cleans up. It survived
+    before: the launcher's uid change cleared the signal `unshare --kill-child` set."""
+    port = pick_port()
+    address = f"127.0.0.1:{port}"
+    marker = f"outlive-{os.getpid()}"
+    proc = _start_service(tmp_path / "state", port, "process")
+    try:
+        asyncio.run(_wait_serving(address, proc))
+
+        async def exec_then_kill() -> None:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = es_grpc.EnvSandboxStub(channel)
+                sandbox = (await stub.Create(es.CreateRequest(task_id="python/add"))).sandbox_id
+                call = stub.Exec(es.ExecRequest(sandbox_id=sandbox, argv=["python3", "-c", OUTLIVE, marker], timeout_seconds=300))
+                first = await call.read()  # the attempt's outcome: the command is running
+                assert first.stdout.startswith(b"refused"), first
+                os.killpg(proc.pid, signal.SIGKILL)
+                call.cancel()
+
+        asyncio.run(exec_then_kill())
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _processes_with(marker), _describe(_processes_with(marker))
+    finally:
+        _stop(proc)
+        for pid in _processes_with(marker):  # a survivor of a failed run
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.docker

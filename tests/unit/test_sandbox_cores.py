@@ -21,7 +21,7 @@ from services.envsandbox import workspace_files
 from services.envsandbox.sandbox import HARNESS_SOURCE
 
 # x86_64 numbers of a few calls (the policy is built from the launcher's own numbers).
-NUMBERS = {"keyctl": 250, "add_key": 248, "io_uring_setup": 425, "unshare": 272, "mount": 165, "clone3": 435, "clone": 56, "ptrace": 101}
+NUMBERS = {"keyctl": 250, "add_key": 248, "io_uring_setup": 425, "unshare": 272, "mount": 165, "clone3": 435, "clone": 56, "ptrace": 101, "prctl": 157}
 GETPID = 39
 
 
@@ -44,6 +44,15 @@ def test_clone3_says_enosys_and_clone_is_judged_by_its_flags() -> None:
         assert sp.run_bpf(prog, NUMBERS["clone"], arch, flag | 17) == sp.RET_ERRNO | errno.EPERM
 
 
+def test_prctl_may_not_touch_the_parent_death_signal() -> None:
+    """The launcher arms it so the command dies with the service; the command may not
+    clear it or trade SIGKILL for a signal it ignores. Other prctl options pass."""
+    prog, arch = _program(), sp.AUDIT_ARCH_X86_64
+    assert sp.run_bpf(prog, NUMBERS["prctl"], arch, sp.PR_SET_PDEATHSIG) == sp.RET_ERRNO | errno.EPERM
+    for option in (2, 15, 38):  # PR_GET_PDEATHSIG, PR_SET_NAME, PR_SET_NO_NEW_PRIVS
+        assert sp.run_bpf(prog, NUMBERS["prctl"], arch, option) == sp.RET_ALLOW
+
+
 def test_other_calls_pass_and_other_abis_are_killed() -> None:
     prog = _program()
     assert sp.run_bpf(prog, GETPID, sp.AUDIT_ARCH_X86_64) == sp.RET_ALLOW
@@ -58,6 +67,8 @@ def test_docker_profile_carries_the_same_policy() -> None:
     assert set(sp.DENIED) | set(sp.NO_SYS) <= denied
     clone_bits = {rule["args"][0]["value"] for rule in profile["syscalls"] if rule["names"] == ["clone"]}
     assert sum(clone_bits) == sp.CLONE_NEW_FLAGS
+    [prctl] = [rule for rule in profile["syscalls"] if rule["names"] == ["prctl"]]
+    assert prctl["args"] == [{"index": 0, "value": sp.PR_SET_PDEATHSIG, "valueTwo": 0, "op": "SCMP_CMP_EQ"}]
 
 
 def test_a_fifo_swapped_in_before_the_open_is_refused_without_blocking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,9 @@
  *   4. empty the capability bounding set and the ambient set while still root;
  *   5. drop supplementary groups, then the gid, then the uid (real, effective, saved):
  *      with every uid non-zero the kernel clears the permitted and effective sets;
+ *      then arm the parent-death signal again (SIGKILL): the uid change cleared the one
+ *      `unshare --kill-child` set, and without it the command outlived a killed service
+ *      (the seccomp filter keeps the command from clearing it);
  *   6. clear the inheritable set too, and set no_new_privs (setuid binaries and file
  *      capabilities cannot give anything back; seccomp needs it unprivileged);
  *   7. install the seccomp filter -- last, so the steps above are not filtered;
@@ -32,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -71,7 +75,7 @@ static const struct syscall_name known[] = {
     SC(userfaultfd),
 #endif
     SC(perf_event_open), SC(bpf), SC(ptrace), SC(process_vm_readv), SC(process_vm_writev),
-    SC(unshare), SC(setns), SC(clone),
+    SC(unshare), SC(setns), SC(clone), SC(prctl),
 #ifdef __NR_clone3
     SC(clone3),
 #endif
@@ -202,6 +206,10 @@ int main(int argc, char **argv) {
     if (setgroups(0, NULL) != 0) die("setgroups");
     if (setresgid(gid, gid, gid) != 0) die("setresgid");
     if (setresuid(uid, uid, uid) != 0) die("setresuid");
+    /* prctl(2): a credential change clears the parent-death signal; unshare (this
+       process's parent) dies with the service, and this process is the namespace's
+       init, whose death takes every process of the sandbox's exec with it. */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) die("PR_SET_PDEATHSIG");
 
     /* 6. no inheritable capabilities, no new privileges */
     struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
