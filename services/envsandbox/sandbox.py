@@ -188,13 +188,7 @@ def write_error(sandbox_id: str, exc: OSError) -> MeridianError:
     there was no room, UNAVAILABLE when the host is short of descriptors or memory, and
     INTERNAL (logged) for anything else; each message names the file when it is known."""
     what = f"cannot write {exc.filename!r} in sandbox {sandbox_id}" if exc.filename else f"cannot write files in sandbox {sandbox_id}"
-    reason = f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno, exc.errno)})" if exc.errno else str(exc)
-    if exc.errno in NO_ROOM_ERRNOS:
-        return ResourceExhausted(f"{what}: {reason}; the sandbox's workspace has no room for it")
-    if exc.errno in HOST_SHORT_ERRNOS:
-        return Unavailable(f"{what}: {reason}; the host is short of it for now, retry later")
-    log.error("%s: %s", what, reason)
-    return HostFault(f"{what}: {reason}; a fault of the host, not of the request")
+    return _os_error(what, exc, "the sandbox's workspace has no room for it")
 
 
 def copy_error(src_id: str, exc: workspace_files.PathError | OSError) -> MeridianError:
@@ -204,13 +198,20 @@ def copy_error(src_id: str, exc: workspace_files.PathError | OSError) -> Meridia
     descriptors or memory, INTERNAL (logged) for a host fault."""
     if isinstance(exc, workspace_files.PathError):
         return Aborted(f"cannot copy the workspace of sandbox {src_id}: {exc}")
+    return _os_error(f"cannot copy the workspace of sandbox {src_id}", exc, "it does not fit in a copy")
+
+
+def _os_error(what: str, exc: OSError, no_room: str) -> MeridianError:
+    """An OSError of the service's file work as a status: RESOURCE_EXHAUSTED for no room
+    (``no_room`` says of what), UNAVAILABLE for a host short of descriptors or memory,
+    INTERNAL (logged) for a host fault."""
     reason = f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno, exc.errno)})" if exc.errno else str(exc)
     if exc.errno in NO_ROOM_ERRNOS:
-        return ResourceExhausted(f"the workspace of sandbox {src_id} does not fit in a copy: {reason}")
+        return ResourceExhausted(f"{what}: {reason}; {no_room}")
     if exc.errno in HOST_SHORT_ERRNOS:
-        return Unavailable(f"cannot copy the workspace of sandbox {src_id}: {reason}; the host is short of it for now, retry later")
-    log.error("cannot copy the workspace of sandbox %s: %s", src_id, reason)
-    return HostFault(f"cannot copy the workspace of sandbox {src_id}: {reason}; a fault of the host, not of the request")
+        return Unavailable(f"{what}: {reason}; the host is short of it for now, retry later")
+    log.error("%s: %s", what, reason)
+    return HostFault(f"{what}: {reason}; a fault of the host, not of the request")
 
 
 def sandbox_env(env: dict[str, str] | None) -> dict[str, str]:
