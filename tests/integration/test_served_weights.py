@@ -190,19 +190,28 @@ def test_swapped_tensors_are_rolled_back(served: Served) -> None:
 
 def test_a_stale_tied_head_is_caught_by_the_canary(served: Served) -> None:
     """The mixed model of the original bug: embedding new, tied output head old. Only the
-    canary can see it here (the sabotage also hides the head from the read-back)."""
+    canary can see it here (the sabotage also hides the head from the read-back). On a CPU
+    where the engine's head computes with the shared tensor itself (no processed copy, as
+    on an AVX2-only CPU), nothing can go stale: the hook says so, and only then is the
+    served version 4 not a failure."""
     before = served.status()
+    effect = Path(str(served.sabotage) + ".effect")
+    effect.unlink(missing_ok=True)
     served.sabotage_next(4, "stale-head")
     served.publish(4, _perturb(served.versions[max(served.versions)], seed=4, fraction=0.5, only="model.embed_tokens.weight"))
-    status = served.wait_for(lambda s: s.rejected_version == 4, "rejected version 4")
+    status = served.wait_for(lambda s: s.rejected_version == 4 or s.policy_version == 4, "rejected or served version 4")
+    if status.policy_version == 4 and effect.exists() and json.loads(effect.read_text()) == {"stale": False}:
+        served.assert_serves(4)  # what it serves is exactly version 4
+        pytest.skip("this CPU's engine keeps no processed copy of the tied head: the sabotage left nothing stale to catch")
     assert status.last_update_error.startswith("canary") and status.policy_version == before.policy_version
     served.assert_serves(before.policy_version)
 
 
 def test_the_next_version_applies_on_top_of_rejected_ones(served: Served) -> None:
     served.sabotage.unlink(missing_ok=True)
+    before = served.status()
     served.publish(5, _perturb(served.versions[4], seed=5))
-    served.wait_for(lambda s: s.policy_version == 5 and s.updates_applied == 2, "served version 5")
+    served.wait_for(lambda s: s.policy_version == 5 and s.updates_applied == before.updates_applied + 1, "served version 5")
     served.assert_serves(5)
 
 

@@ -20,6 +20,12 @@ MERIDIAN_TEST_SABOTAGE=<json file>
       stale-head -- modules sharing a tensor with another (the tied lm_head) are neither
                     re-processed nor read back (on the full path: not re-processed after
                     vLLM's reload, whatever the version): the mixed model of a stale head.
+                    Whether that left anything stale depends on the CPU: where vLLM packs
+                    the head's weight (oneDNN) the packed copy goes stale; where it falls
+                    back to a plain linear on the shared tensor (an AVX2-only CPU, whose
+                    oneDNN declines bf16) nothing can. The hook writes what it found to
+                    <json file>.effect, {"stale": true|false}, for the test to tell the
+                    two apart.
 """
 import json
 import os
@@ -33,6 +39,28 @@ def _pretend_avx2() -> None:
             setattr(torch.cpu, name, lambda: False)
 
 
+def _shared_users_are_stale(model) -> bool:  # type: ignore[no-untyped-def]
+    """Whether a module sharing a parameter with another computes with something else than
+    that parameter (a processed copy left behind): its own forward on a probe against a
+    plain linear on the shared tensor."""
+    import torch
+
+    seen: dict[int, str] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is None:
+                continue
+            if id(param) in seen and seen[id(param)] != path and getattr(module, "quant_method", None) is not None:
+                probe = torch.randn(2, param.shape[-1], dtype=param.dtype, generator=torch.Generator().manual_seed(0))
+                with torch.no_grad():
+                    got = module.quant_method.apply(module, probe)
+                    want = torch.nn.functional.linear(probe, param)
+                if not torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2):
+                    return True
+            seen.setdefault(id(param), path)
+    return False
+
+
 def _sabotage(spec_path: str) -> None:
     from services.rollout import served_weights, vllm_worker
 
@@ -42,6 +70,10 @@ def _sabotage(spec_path: str) -> None:
                 return json.load(fh)
         except (OSError, ValueError):
             return {}
+
+    def record(stale: bool) -> None:
+        with open(spec_path + ".effect", "w") as fh:
+            json.dump({"stale": stale}, fh)
 
     def spec(version: int) -> dict | None:
         data = current()
@@ -67,12 +99,19 @@ def _sabotage(spec_path: str) -> None:
             finally:
                 for name, target in self.targets.items():
                     target.users = users[name]
+                record(_shared_users_are_stale(self.model))
         return apply(self, changes, verify)
 
     served_weights.ServedWeights.apply = sabotaged_apply
     reprocess = vllm_worker._reprocess_shared
     # The full path (a whole reload) names no version: the file's kind alone decides.
-    vllm_worker._reprocess_shared = lambda model: 0 if current().get("kind") == "stale-head" else reprocess(model)
+    def sabotaged_reprocess(model):  # type: ignore[no-untyped-def]
+        if current().get("kind") != "stale-head":
+            return reprocess(model)
+        record(_shared_users_are_stale(model))
+        return 0
+
+    vllm_worker._reprocess_shared = sabotaged_reprocess
 
 
 def _after_import(module_name: str, patch) -> None:  # type: ignore[no-untyped-def]
