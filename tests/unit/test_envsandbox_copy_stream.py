@@ -142,19 +142,17 @@ def _modes(src: Path) -> dict[str, int]:
     return {path: stat.S_IMODE(os.lstat(src / path).st_mode) for path in LOCKED}
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
-def test_a_sender_walking_as_the_owner_copies_what_only_root_could_read(folders: tuple[Path, Path]) -> None:
-    """The Docker backend walks as the sandbox's user: what that user made unreadable to
-    itself is copied all the same, with its mode, and the source keeps its modes."""
-    src, dst = folders
+def _copy_as_owner(src: Path, dst: Path, sender_source: Callable[[int], int]) -> int:
+    """Streams a walk of ``src`` from a child acting as its owner into ``dst``: the child
+    builds what it needs below ``src`` and returns the descriptor it walks from
+    (``sender_source(src_fd)``). The child's exit status."""
     src_fd = os.open(src, DIR_FLAGS)
     read, write = os.pipe()
     stop_read, stop_write = os.pipe()
 
     def send() -> int:
         os.close(read)
-        _build_locked(src_fd, 3 << 20)
-        return 0 if workspace_files.send_tree(src_fd, write, stop_read) else 1
+        return 0 if workspace_files.send_tree(sender_source(src_fd), write, stop_read) else 1
 
     pid = _as_owner(send, src)
     try:
@@ -167,8 +165,21 @@ def test_a_sender_walking_as_the_owner_copies_what_only_root_could_read(folders:
     finally:
         for fd in (read, stop_read, stop_write, src_fd):
             os.close(fd)
-        status = _exit_status(pid)
-    assert status == 0
+        status = _exit_status(pid)  # reaped also when the receiving side raised
+    return status
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_a_sender_walking_as_the_owner_copies_what_only_root_could_read(folders: tuple[Path, Path]) -> None:
+    """The Docker backend walks as the sandbox's user: what that user made unreadable to
+    itself is copied all the same, with its mode, and the source keeps its modes."""
+    src, dst = folders
+
+    def locked(src_fd: int) -> int:
+        _build_locked(src_fd, 3 << 20)
+        return src_fd
+
+    assert _copy_as_owner(src, dst, locked) == 0
     assert _modes(src) == LOCKED
     assert _modes(dst) == LOCKED
     for path in ("secret", "locked/inner/big.bin", "wx/y", "ro/x"):
@@ -182,30 +193,14 @@ def test_a_sender_walking_as_the_owner_copies_a_top_folder_it_locked_with_its_mo
     Docker backend does, opens it to itself for the walk and gives its mode back, and the
     copy's top folder gets that mode too."""
     src, dst = folders
-    src_fd = os.open(src, DIR_FLAGS)
-    read, write = os.pipe()
-    stop_read, stop_write = os.pipe()
 
-    def send() -> int:
-        os.close(read)
+    def top_locked(src_fd: int) -> int:
         _build_locked(src_fd, 1 << 10)
         top = os.open(".", os.O_PATH | os.O_DIRECTORY, dir_fd=src_fd)
         os.fchmod(src_fd, 0)
-        return 0 if workspace_files.send_tree(top, write, stop_read) else 1
+        return top
 
-    pid = _as_owner(send, src)
-    try:
-        os.close(write)
-        dst_fd = os.open(dst, DIR_FLAGS)
-        try:
-            workspace_files.receive_tree(dst_fd, read)
-        finally:
-            os.close(dst_fd)
-    finally:
-        for fd in (read, stop_read, stop_write, src_fd):
-            os.close(fd)
-        status = _exit_status(pid)
-    assert status == 0
+    assert _copy_as_owner(src, dst, top_locked) == 0
     assert stat.S_IMODE(os.stat(src).st_mode) == 0 and stat.S_IMODE(os.stat(dst).st_mode) == 0
     assert _modes(src) == LOCKED and _modes(dst) == LOCKED
     assert (dst / "ro" / "x").read_bytes() == b"x"
