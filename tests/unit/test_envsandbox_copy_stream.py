@@ -16,13 +16,16 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 from pathlib import Path
 
 import pytest
 
 from services.envsandbox import docker_stream, workspace_files
 from services.envsandbox.workspace_files import PathError
-from tests.unit.test_envsandbox_workspace_files import DIR_FLAGS, build_deep, describe
+from tests.unit.test_envsandbox_workspace_files import DIR_FLAGS, build_deep, describe, remove_below
+
+E = TypeVar("E", bound=BaseException)
 
 NOBODY = 65534
 
@@ -35,12 +38,7 @@ def folders(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     src.mkdir()
     dst.mkdir()
     yield src, dst
-    fd = os.open(tmp_path, DIR_FLAGS)
-    try:
-        for name in os.listdir(fd):
-            workspace_files.remove_tree(fd, name)
-    finally:
-        os.close(fd)
+    remove_below(tmp_path)
 
 
 def _streamed(src: Path, dst: Path) -> bool:
@@ -263,6 +261,21 @@ UP = (b"U", b"")
 TOP = (b"T", struct.pack(">I", 0o755))
 
 
+def _refused(folder: Path, stream: bytes, error: type[E]) -> E:
+    """What receive_tree raises (it must raise ``error``) for ``stream`` received into ``folder``."""
+    read, write = os.pipe()
+    os.write(write, stream)
+    os.close(write)
+    dst_fd = os.open(folder, DIR_FLAGS)
+    try:
+        with pytest.raises(error) as caught:
+            workspace_files.receive_tree(dst_fd, read)
+    finally:
+        os.close(dst_fd)
+        os.close(read)
+    return caught.value
+
+
 @pytest.mark.parametrize(
     ("stream", "kind"),
     [
@@ -290,33 +303,15 @@ def test_a_receiver_takes_no_stream_that_is_not_a_copy(folders: tuple[Path, Path
     destination, and the answer is a PathError of the right kind, never a crash."""
     _, dst = folders
     (dst / "sub").mkdir()
-    read, write = os.pipe()
-    os.write(write, stream)
-    os.close(write)
-    dst_fd = os.open(dst / "sub", DIR_FLAGS)
-    try:
-        with pytest.raises(PathError) as caught:
-            workspace_files.receive_tree(dst_fd, read)
-    finally:
-        os.close(dst_fd)
-        os.close(read)
-    assert caught.value.kind == kind, caught.value
+    caught = _refused(dst / "sub", stream, PathError)
+    assert caught.kind == kind, caught
     assert sorted(os.listdir(dst)) == ["sub"]
 
 
 def test_a_receiver_reports_the_sender_s_os_error_with_its_errno(folders: tuple[Path, Path]) -> None:
     _, dst = folders
-    read, write = os.pipe()
-    os.write(write, _records((b"X", json.dumps(["os", "Input/output error", 5, "a/b"]).encode())))
-    os.close(write)
-    dst_fd = os.open(dst, DIR_FLAGS)
-    try:
-        with pytest.raises(OSError) as caught:
-            workspace_files.receive_tree(dst_fd, read)
-    finally:
-        os.close(dst_fd)
-        os.close(read)
-    assert (caught.value.errno, caught.value.filename) == (5, "a/b")
+    caught = _refused(dst, _records((b"X", json.dumps(["os", "Input/output error", 5, "a/b"]).encode())), OSError)
+    assert (caught.errno, caught.filename) == (5, "a/b")
 
 
 # ------------------------------------------------------------------ docker_stream

@@ -129,7 +129,13 @@ def deep(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     build_deep(ws / ".tests", outside)
     (ws / "other.txt").write_text("stays")
     yield ws, outside
-    fd = os.open(tmp_path, DIR_FLAGS)
+    remove_below(tmp_path)
+
+
+def remove_below(folder: Path) -> None:
+    """Removes everything in ``folder`` with remove_tree (iterative: pytest's own clean-up,
+    shutil.rmtree, recurses and fails on the trees these tests build)."""
+    fd = os.open(folder, DIR_FLAGS)
     try:
         for name in os.listdir(fd):
             workspace_files.remove_tree(fd, name)
