@@ -36,7 +36,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     # trainer: its progress is the operator's (meridian train, status, benches)
     "/meridian.v1.Trainer/Status": frozenset(),
     # envsandbox: only rollout's episode workers drive sandboxes
-    **{f"/meridian.v1.EnvSandbox/{m}": frozenset({"rollout"}) for m in ("ListTasks", "GetTask", "Create", "Exec", "WriteFiles", "ReadFiles", "Fork", "RunTests", "Close", "List")},
+    **{f"/meridian.v1.EnvSandbox/{m}": frozenset({"rollout"}) for m in ("ListTasks", "GetTask", "Create", "Exec", "WriteFiles", "ReadFiles", "Fork", "RunTests", "Close", "List", "Renew")},
 }
 
 

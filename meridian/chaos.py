@@ -319,9 +319,11 @@ class ChaosConfig:
             raise ValueError("faults and steps must be positive")
 
 
-#: Sandbox time-to-live in a chaos run's envsandboxes: a rollout killed mid-episode
-#: leaves its group's sandboxes open until then (an episode of the tiny model takes seconds).
-SANDBOX_TTL_S = 120
+#: Sandbox lease of a chaos run's rollouts: a rollout killed mid-episode leaves its
+#: group's sandboxes open this long, then envsandbox closes them (their time-to-live,
+#: envsandbox's default, is far longer than a run's drain waits: a lease that never
+#: lapsed shows as leaked sandboxes).
+SANDBOX_LEASE_S = 15
 JOB_RETRY_CODES = "UNAVAILABLE,INTERNAL,UNKNOWN,CANCELLED,ABORTED,DEADLINE_EXCEEDED,RESOURCE_EXHAUSTED"
 
 
@@ -454,7 +456,7 @@ class Chaos:
                 backlog = await _quiet(transport.backlog())
                 t = snap.trainer
                 # Sandboxes of an episode whose rollout was killed are nobody's: the
-                # envsandbox closes them at their TTL (SANDBOX_TTL_S here).
+                # envsandbox closes them when their lease lapses (SANDBOX_LEASE_S).
                 sandboxes = sum(max(n, 0) for n in snap.sandboxes.values())
                 if t is not None and backlog == 0 and t.trajectories_pending == 0 and t.checkpoint_step >= t.step and snap.served() >= t.policy_version and not sandboxes:
                     return snap
@@ -580,8 +582,8 @@ def start_stack(config: ChaosConfig, run_dir: str) -> tuple[stack_mod.Stack, sta
     partner that a fault took away), a checkpoint after every step, a quick idle checkpoint."""
     stack_config = stack_mod.StackConfig(run_dir=run_dir, model=config.model, ports="auto", regions=config.regions, link_mbit_s=200, link_latency_ms=20)
     trainer = ["--lr", "1e-4", "--groups-per-step", "1", "--checkpoint-every", "1", "--checkpoint-idle-s", "1", "--threads", "2"]
-    envsandbox = ["--default-ttl-s", str(SANDBOX_TTL_S)]
-    return stack_mod.start(stack_config, extra_args={"trainer": trainer, "envsandbox": envsandbox}), stack_config
+    rollout = ["--sandbox-lease-s", str(SANDBOX_LEASE_S)]
+    return stack_mod.start(stack_config, extra_args={"trainer": trainer, "rollout": rollout}), stack_config
 
 
 def run(config: ChaosConfig, run_dir: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:

@@ -71,32 +71,36 @@ class Limits(_message.Message):
     def __init__(self, memory_bytes: _Optional[int] = ..., max_pids: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., max_output_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., cpus: _Optional[float] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("task_id", "files", "limits", "ttl_seconds", "client_request_id")
+    __slots__ = ("task_id", "files", "limits", "ttl_seconds", "client_request_id", "lease_seconds")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     files: _containers.RepeatedCompositeFieldContainer[File]
     limits: Limits
     ttl_seconds: float
     client_request_id: str
-    def __init__(self, task_id: _Optional[str] = ..., files: _Optional[_Iterable[_Union[File, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., client_request_id: _Optional[str] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, task_id: _Optional[str] = ..., files: _Optional[_Iterable[_Union[File, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., client_request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class SandboxInfo(_message.Message):
-    __slots__ = ("sandbox_id", "task_id", "created_unix", "expires_unix", "backend")
+    __slots__ = ("sandbox_id", "task_id", "created_unix", "expires_unix", "backend", "lease_seconds")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     task_id: str
     created_unix: float
     expires_unix: float
     backend: str
-    def __init__(self, sandbox_id: _Optional[str] = ..., task_id: _Optional[str] = ..., created_unix: _Optional[float] = ..., expires_unix: _Optional[float] = ..., backend: _Optional[str] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, sandbox_id: _Optional[str] = ..., task_id: _Optional[str] = ..., created_unix: _Optional[float] = ..., expires_unix: _Optional[float] = ..., backend: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
     __slots__ = ("sandbox_id", "argv", "stdin", "env", "cwd", "timeout_seconds")
@@ -236,3 +240,15 @@ class ListResponse(_message.Message):
     SANDBOXES_FIELD_NUMBER: _ClassVar[int]
     sandboxes: _containers.RepeatedCompositeFieldContainer[SandboxInfo]
     def __init__(self, sandboxes: _Optional[_Iterable[_Union[SandboxInfo, _Mapping]]] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("sandbox_ids",)
+    SANDBOX_IDS_FIELD_NUMBER: _ClassVar[int]
+    sandbox_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sandbox_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("gone",)
+    GONE_FIELD_NUMBER: _ClassVar[int]
+    gone: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gone: _Optional[_Iterable[str]] = ...) -> None: ...

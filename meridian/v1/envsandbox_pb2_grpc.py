@@ -85,6 +85,11 @@ class EnvSandboxStub:
                 request_serializer=meridian_dot_v1_dot_envsandbox__pb2.ListRequest.SerializeToString,
                 response_deserializer=meridian_dot_v1_dot_envsandbox__pb2.ListResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/meridian.v1.EnvSandbox/Renew',
+                request_serializer=meridian_dot_v1_dot_envsandbox__pb2.RenewRequest.SerializeToString,
+                response_deserializer=meridian_dot_v1_dot_envsandbox__pb2.RenewResponse.FromString,
+                _registered_method=True)
 
 
 class EnvSandboxServicer:
@@ -151,6 +156,13 @@ class EnvSandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Keeps leased sandboxes alive (CreateRequest.lease_seconds); answers which are gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvSandboxServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +215,11 @@ def add_EnvSandboxServicer_to_server(servicer, server):
                     servicer.List,
                     request_deserializer=meridian_dot_v1_dot_envsandbox__pb2.ListRequest.FromString,
                     response_serializer=meridian_dot_v1_dot_envsandbox__pb2.ListResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=meridian_dot_v1_dot_envsandbox__pb2.RenewRequest.FromString,
+                    response_serializer=meridian_dot_v1_dot_envsandbox__pb2.RenewResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -476,6 +493,33 @@ class EnvSandbox:
             '/meridian.v1.EnvSandbox/List',
             meridian_dot_v1_dot_envsandbox__pb2.ListRequest.SerializeToString,
             meridian_dot_v1_dot_envsandbox__pb2.ListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meridian.v1.EnvSandbox/Renew',
+            meridian_dot_v1_dot_envsandbox__pb2.RenewRequest.SerializeToString,
+            meridian_dot_v1_dot_envsandbox__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

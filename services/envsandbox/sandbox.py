@@ -1,7 +1,7 @@
 """Sandboxes behind one interface: the backend-independent manager and the backend contract.
 
-The manager owns ids, time-to-live, the live-sandbox limit, create idempotency, Fork and
-RunTests; a :class:`Backend` owns isolation (where files live, how commands run). Two
+The manager owns ids, time-to-live, leases, the live-sandbox limit, create idempotency,
+Fork and RunTests; a :class:`Backend` owns isolation (where files live, how commands run). Two
 backends exist: ``process`` (namespaces + cgroups, no daemon; the default) and ``docker``.
 
 This module is the service's pure core: it knows nothing of gRPC.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import json
@@ -17,7 +18,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,15 @@ class LimitCaps:
 
     def check_ttl(self, ttl_s: float) -> None:
         """0 (the default) or a finite positive number of seconds up to the cap."""
-        if not (math.isfinite(ttl_s) and 0 <= ttl_s <= self.ttl_seconds):
-            raise InvalidArgument(f"ttl_seconds must be in [0, {self.ttl_seconds}] (0: the default), got {ttl_s}")
+        self._check_seconds("ttl_seconds", ttl_s, "the default")
+
+    def check_lease(self, lease_s: float) -> None:
+        """0 (no lease) or a finite positive number of seconds up to the time-to-live cap."""
+        self._check_seconds("lease_seconds", lease_s, "no lease")
+
+    def _check_seconds(self, name: str, value: float, zero: str) -> None:
+        if not (math.isfinite(value) and 0 <= value <= self.ttl_seconds):
+            raise InvalidArgument(f"{name} must be in [0, {self.ttl_seconds}] (0: {zero}), got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +125,15 @@ class Sandbox:
     expires: float
     client_request_id: str = ""
     ready: bool = False
+    #: 0: no lease. Otherwise the sandbox is closed once no call has used it and no renewal
+    #: has named it for this long: its client is gone (a rollout killed mid-episode).
+    lease_s: float = 0.0
+    renewed: float = 0.0  # the manager's clock (monotonic) at the last call or renewal
+    in_use: int = 0  # calls running on it: a lease never lapses under one (a long test run)
+
+    def lease_lapsed(self, now: float) -> bool:
+        """Whether the lease ran out by ``now`` (the manager's clock)."""
+        return self.lease_s > 0 and self.in_use == 0 and now - self.renewed > self.lease_s
 
 
 class Backend(abc.ABC):
@@ -282,8 +299,10 @@ class SandboxManager:
         default_ttl_s: float = 600.0,
         max_sandboxes: int = 256,
         caps: LimitCaps = LimitCaps(),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend = backend
+        self.clock = clock  # leases run on it: a wall-clock jump must not end them
         self.caps = caps
         caps.check(default_limits)
         self.default_limits = default_limits
@@ -315,14 +334,17 @@ class SandboxManager:
         limits: Limits | None = None,
         ttl_s: float = 0.0,
         client_request_id: str = "",
+        lease_s: float = 0.0,
     ) -> Sandbox:
         """A new sandbox holding the task's files then ``files``; idempotent per request id."""
         await self.start()
         if client_request_id and client_request_id in self._by_request:
             existing = self._boxes.get(self._by_request[client_request_id])
             if existing is not None:
+                existing.renewed = self.clock()
                 return existing
         self.caps.check_ttl(ttl_s)
+        self.caps.check_lease(lease_s)
         limits = limits or self.limits_for(task)
         self.caps.check(limits)
         if len(self._boxes) >= self.max_sandboxes:
@@ -335,18 +357,20 @@ class SandboxManager:
             created=now,
             expires=now + (ttl_s or self.default_ttl_s),
             client_request_id=client_request_id,
+            lease_s=lease_s,
         )
         # Registered before the first await so that the limit and idempotency hold under concurrency.
         self._boxes[box.sandbox_id] = box
         if client_request_id:
             self._by_request[client_request_id] = box.sandbox_id
         try:
-            await self.backend.create(box.sandbox_id, box.limits)
-            box.ready = True
-            if task is not None and task.files:
-                await self._write(box, {p: c.encode() for p, c in task.files.items()})
-            if files:
-                await self._write(box, files)
+            with self._using(box):
+                await self.backend.create(box.sandbox_id, box.limits)
+                box.ready = True
+                if task is not None and task.files:
+                    await self._write(box, {p: c.encode() for p, c in task.files.items()})
+                if files:
+                    await self._write(box, files)
         except BaseException:
             await self._remove(box)
             raise
@@ -361,6 +385,29 @@ class SandboxManager:
     def list(self) -> list[Sandbox]:
         return [b for b in self._boxes.values() if b.ready]
 
+    @contextlib.contextmanager
+    def _using(self, box: Sandbox) -> Iterator[None]:
+        """A call runs on ``box``: its lease is renewed and cannot lapse until the call ends."""
+        box.in_use += 1
+        box.renewed = self.clock()
+        try:
+            yield
+        finally:
+            box.in_use -= 1
+            box.renewed = self.clock()
+
+    def renew(self, sandbox_ids: Iterable[str]) -> list[str]:
+        """Renews the leases of ``sandbox_ids``; returns those that are no live sandbox."""
+        now = self.clock()
+        gone = []
+        for sandbox_id in dict.fromkeys(sandbox_ids):
+            box = self._boxes.get(sandbox_id)
+            if box is None:
+                gone.append(sandbox_id)
+            else:
+                box.renewed = now
+        return gone
+
     async def close(self, sandbox_id: str) -> None:
         """Kills whatever still runs in the sandbox and removes all its resources."""
         await self._remove(self.get(sandbox_id))
@@ -373,9 +420,11 @@ class SandboxManager:
         await self.backend.destroy(box.sandbox_id)
 
     async def reap_expired(self, now: float | None = None) -> list[str]:
-        """Closes sandboxes past their time-to-live; returns their ids."""
+        """Closes sandboxes past their time-to-live (``now``: wall clock) or whose lease
+        lapsed; returns their ids."""
         now = time.time() if now is None else now
-        expired = [b.sandbox_id for b in self.list() if b.expires <= now]
+        lease_now = self.clock()
+        expired = [b.sandbox_id for b in self.list() if b.expires <= now or b.lease_lapsed(lease_now)]
         for sandbox_id in expired:
             if sandbox_id in self._boxes:
                 await self.close(sandbox_id)
@@ -399,16 +448,18 @@ class SandboxManager:
         ttl = max(1.0, src.expires - time.time())
 
         async def one() -> Sandbox:
-            box = await self.create(task=None, limits=src.limits, ttl_s=ttl)
+            box = await self.create(task=None, limits=src.limits, ttl_s=ttl, lease_s=src.lease_s)
             box.task = src.task
             try:
-                await self.backend.copy_workspace(src.sandbox_id, box.sandbox_id)
+                with self._using(box):
+                    await self.backend.copy_workspace(src.sandbox_id, box.sandbox_id)
             except BaseException:
                 await self._remove(box)
                 raise
             return box
 
-        results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+        with self._using(src):
+            results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             for r in results:
@@ -435,7 +486,9 @@ class SandboxManager:
             raise write_error(box.sandbox_id, exc) from None
 
     async def write_files(self, sandbox_id: str, files: dict[str, bytes]) -> None:
-        await self._write(self.get(sandbox_id), files)
+        box = self.get(sandbox_id)
+        with self._using(box):
+            await self._write(box, files)
 
     async def read_files(self, sandbox_id: str, paths: list[str]) -> dict[str, bytes]:
         box = self.get(sandbox_id)
@@ -445,7 +498,8 @@ class SandboxManager:
             except workspace_files.PathError as exc:
                 raise path_error(exc) from None
         try:
-            return await self.backend.read_files(sandbox_id, paths, box.limits.max_output_bytes)
+            with self._using(box):
+                return await self.backend.read_files(sandbox_id, paths, box.limits.max_output_bytes)
         except workspace_files.PathError as exc:
             raise path_error(exc) from None
 
@@ -472,8 +526,9 @@ class SandboxManager:
         if not (math.isfinite(timeout_s) and timeout_s >= 0):
             raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {timeout_s}")
         wall = min(timeout_s, box.limits.wall_seconds) if timeout_s > 0 else box.limits.wall_seconds
-        async for item in self.backend.exec(sandbox_id, argv, stdin, full_env, cwd, wall, box.limits):
-            yield item
+        with self._using(box):
+            async for item in self.backend.exec(sandbox_id, argv, stdin, full_env, cwd, wall, box.limits):
+                yield item
 
     async def run_tests(self, sandbox_id: str) -> tuple[TestOutcome, ExecResult, bytes]:
         """Runs the task's hidden tests and scores the test command's standard output.
@@ -485,16 +540,17 @@ class SandboxManager:
         if box.task is None:
             raise FailedPrecondition(f"sandbox {sandbox_id} was not created from a task")
         task = box.task
-        await self.backend.kill_all(sandbox_id)
-        argv, stdin, hidden = tests_invocation(task)
-        await self.backend.remove(sandbox_id, TESTS_DIR)
-        if hidden:
-            await self._write(box, hidden)
-        try:
-            stdout, stderr, result = await collect(self.exec(sandbox_id, argv, stdin=stdin, timeout_s=task.limits.wall_seconds))
-        finally:
+        with self._using(box):
             await self.backend.kill_all(sandbox_id)
+            argv, stdin, hidden = tests_invocation(task)
             await self.backend.remove(sandbox_id, TESTS_DIR)
+            if hidden:
+                await self._write(box, hidden)
+            try:
+                stdout, stderr, result = await collect(self.exec(sandbox_id, argv, stdin=stdin, timeout_s=task.limits.wall_seconds))
+            finally:
+                await self.backend.kill_all(sandbox_id)
+                await self.backend.remove(sandbox_id, TESTS_DIR)
         outcome = score_output(task.reward, stdout.decode(errors="replace"), result.exit_code)
         return outcome, result, stdout + stderr
 

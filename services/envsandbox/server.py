@@ -42,6 +42,7 @@ def _info(box: Sandbox, backend: str) -> pb.SandboxInfo:
         created_unix=box.created,
         expires_unix=box.expires,
         backend=backend,
+        lease_seconds=box.lease_s,
     )
 
 
@@ -104,7 +105,7 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
                 log.exception("reaping expired sandboxes failed")
                 continue
             if reaped:
-                log.info("reaped %d expired sandboxes", len(reaped))
+                log.info("closed %d sandboxes past their time-to-live or lease", len(reaped))
 
     # ------------------------------------------------------------ RPCs
 
@@ -134,6 +135,7 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
             limits=limits,
             ttl_s=request.ttl_seconds,
             client_request_id=request.client_request_id,
+            lease_s=request.lease_seconds,
         )
         return _info(box, self.sandboxes.backend.name)
 
@@ -182,3 +184,6 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
 
     async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> pb.ListResponse:
         return pb.ListResponse(sandboxes=[_info(b, self.sandboxes.backend.name) for b in self.sandboxes.list()])
+
+    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:
+        return pb.RenewResponse(gone=self.sandboxes.renew(request.sandbox_ids))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from meridian import trajectory_transport as transport
 from meridian.config import opt
@@ -17,6 +18,7 @@ class RolloutConfig:
     model: str = opt("builtin", "Hugging Face model folder, or 'builtin' for SmolLM2-135M-Instruct")
     region: str = opt("", "this rollout's region, written into every trajectory it samples (empty: unnamed)")
     envsandbox: str = opt("127.0.0.1:50052", "envsandbox address")
+    sandbox_lease_s: float = opt(30.0, "lease of the sandboxes an episode holds, renewed every third of it while this process lives: a rollout killed mid-episode leaves its sandboxes open this long (0: no lease; they live to envsandbox's time-to-live)")
     weightsync: str = opt("", "weightsync address to take new policy versions from (empty: none)")
     verify_key: str = opt("", "Ed25519 public key (PEM) policy versions must be signed with: a version it did not sign is refused before it is applied, and the served version stays (empty: no check)")
     redis_url: str = opt(transport.DEFAULT_URL, "Redis holding the trajectory stream")
@@ -71,6 +73,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.group_size <= 0 or self.max_tokens <= 0 or self.max_model_len <= 0:
             raise ValueError("group_size, max_tokens and max_model_len must be positive")
+        if not (math.isfinite(self.sandbox_lease_s) and self.sandbox_lease_s >= 0):
+            raise ValueError(f"sandbox_lease_s must be a finite number >= 0 (0: no lease), got {self.sandbox_lease_s}")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")
         if self.weight_apply not in ("delta", "full"):

@@ -18,6 +18,7 @@ from meridian.errors import NotFound
 from meridian.v1 import common_pb2
 from meridian.v1 import envsandbox_pb2 as sbx
 from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
+from services.envsandbox.client import LeaseKeeper
 from services.rollout.agent import (
     SYSTEM_PROMPT,
     TOOL_CALL_CLOSE,
@@ -203,20 +204,28 @@ async def run_group(
     sampling: Sampling,
     model: str,
     limits: EpisodeLimits = EpisodeLimits(),
+    leases: LeaseKeeper | None = None,
 ) -> list[common_pb2.Trajectory]:
-    """One GRPO group for ``task``: ``group_size`` episodes, each in a forked sandbox."""
+    """One GRPO group for ``task``: ``group_size`` episodes, each in a forked sandbox.
+    With ``leases`` the sandboxes are leased and renewed while held, so a rollout killed
+    mid-group leaves them to envsandbox for a lease, not their whole time-to-live."""
     prompt_ids = chat_prompt(engine, task)
     group_id = uuid.uuid4().hex
-    base = await sandboxes.Create(sbx.CreateRequest(task_id=task.id, client_request_id=f"{group_id}-base"), timeout=SANDBOX_CALL_S)
+    leases = leases or LeaseKeeper(sandboxes, 0.0)
+    base = await sandboxes.Create(sbx.CreateRequest(task_id=task.id, client_request_id=f"{group_id}-base", lease_seconds=leases.lease_s), timeout=SANDBOX_CALL_S)
+    leases.hold([base.sandbox_id])
     try:
         forks = await sandboxes.Fork(sbx.ForkRequest(sandbox_id=base.sandbox_id, count=group_size), timeout=SANDBOX_CALL_S)
+        leases.hold([box.sandbox_id for box in forks.sandboxes])
     finally:
         try:
             await sandboxes.Close(sbx.CloseRequest(sandbox_id=base.sandbox_id), timeout=SANDBOX_CALL_S)
         except grpc.aio.AioRpcError as exc:
             # The forks exist and each episode closes its own; the base expires on
-            # envsandbox's side (its TTL). Raising here would leak every fork.
+            # envsandbox's side (its lease, else its TTL). Raising here would leak every fork.
             log.warning("closing base sandbox %s failed (%s); it expires on its own", base.sandbox_id, exc.code().name)
+        finally:
+            leases.release([base.sandbox_id])
 
     async def episode(index: int, sandbox_id: str) -> common_pb2.Trajectory:
         started = time.time()
@@ -227,7 +236,10 @@ async def run_group(
             try:
                 res = await run_episode(engine, sandboxes, sandbox_id, task, prompt_ids, dataclasses.replace(sampling, seed=seed), limits)
             finally:
-                await sandboxes.Close(sbx.CloseRequest(sandbox_id=sandbox_id), timeout=SANDBOX_CALL_S)
+                try:
+                    await sandboxes.Close(sbx.CloseRequest(sandbox_id=sandbox_id), timeout=SANDBOX_CALL_S)
+                finally:
+                    leases.release([sandbox_id])
             span.set_attribute("meridian.reward", res.reward)
             span.set_attribute("meridian.turns", res.turns)
             return common_pb2.Trajectory(

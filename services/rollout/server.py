@@ -27,6 +27,7 @@ from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from services.rollout.callers import CallerClasses
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import MAX_TEMPERATURE, PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_VERSION, Engine, Sampling
+from services.envsandbox.client import LeaseKeeper
 from services.rollout.episodes import SANDBOX_CALL_S, EpisodeLimits, fetch_task, gather_or_cancel, run_group
 from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
 from services.rollout.weight_follower import WeightFollower
@@ -65,6 +66,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         self.transport = open_transport(config.transport_config())
         self._sandbox_channel = open_channel(config.envsandbox)
         self.sandboxes = sbx_grpc.EnvSandboxStub(self._sandbox_channel)
+        self.leases = LeaseKeeper(self.sandboxes, config.sandbox_lease_s)
         self.limits = EpisodeLimits(config.max_turns, config.episode_wall_s, config.max_model_len)
         self.loaded_hash = ""
         self.episodes_completed = 0
@@ -114,6 +116,7 @@ class RolloutService(pb_grpc.RolloutServicer):
             print(f"meridian rollout http listening on {self.config.http_host}:{port}", flush=True)
         if self.follower is not None:
             self._follow = asyncio.create_task(self.follower.run())
+        self.leases.start()
         self.outbox.start()
         self.workers.start()
 
@@ -128,6 +131,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         # step runs even when one before it failed, so the engine's processes never outlive us.
         try:
             await self.workers.stop()
+            await self.leases.stop()
             await self.outbox.stop()
             if self._http is not None:
                 await self._http.stop()
@@ -185,7 +189,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         """Samples one group per task. A group with tokens from a version that was then
         rejected is dropped whole: no policy produced those samples."""
         engine = self._engine()
-        groups = await gather_or_cancel([run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits) for t in tasks])
+        groups = await gather_or_cancel([run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits, self.leases) for t in tasks])
         kept = [g for g in groups if not any(REJECTED_VERSION in t.policy_versions for t in g)]
         for t in (t for g in kept for t in g):
             t.region = self.config.region

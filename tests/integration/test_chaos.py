@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.stack, pytest.mark.engine]
 def test_a_chaos_run_loses_nothing_trains_nothing_twice_and_leaks_nothing(tmp_path: Path, tiny_model: Path) -> None:
     remote = ["b"]
     faults = len(chaos.base_faults(remote))
-    config = chaos.ChaosConfig(faults=faults, seed=11, steps=3, model=str(tiny_model), run_dir=str(tmp_path / "run"), trigger_timeout_s=60)
+    # The drain's bound is well under envsandbox's default time-to-live (600 s): sandboxes
+    # a killed rollout held close only if their lease lapses (chaos.SANDBOX_LEASE_S).
+    config = chaos.ChaosConfig(faults=faults, seed=11, steps=3, model=str(tiny_model), run_dir=str(tmp_path / "run"), trigger_timeout_s=60, drain_timeout_s=240)
     summary, details, pids = chaos.run(config, config.run_dir)
     assert set(summary) == {
         "faults_injected", "steps_completed", "trajectories_produced", "trajectories_trained", "trajectories_lost",

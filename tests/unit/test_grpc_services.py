@@ -451,6 +451,9 @@ def test_envsandbox_hostile_requests_get_clear_statuses(tmp_path: Path, grpc_ser
                     es.CreateRequest(limits=es.Limits(disk_bytes=1 << 40)),
                     es.CreateRequest(ttl_seconds=float("nan")),
                     es.CreateRequest(ttl_seconds=float("inf")),
+                    es.CreateRequest(lease_seconds=float("nan")),
+                    es.CreateRequest(lease_seconds=-1.0),
+                    es.CreateRequest(lease_seconds=1e12),
                 ):
                     await expect_code(invalid, stub.Create(create))
                 assert [b.sandbox_id for b in (await stub.List(es.ListRequest())).sandboxes] == [sid]

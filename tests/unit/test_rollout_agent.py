@@ -229,17 +229,24 @@ def test_a_frozen_envsandbox_ends_the_group_at_the_deadline_and_still_closes_its
 def test_a_failed_episode_cancels_its_siblings_and_every_fork_is_closed() -> None:
     """One episode of a group fails (its engine call raises) while another waits: the
     other is cancelled, not left running, and both forks are closed, even though closing
-    the base sandbox failed (which used to raise past the forks and leak them)."""
+    the base sandbox failed (which used to raise past the forks and leak them). The group's
+    sandboxes are leased and held while the episodes run, and none is held after: the
+    base, whose Close failed, is left to its lease."""
     import asyncio
 
+    from services.envsandbox.client import LeaseKeeper
     from services.rollout import episodes
     from services.rollout.engine import Sampling
+
+    held_while_running: list[frozenset[str]] = []
 
     class Boxes(sbx_grpc.EnvSandboxServicer):
         def __init__(self) -> None:
             self.closed: list[str] = []
+            self.leases: list[float] = []
 
         async def Create(self, request: sbx.CreateRequest, context: object) -> sbx.SandboxInfo:
+            self.leases.append(request.lease_seconds)
             return sbx.SandboxInfo(sandbox_id="base", task_id=request.task_id)
 
         async def Fork(self, request: sbx.ForkRequest, context: object) -> sbx.ForkResponse:
@@ -260,16 +267,23 @@ def test_a_failed_episode_cancels_its_siblings_and_every_fork_is_closed() -> Non
         tokenizer = Tokenizer()
 
         async def generate(self, prompt_ids: list[int], sampling: Sampling, priority: int, request_id: str = "") -> Any:
+            held_while_running.append(keeper.held)
             if sampling.seed == 0:
                 raise RuntimeError("the engine failed episode 0")
             await asyncio.Event().wait()  # episode 1 would wait for ever
             yield  # an async generator, as the real one
 
     async def scenario() -> list[str]:
+        nonlocal keeper
         servicer = Boxes()
         async with envsandbox_serving(servicer) as stub:
+            keeper = LeaseKeeper(stub, 30.0)
             with pytest.raises(RuntimeError, match="failed episode 0"):
-                await asyncio.wait_for(episodes.run_group(Engine(), stub, TASK, 2, Sampling(seed=0), "m"), 10)  # type: ignore[arg-type]
+                await asyncio.wait_for(episodes.run_group(Engine(), stub, TASK, 2, Sampling(seed=0), "m", leases=keeper), 10)  # type: ignore[arg-type]
+            assert servicer.leases == [30.0]
             return sorted(servicer.closed)
 
+    keeper = LeaseKeeper(None, 0.0)  # type: ignore[arg-type]
     assert asyncio.run(scenario()) == ["f0", "f1"]
+    assert held_while_running and all(held == {"f0", "f1"} for held in held_while_running)
+    assert keeper.held == frozenset()

@@ -738,6 +738,43 @@ def test_client_limits_are_capped(env: tuple[Loop, SandboxManager], limits: dict
     assert m.list() == [] or all(b.sandbox_id for b in m.list())
 
 
+
+def test_a_lease_lapses_only_when_nothing_uses_or_renews_the_sandbox(pair, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A leased sandbox (and its fork, which inherits the lease) is closed once no call
+    and no renewal has touched it for a lease; a call running for longer holds it; a
+    sandbox without a lease (the pair's) is never closed for it."""
+    loop, m, attacker, bystander = pair
+    now = [1000.0]
+    monkeypatch.setattr(m, "clock", lambda: now[0])
+
+    async def main() -> None:
+        held = await m.create(lease_s=10)
+        (fork,) = await m.fork(held.sandbox_id, 1)
+        assert fork.lease_s == 10
+        now[0] += 9
+        assert await m.reap_expired() == []
+        assert m.renew([held.sandbox_id, "sbx-never-made"]) == ["sbx-never-made"]
+        now[0] += 9  # held was renewed 9 s ago; the fork was last used 18 s ago
+        assert await m.reap_expired() == [fork.sandbox_id]
+        assert m.renew([fork.sandbox_id]) == [fork.sandbox_id]
+        with pytest.raises(NotFound):
+            await run(m, fork.sandbox_id, ["true"])
+        # A call outlasting the lease holds the sandbox while it runs, and renews it when it ends.
+        stream = m.exec(held.sandbox_id, ["sh", "-c", "echo up; sleep 1; echo done"])
+        assert await stream.__anext__() == ("stdout", b"up\n")
+        now[0] += 100
+        assert await m.reap_expired() == []
+        rest = [item async for item in stream]
+        assert isinstance(rest[-1], ExecResult) and rest[-1].exit_code == 0
+        now[0] += 9
+        assert await m.reap_expired() == []
+        now[0] += 2
+        assert await m.reap_expired() == [held.sandbox_id]
+        assert {b.sandbox_id for b in m.list()} == {attacker, bystander}
+        await _healthy(m, bystander, probe=True)
+
+    loop.run(main())
+
 def test_exec_timeouts_must_be_finite(pair) -> None:  # type: ignore[no-untyped-def]
     loop, m, attacker, _ = pair
     for bad in (float("nan"), float("inf"), -1.0):
