@@ -39,7 +39,7 @@ from pathlib import Path
 from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import docker_stream, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import instance_name, process_start_time
-from services.envsandbox.sandbox import SANDBOX_UID, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain
+from services.envsandbox.sandbox import COPY_WALL_S, SANDBOX_UID, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain
 
 UID_POOL = 4096
 
@@ -83,8 +83,6 @@ else:
         _out = {"error": describe_error(_exc)}
     _sys.stdout.write(_json.dumps(_out))
 '''
-#: The longest a Fork's copy may take (a workspace holds at most LimitCaps.disk_bytes).
-COPY_WALL_S = 300.0
 
 
 def _instance_alive(name: str) -> bool:

@@ -24,6 +24,7 @@ in the mount helper's private namespace, and the service reaches its workspace t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import json
@@ -32,6 +33,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -40,7 +42,7 @@ from typing import TypeVar
 from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
-from services.envsandbox.sandbox import SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, pump_process
+from services.envsandbox.sandbox import COPY_WALL_S, SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, pump_process
 from services.envsandbox.spawn import SpawnedProcess, spawn
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,10 @@ UID_POOL = 4096
 #: The environment of the root half of the chain: nothing of the caller's.
 ROOT_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 LAUNCHER = "/.meridian/sandbox-exec"
+#: Fork's copies run on threads of their own, this many at once: a GRPO group's copies
+#: then never fill the default executor, which file operations, exec kills and cgroup
+#: removal need.
+COPY_THREADS = 4
 SECCOMP_FD = 3
 #: The most one ReadFiles may answer in all (contents and paths): well below the service's
 #: 64 MiB gRPC message limit, so an answer is never too big to send, and a request naming
@@ -80,6 +86,7 @@ class ProcessBackend(Backend):
         self._cgroups: Cgroups | None = None
         self._procs: dict[str, list[str]] = {}
         self._running: dict[str, set[SpawnedProcess]] = {}
+        self._copies: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -104,6 +111,7 @@ class ProcessBackend(Backend):
         fd = os.open(self._seccomp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(seccomp_policy.bpf_program(numbers, arch))
+        self._copies = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="workspace-copy")
         self._cgroups = _make_cgroups()
         stale = self._cgroups.cleanup_stale()
         if stale:
@@ -163,6 +171,9 @@ class ProcessBackend(Backend):
                 self._helper.kill()
                 await self._helper.wait()
         self._helper = None
+        if self._copies is not None:
+            self._copies.shutdown(wait=False, cancel_futures=True)
+            self._copies = None
         if self._cgroups is not None:
             self._cgroups.remove_instance()
         shutil.rmtree(self.mount_dir, ignore_errors=True)
@@ -275,22 +286,41 @@ class ProcessBackend(Backend):
         await self._in_workspace(sandbox_id, lambda fd: workspace_files.remove_tree(fd, path))
 
     async def copy_workspace(self, src_id: str, dst_id: str) -> None:
+        """Copies on a copy thread within COPY_WALL_S. A cancelled copy (its Fork's caller
+        went away) is stopped and waited for, so nothing writes into the copy once the
+        manager removes it."""
         src_root, dst_root = self._sandbox_root(src_id), self._sandbox_root(dst_id)
         owner = (self._uid[dst_id], self._uid[dst_id])
+        assert self._copies is not None
+        deadline = time.monotonic() + COPY_WALL_S
+        cancelled = threading.Event()
+
+        def check() -> None:
+            if cancelled.is_set():
+                raise _CopyCancelled
+            if time.monotonic() > deadline:
+                raise Unavailable(f"copying the workspace of sandbox {src_id} took more than {COPY_WALL_S:.0f} s")
 
         def copy() -> None:
+            check()  # a copy that waited for a thread past its time (or its caller) never starts
             src = _open_workspace(src_root)
             try:
                 dst = _open_workspace(dst_root)
                 try:
-                    workspace_files.copy_tree(src, dst, owner=owner)
+                    workspace_files.copy_tree(src, dst, owner=owner, check=check)
                 finally:
                     os.close(dst)
             finally:
                 os.close(src)
 
+        done = asyncio.get_running_loop().run_in_executor(self._copies, copy)
         try:
-            await asyncio.to_thread(copy)
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            cancelled.set()
+            with contextlib.suppress(BaseException):
+                await done  # the copy stops at its next entry: a piece of a file at most
+            raise
         except (workspace_files.PathError, OSError) as exc:
             raise copy_error(src_id, exc) from None
 
@@ -370,6 +400,10 @@ class ProcessBackend(Backend):
             wall_seconds=time.monotonic() - start,
             oom_killed=oom,
         )
+
+
+class _CopyCancelled(Exception):
+    """Stops a copy whose Fork was cancelled."""
 
 
 def _open_workspace(root: str) -> int:

@@ -34,6 +34,9 @@ HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text()
 SWEBENCH_RUNNER_ARGS = [f"{TESTS_DIR}/{swebench.RUNNER_PATH}", f"{TESTS_DIR}/{swebench.TEST_LIST_PATH}"]
 SANDBOX_UID = 61000
 MAX_FORK = 64
+#: The longest one workspace copy of a Fork may take, on either backend (a workspace holds
+#: at most LimitCaps.disk_bytes).
+COPY_WALL_S = 300.0
 
 #: Bounds on one exec request (Linux takes at most 128 KiB per argument or variable).
 MAX_ARG_BYTES = 64 * 1024

@@ -36,7 +36,7 @@ import os
 import select
 import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -413,16 +413,20 @@ CHUNK_BYTES = 1 << 20
 Entry = tuple[Any, ...]
 
 
-def copy_tree(src_fd: int, dst_fd: int, owner: tuple[int, int] | None = None) -> None:
+def copy_tree(src_fd: int, dst_fd: int, owner: tuple[int, int] | None = None, check: Callable[[], None] | None = None) -> None:
     """Copies folders, regular files (data, holes and permission bits) and symlinks (as
     links) from ``src_fd`` into the empty folder ``dst_fd``, ``owner``'s when given.
 
     Iterative, with one folder descriptor open on each side however deep the tree (see
-    :func:`walk_tree`); PathError('changed') when a folder is moved during the copy."""
+    :func:`walk_tree`); PathError('changed') when a folder is moved during the copy.
+    ``check`` is called before each entry (at most a CHUNK_BYTES piece of a file): what
+    it raises stops the copy, whose walk then gives back the modes it changed."""
     builder = TreeBuilder(dst_fd, owner)
     try:
         with contextlib.closing(walk_tree(src_fd)) as entries:
             for entry in entries:
+                if check is not None:
+                    check()
                 builder.add(entry)
         builder.finish()
     finally:

@@ -5,13 +5,15 @@ name too long). Runs the real process backend, as tests/unit/test_sandbox_contra
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from meridian.errors import InvalidArgument, NotFound
+from meridian.errors import InvalidArgument, NotFound, Unavailable
 from services.envsandbox import process_backend
 from services.envsandbox.process_backend import ProcessBackend
 from services.envsandbox.sandbox import Limits, SandboxManager, collect
@@ -173,6 +175,98 @@ def test_file_operations_leave_the_event_loop_free(env: tuple[asyncio.AbstractEv
     loop.run_until_complete(main())
     assert len(threads) >= 4 and threading.main_thread().name not in threads
 
+
+
+def _copies_through(monkeypatch: pytest.MonkeyPatch, before_each: Callable[[], None], before_all: Callable[[], None] = lambda: None) -> threading.Event:
+    """Fork's copies run ``before_all`` first, then ``before_each`` before each entry (the
+    copy's own check after it); returns an event set when the last copy ended."""
+    from services.envsandbox import workspace_files
+
+    real = workspace_files.copy_tree
+    ended = threading.Event()
+
+    def copy_tree(src: int, dst: int, owner: Any = None, check: Callable[[], None] | None = None) -> None:
+        def each() -> None:
+            before_each()
+            if check is not None:
+                check()
+
+        ended.clear()
+        try:
+            before_all()
+            real(src, dst, owner, each)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(workspace_files, "copy_tree", copy_tree)
+    return ended
+
+
+def test_a_fork_past_its_time_is_unavailable_and_leaves_nothing(env: tuple[asyncio.AbstractEventLoop, SandboxManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    loop, m = env
+    monkeypatch.setattr(process_backend, "COPY_WALL_S", 0.5)
+    _copies_through(monkeypatch, lambda: time.sleep(0.01))
+
+    async def main() -> None:
+        box = await m.create(files={f"f{i}.txt": b"x" for i in range(200)})
+        try:
+            with pytest.raises(Unavailable, match="took more than"):
+                await m.fork(box.sandbox_id, 1)
+            assert [b.sandbox_id for b in m.list()] == [box.sandbox_id]
+            assert (await m.read_files(box.sandbox_id, ["f199.txt"]))["f199.txt"] == b"x"
+        finally:
+            await m.close(box.sandbox_id)
+
+    loop.run_until_complete(main())
+
+
+def test_a_cancelled_fork_stops_its_copy_before_it_returns(env: tuple[asyncio.AbstractEventLoop, SandboxManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Fork whose caller went away: the copy thread has stopped by the time the cancel
+    is through, so nothing writes into the copy the manager then removes."""
+    loop, m = env
+    started = threading.Event()
+    ended = _copies_through(monkeypatch, lambda: (started.set(), time.sleep(0.01)))
+
+    async def main() -> None:
+        box = await m.create(files={f"f{i}.txt": b"x" for i in range(500)})
+        try:
+            fork = asyncio.ensure_future(m.fork(box.sandbox_id, 1))
+            assert await asyncio.to_thread(started.wait, 20)
+            fork.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await fork
+            assert ended.is_set(), "the copy went on after its Fork was cancelled"
+            assert [b.sandbox_id for b in m.list()] == [box.sandbox_id]
+        finally:
+            await m.close(box.sandbox_id)
+
+    loop.run_until_complete(main())
+
+
+def test_blocked_copies_leave_the_default_executor_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight copies that cannot go on (more than the default executor's threads on a small
+    machine) do not stop work that needs that executor (file operations, exec kills)."""
+    release = threading.Event()
+    _copies_through(monkeypatch, lambda: None, before_all=lambda: release.wait(30))
+    manager = SandboxManager(ProcessBackend(tmp_path / "process"), default_limits=Limits(memory_bytes=256 << 20, max_pids=64, disk_bytes=8 << 20), max_sandboxes=10)
+
+    async def main() -> None:
+        await manager.start()
+        try:
+            box = await manager.create(files={"f.txt": b"f"})
+            fork = asyncio.ensure_future(manager.fork(box.sandbox_id, 8))
+            await asyncio.sleep(0.5)
+            try:
+                assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 10) == "free"
+                assert await asyncio.wait_for(manager.read_files(box.sandbox_id, ["f.txt"]), 10) == {"f.txt": b"f"}
+            finally:
+                release.set()
+            assert len(await fork) == 8
+        finally:
+            release.set()
+            await manager.close_all()
+
+    asyncio.run(main())
 
 def test_the_service_answers_clear_statuses_for_bad_paths_and_deep_trees(tmp_path: Path, grpc_serving: Any) -> None:
     """Through the real gRPC service: bad paths answer INVALID_ARGUMENT (not INTERNAL, not
