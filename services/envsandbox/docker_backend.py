@@ -39,7 +39,7 @@ from pathlib import Path
 from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import docker_stream, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import instance_name, process_start_time
-from services.envsandbox.sandbox import COPY_WALL_S, SANDBOX_UID, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain
+from services.envsandbox.sandbox import COPY_WALL_S, SANDBOX_UID, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain, tmpfs_inodes
 
 UID_POOL = 4096
 
@@ -161,8 +161,8 @@ class DockerBackend(Backend):
                 network_mode="none",
                 read_only=True,
                 tmpfs={
-                    "/workspace": f"size={limits.disk_bytes},mode=0755,uid={uid},gid={uid}",
-                    "/tmp": f"size={tmp_bytes},mode=1777",
+                    "/workspace": f"size={limits.disk_bytes},nr_inodes={tmpfs_inodes(limits.disk_bytes)},mode=0755,uid={uid},gid={uid}",
+                    "/tmp": f"size={tmp_bytes},nr_inodes={tmpfs_inodes(tmp_bytes)},mode=1777",
                 },
                 mem_limit=limits.memory_bytes,
                 memswap_limit=limits.memory_bytes,

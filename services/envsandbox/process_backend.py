@@ -42,14 +42,13 @@ from typing import TypeVar
 from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
-from services.envsandbox.sandbox import COPY_WALL_S, SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, pump_process
+from services.envsandbox.sandbox import COPY_WALL_S, SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, pump_process, tmpfs_inodes
 from services.envsandbox.spawn import SpawnedProcess, spawn
 
 log = logging.getLogger(__name__)
 
 TOOLS = ("setpriv", "unshare", "nsenter", "sh")
 JOIN_CGROUPS = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
-INODES_PER_MIB = 256
 #: Distinct sandbox uids: one per live sandbox (SANDBOX_UID .. SANDBOX_UID + UID_POOL - 1).
 UID_POOL = 4096
 #: The environment of the root half of the chain: nothing of the caller's.
@@ -184,7 +183,7 @@ class ProcessBackend(Backend):
         assert self._cgroups is not None
         if not self._free_uids:
             raise ResourceExhausted(f"all {self.uid_pool} sandbox uids are in use")
-        inodes = max(1024, limits.disk_bytes // (1 << 20) * INODES_PER_MIB)
+        inodes = tmpfs_inodes(limits.disk_bytes)
         self._uid[sandbox_id] = self._free_uids.pop()
         self._procs[sandbox_id] = []
         self._running[sandbox_id] = set()

@@ -34,6 +34,17 @@ HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text()
 SWEBENCH_RUNNER_ARGS = [f"{TESTS_DIR}/{swebench.RUNNER_PATH}", f"{TESTS_DIR}/{swebench.TEST_LIST_PATH}"]
 SANDBOX_UID = 61000
 MAX_FORK = 64
+#: Files and folders a sandbox's tmpfs may hold per MiB of its size cap. Without a cap a
+#: tmpfs takes millions: empty files whose kernel memory, charged to the sandbox, starves
+#: every later command of it (the tests included) before the size cap is reached.
+INODES_PER_MIB = 256
+
+
+def tmpfs_inodes(size_bytes: int) -> int:
+    """The inode cap of a sandbox tmpfs of ``size_bytes``."""
+    return max(1024, size_bytes // (1 << 20) * INODES_PER_MIB)
+
+
 #: The longest one workspace copy of a Fork may take, on either backend (a workspace holds
 #: at most LimitCaps.disk_bytes).
 COPY_WALL_S = 300.0
@@ -547,8 +558,14 @@ class SandboxManager:
             await self.backend.kill_all(sandbox_id)
             argv, stdin, hidden = tests_invocation(task)
             await self.backend.remove(sandbox_id, TESTS_DIR)
-            if hidden:
-                await self._write(box, hidden)
+            try:
+                if hidden:
+                    await self._write(box, hidden)
+            except ResourceExhausted as exc:
+                # The sandbox filled its own workspace: its tests cannot run, and it scores 0
+                # (an error would drop its episode, and with it the failure, from its group).
+                await self.backend.remove(sandbox_id, TESTS_DIR)
+                return _no_room_for_tests(str(exc))
             try:
                 stdout, stderr, result = await collect(self.exec(sandbox_id, argv, stdin=stdin, timeout_s=task.limits.wall_seconds))
             finally:
@@ -557,6 +574,12 @@ class SandboxManager:
         outcome = score_output(task.reward, stdout.decode(errors="replace"), result.exit_code)
         return outcome, result, stdout + stderr
 
+
+
+def _no_room_for_tests(why: str) -> tuple[TestOutcome, ExecResult, bytes]:
+    """RunTests' answer when the task's tests could not be written into a full workspace."""
+    detail = f"no room in the workspace for the task's tests: {why}"
+    return TestOutcome(0.0, [("tests", False, detail)]), ExecResult(1, 0, False, False, False, 0.0), detail.encode()
 
 # ------------------------------------------------------------------ shared exec plumbing
 

@@ -878,6 +878,37 @@ async def _mode_of_workspace(m: SandboxManager, sid: str) -> str:
     return out.decode().strip()
 
 
+
+def test_a_sandbox_that_fills_its_workspace_scores_0_not_an_error(env: tuple[Loop, SandboxManager]) -> None:
+    """A full workspace cannot take the hidden tests of a task whose test command reads
+    them from disk: RunTests scores 0 (an error would drop the episode, and its failure,
+    from its group). A task whose tests run from memory scores as it should."""
+    from services.envsandbox.tasks import Task
+
+    loop, m = env
+    on_disk = Task(
+        id="custom/ok", kind="terminal", split="train", instruction="write ok", files={}, answer_path="ok.txt",
+        tests={"check.sh": "test \"$(cat ok.txt)\" = ok && echo 'PASS ok' || echo 'FAIL ok'\n"},
+        test_command=["sh", ".tests/check.sh"], reward="all_pass", reference={"ok.txt": "ok"},
+    )
+    in_memory = TaskSuite.builtin().get("python/add")
+    fill = "cat /dev/zero > fill 2>/dev/null; i=0; while true 2>/dev/null > f$i; do i=$((i+1)); done"
+
+    async def main() -> None:
+        for task, full_reward in ((on_disk, 0.0), (in_memory, 1.0)):
+            box = await m.create(task=task, files={p: c.encode() for p, c in task.reference.items()})
+            try:
+                assert (await m.run_tests(box.sandbox_id))[0].reward == 1.0
+                await sh(m, box.sandbox_id, fill)
+                outcome, _, output = await m.run_tests(box.sandbox_id)
+                assert outcome.reward == full_reward, output
+                if full_reward == 0.0:
+                    assert b"no room" in output
+            finally:
+                await m.close(box.sandbox_id)
+
+    loop.run(main())
+
 @pytest.mark.parametrize("attack", list(MODE_ATTACKS))
 def test_run_tests_scores_whatever_modes_the_sandbox_left(env: tuple[Loop, SandboxManager], attack: str) -> None:
     """After the sandbox changed the modes of its own workspace (or tried to remove or
