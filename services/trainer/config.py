@@ -70,6 +70,7 @@ class TrainerConfig:
     claim_every_s: float = opt(10.0, "seconds between claims of stale pending entries")
     dedupe_window: int = opt(1_000_000, "trained group ids remembered (in checkpoints) to drop redeliveries")
     data_parallel: str = opt("ddp", "under torchrun: ddp (every rank a full replica) or fsdp (FSDP2: parameters, gradients and optimiser state sharded over the ranks)")
+    collective_timeout_s: float = opt(600.0, "under torchrun: seconds a rank waits for the others in a collective (of a step, a publish, a checkpoint read) and in the agreement after each phase; a rank failed or stuck mid-collective then makes every rank exit with the error within about twice this (no rank hangs), and a restart resumes from the checkpoint")
     threads: int = opt(1, "torch CPU threads")
     cpus: str = opt("", "CPU ids the trainer process runs on, e.g. '1' or '2-7,12' (empty: wherever the OS puts it); keeps it off the cores an inference engine pins its threads to")
     seed: int = opt(0, "torch seed")
@@ -105,5 +106,7 @@ class TrainerConfig:
             raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
         if self.checkpoint_idle_s < 0:
             raise ValueError(f"checkpoint_idle_s must be >= 0, got {self.checkpoint_idle_s}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s must be positive, got {self.collective_timeout_s}")
         if self.claim_idle_ms <= 0 or self.claim_every_s <= 0:
             raise ValueError("claim_idle_ms and claim_every_s must be positive")

@@ -8,7 +8,14 @@ ranks, and each rank trains on its shard of the trajectories (gloo on CPU, NCCL 
 GPU). A step that fails on any rank is abandoned by every rank alike
 (:class:`~services.trainer.learner_protocol.StepFailed`, see
 :meth:`services.trainer.learner.Learner.step`): rank 0's loop retries or dead-letters
-its batch, and the other ranks follow it into the next command. ``--data-parallel ddp``
+its batch, and the other ranks follow it into the next command. Where the ranks cannot
+go on together (a failure inside a collective under FSDP, a rank gone) every rank
+raises :class:`~services.trainer.learner_protocol.GroupFailed` within about twice
+``--collective-timeout-s`` (the training group's collectives time out after it; rank 0's
+commands travel in a group of their own without a short timeout, as followers wait there
+for as long as the stream is empty): rank 0's service stops (health NOT_SERVING, exit 1)
+with the error, the followers exit 1 with it, and a restarted job resumes from the
+newest checkpoint. ``--data-parallel ddp``
 (the default): every rank holds a full replica, the gradients are all-reduced after the
 backward pass, and rank 0 alone checkpoints and publishes. ``--data-parallel fsdp``:
 FSDP2 shards parameters, gradients and optimiser state, so reading the training state is
@@ -43,7 +50,7 @@ from meridian.config import add_config_args, config_from_args
 from meridian.tensors import RawTensor
 from meridian.v1 import common_pb2, weightsync_pb2
 from services.trainer.config import TrainerConfig
-from services.trainer.learner_protocol import StepFailed, StepResult
+from services.trainer.learner_protocol import GroupFailed, StepFailed, StepResult
 
 if TYPE_CHECKING:  # torch is imported only by the ranks that train
     from services.trainer.learner import Learner
@@ -53,14 +60,35 @@ if TYPE_CHECKING:  # torch is imported only by the ranks that train
 log = logging.getLogger(__name__)
 
 
-def _init() -> tuple[int, int, str]:
-    """Joins the process group torchrun describes; returns (rank, world, device)."""
+#: How long a follower waits for rank 0's next command: as long as the stream is empty.
+COMMAND_TIMEOUT = datetime.timedelta(days=7)
+
+_commands: Any = None  # the process group rank 0's commands go out in (see command_group)
+
+
+def command_group() -> Any:
+    """The process group rank 0's commands go out in: a group of its own (gloo), whose
+    timeout is :data:`COMMAND_TIMEOUT` (followers wait there while the stream is empty),
+    where the training group's collectives time out after ``collective_timeout_s``.
+    Created once; every rank calls this at the same point (rank 0 builds its
+    :class:`BroadcastLearner`, the others start :func:`follow`), as it is a collective."""
+    global _commands
+    if _commands is None:
+        import torch.distributed as dist
+
+        _commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    return _commands
+
+
+def _init(collective_timeout_s: float) -> tuple[int, int, str]:
+    """Joins the process group torchrun describes; returns (rank, world, device). Its
+    collectives (the steps', FSDP's, a publish's) time out after ``collective_timeout_s``,
+    so a rank a failed rank left waiting in one fails instead of hanging."""
     import torch
     import torch.distributed as dist
 
     cuda = torch.cuda.is_available()
-    # Followers wait in a broadcast for as long as the stream is empty: no short timeout.
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(days=7))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=collective_timeout_s))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = f"cuda:{local}" if cuda else "cpu"
     if cuda:
@@ -86,6 +114,9 @@ class BroadcastLearner:
     def __init__(self, learner: Learner, part_log: Path | None = None) -> None:
         self.inner = learner
         self.part_log = part_log
+        # Set once the ranks could not go on together (GroupFailed): no command goes out after it.
+        self.failed: GroupFailed | None = None
+        self._group = command_group() if learner.world > 1 else None
 
     @property
     def publishes_in_parts(self) -> bool:
@@ -100,15 +131,29 @@ class BroadcastLearner:
     def step_count(self) -> int:
         return self.inner.step_count
 
-    @staticmethod
-    def _send(command: str, payload: Any) -> None:
+    def _send(self, command: str, payload: Any) -> None:
+        """Broadcasts a command to the followers (none after a :class:`GroupFailed`: they
+        have exited, or are about to)."""
         import torch.distributed as dist
 
-        dist.broadcast_object_list([command, payload], src=0)
+        if self.failed is not None:
+            raise GroupFailed(f"rank 0 sends no {command!r} command: the ranks stopped ({self.failed})") from self.failed
+        try:
+            dist.broadcast_object_list([command, payload], src=0, group=self._group)
+        except RuntimeError as exc:  # a follower is gone (its connection closed)
+            self.failed = GroupFailed(f"rank 0 could not send the {command!r} command to the other ranks ({exc}): a rank is gone, every rank stops")
+            raise self.failed from exc
+
+    def _agreed(self, call: Any) -> Any:
+        try:
+            return call()
+        except GroupFailed as exc:
+            self.failed = exc
+            raise
 
     def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
         self._send("step", _serialize(groups))
-        return self.inner.step(groups)
+        return self._agreed(lambda: self.inner.step(groups))  # type: ignore[no-any-return]
 
     def check_group(self, trajectories: Sequence[common_pb2.Trajectory]) -> str:
         # Local: every rank runs the same model, and a group refused here never reaches a step.
@@ -154,7 +199,9 @@ class BroadcastLearner:
         return self._read("state")  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        self._send("stop", None)
+        """Tells the followers to stop (unless the ranks already stopped: :attr:`failed`)."""
+        if self.failed is None and self.inner.world > 1:
+            self._send("stop", None)
 
 
 #: Rank 0's reads a follower joins (gathers under FSDP) and whose result it drops.
@@ -163,12 +210,17 @@ COLLECTIVE_READS = ("policy_weights", "master_hash", "state")
 
 def follow(learner: Any, sender: PartSender | None = None, part_log: Path | None = None) -> None:
     """A follower rank: applies rank 0's commands until it says stop. ``sender`` sends the
-    parts of the versions rank 0 publishes (under FSDP); at stop it finishes what it holds."""
+    parts of the versions rank 0 publishes (under FSDP); at stop it finishes what it holds.
+    Raises :class:`GroupFailed` when the ranks cannot go on together: the caller exits with it."""
     import torch.distributed as dist
 
+    group = command_group()
     while True:
         box: list[Any] = [None, None]
-        dist.broadcast_object_list(box, src=0)
+        try:
+            dist.broadcast_object_list(box, src=0, group=group)
+        except RuntimeError as exc:  # rank 0 is gone (its connection closed)
+            raise GroupFailed(f"rank {learner.rank} lost rank 0 while waiting for its next command ({exc}): every rank stops") from exc
         command, payload = box
         if command == "stop":
             if sender is not None:
@@ -303,13 +355,20 @@ def main(argv: list[str] | None = None) -> int:
     from meridian.model_store import resolve_model
     from services.trainer.learner import Learner
 
-    rank, world, device = _init()
+    rank, world, device = _init(config.collective_timeout_s)
     try:
         learner = Learner(resolve_model(config.model), config, device=device)
         if ns.replay:
             replay(learner, ns.replay, ns.out, rank, ns.publish_to, config.signing_key)
         elif rank != 0:
-            follow(learner, _part_sender(config) if learner.sharded and world > 1 else None, ns.part_log)
+            try:
+                follow(learner, _part_sender(config) if learner.sharded and world > 1 else None, ns.part_log)
+            except GroupFailed as exc:
+                # Rank 0 stops too, with the same error (its service reports it), and torchrun
+                # or the supervisor restarts the job from the checkpoint. No barrier: the
+                # group may be unusable.
+                log.error("rank %d stops: %s", rank, exc, exc_info=exc)
+                return 1
         else:
             from meridian.grpc_runtime import serve_forever
             from services.trainer.server import TrainerService

@@ -14,6 +14,9 @@ A step that fails on one rank fails on all of them alike (:class:`StepFailed`): 
 agree on whether each phase of the step succeeded everywhere before any of them enters
 the next phase's collectives (see :meth:`Learner.step`), so none is left waiting in a
 collective the others never join, and none updates its weights when another did not.
+Where that cannot hold (a rank failed inside a collective the others were in) every rank
+raises :class:`GroupFailed` instead, within ``collective_timeout_s`` (see
+:meth:`Learner.agreed`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import datetime
 import hashlib
 import logging
 import math
@@ -39,7 +43,7 @@ from meridian.v1 import common_pb2
 from meridian.v1 import weightsync_pb2
 from services.trainer.batch import Batch, build_batch, policy_lag, token_logprobs
 from services.trainer.config import TrainerConfig, cpu_set
-from services.trainer.learner_protocol import PASS_REWARD, StepFailed, StepResult
+from services.trainer.learner_protocol import PASS_REWARD, GroupFailed, StepFailed, StepResult
 from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal, staleness_weight
 from services.trainer.packing import PackedLayout, pack, packed_logprobs, plan_packs
 from meridian.tensors import RawTensor, from_torch, to_torch
@@ -209,6 +213,22 @@ def _buckets(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Ten
         yield bucket
 
 
+def _describe(error: BaseException | None) -> str:
+    """``Type: message`` of ``error``, for the agreement's messages."""
+    return "no error" if error is None else f"{type(error).__name__}: {error}"
+
+
+def _collectives_issued() -> int:
+    """How many collectives this rank has issued on the training (default) process group,
+    or -1 where the backend does not count them. Ranks that issued different numbers are
+    out of step: the group's next collectives would pair up the wrong operations."""
+    try:
+        group = torch.distributed.distributed_c10d._get_default_group()
+        return int(group._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return -1
+
+
 class Learner:
     """Owns the model and optimizer; knows nothing of Redis or gRPC.
 
@@ -237,8 +257,16 @@ class Learner:
         self.rank, self.world = 0, 1
         self.sharded = False
         self._twin: torch.nn.Module | None = None  # the sharded canary's bf16 twin (see shard_canary)
+        self._control: Any = None  # the agreement's own process group (see agreed)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            if self.world > 1:
+                # The agreements run in a group of their own (gloo, CPU tensors), so they
+                # still work when a failure has left the training group unusable. Its
+                # timeout is twice the collectives': a rank stuck in a collective reaches the
+                # agreement once that collective timed out, and the others wait for it there.
+                timeout = datetime.timedelta(seconds=2 * config.collective_timeout_s)
+                self._control = torch.distributed.new_group(backend="gloo", timeout=timeout)
             self._distribute(config.data_parallel)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
@@ -551,12 +579,27 @@ class Learner:
             for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 grad.copy_(reduced)
 
-    def _agreed(self, work: Callable[[], T], what: str) -> T:
+    def _agreed(self, work: Callable[[], T], phase: str) -> T:
+        """A phase of the step (see :meth:`agreed`): :class:`StepFailed` when it failed."""
+        return self.agreed(work, "the step", phase, failed=StepFailed)
+
+    def agreed(self, work: Callable[[], T], action: str, phase: str = "", *, failed: type[RuntimeError] = StepFailed) -> T:
         """``work()`` on this rank; with several ranks, then an agreement on whether it
-        succeeded on every one: if it failed on any, every rank raises :class:`StepFailed`
-        (naming each failed rank's error), so all of them leave the step at the same point
-        and none is left waiting in a collective the others never join. One process:
-        ``work``'s own exception. ``work`` must not change the learner's state."""
+        succeeded on every one. Every rank calls this at the same point of rank 0's command
+        sequence with its own share of ``action`` (``phase``: where in it, for the message).
+
+        - Succeeded everywhere: ``work``'s result.
+        - Failed on some rank, the learners unchanged and the process group still in step:
+          every rank raises ``failed`` (:class:`StepFailed` by default) naming each failed rank's
+          error; ``work`` must then not have changed the learner's state.
+        - Failed where that cannot hold: every rank raises :class:`GroupFailed`. That is
+          ranks that stopped at different collectives of the
+          training group (one failed inside a collective, or before one, the others were
+          in: they waited there until ``collective_timeout_s``, and the group's streams
+          are out of step for good), or a training group that no longer answers (a
+          collective timed out on it), or a rank that never came to the agreement.
+
+        One process: ``work``'s own exception."""
         if self.world == 1:
             return work()
         result: T | None = None
@@ -565,24 +608,54 @@ class Learner:
             result = work()
         except Exception as exc:  # any failure of this rank's share: the others must hear of it
             error = exc
-        failures = self._rank_failures(error)
-        if failures:
-            raise StepFailed(
-                f"the step failed {what} on {'; '.join(failures)}; every rank abandoned it, the weights are unchanged"
+        what = f"{action} failed{' ' + phase if phase else ''}"
+        try:
+            failures, out_of_step = self._rank_failures(error)
+            if failures and not out_of_step:
+                out_of_step = not self._training_group_works()
+        except RuntimeError as exc:  # the agreement's own group: a rank died, or never came
+            own = f" (here it failed: {_describe(error)})" if error is not None else ""
+            raise GroupFailed(
+                f"{action}{' ' + phase if phase else ''}: rank {self.rank} could not agree with the other ranks on its outcome{own}: "
+                f"{_describe(exc)}; a rank is gone or never came, so every rank stops (a restart resumes from the checkpoint)"
+            ) from (error or exc)
+        if not failures:
+            return result  # type: ignore[return-value]
+        ranks = "; ".join(failures)
+        if out_of_step:
+            raise GroupFailed(
+                f"{what} on {ranks}; the ranks stopped at different collectives or the process group no longer answers, "
+                "so it is unusable: every rank stops (a restart resumes from the checkpoint)"
             ) from error
-        return result  # type: ignore[return-value]
+        raise failed(f"{what} on {ranks}; every rank abandoned it, the learners are unchanged") from error
 
-    def _rank_failures(self, error: Exception | None) -> list[str]:
+    def _rank_failures(self, error: Exception | None) -> tuple[list[str], bool]:
         """Every rank's ``error`` ('rank N (Type: message)' per failed rank; [] when none
-        failed). A collective: one small all-reduce, and a gather of the errors only when
-        some rank failed."""
-        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(failed)
-        if not int(failed.item()):
-            return []
+        failed), and whether the ranks issued different numbers of collectives on the
+        training group (they stopped at different ones). A collective of the agreement's
+        group: one small all-reduce, and a gather of the errors only when some rank failed."""
+        seq = _collectives_issued()
+        flags = torch.tensor([0 if error is None else 1, seq, -seq], dtype=torch.int64)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self._control)
+        if not int(flags[0]):
+            return [], False
+        out_of_step = seq >= 0 and int(flags[1]) != -int(flags[2])
         errors: list[str | None] = [None] * self.world
-        torch.distributed.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
-        return [f"rank {rank} ({text})" for rank, text in enumerate(errors) if text is not None]
+        torch.distributed.all_gather_object(errors, None if error is None else _describe(error), group=self._control)
+        return [f"rank {rank} ({text})" for rank, text in enumerate(errors) if text is not None], out_of_step
+
+    def _training_group_works(self) -> bool:
+        """Whether a collective of the training group still completes on every rank (a
+        collective that timed out on it leaves it unusable though the ranks issued the
+        same collectives). Bounded by ``collective_timeout_s``."""
+        ok = True
+        try:
+            torch.distributed.all_reduce(torch.zeros(1, device=self.device))
+        except RuntimeError:
+            ok = False
+        broken = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        torch.distributed.all_reduce(broken, op=torch.distributed.ReduceOp.MAX, group=self._control)
+        return not int(broken)
 
     def _clip_gradients(self) -> float:
         """Clips to ``max_grad_norm`` (0: off); returns the norm over the whole model."""
@@ -608,11 +681,13 @@ class Learner:
 
         Under ``torch.distributed`` every rank calls this with the same groups. The ranks
         agree after building the batch and after the forward and backward passes whether
-        that phase succeeded on all of them; if not, every rank raises :class:`StepFailed`
-        there. Replicated ranks run both phases without a collective, so any failure of
-        one rank is one every rank takes alike. Under FSDP the forward and backward passes
-        are collectives themselves: a failure there that is not every rank's (the same
-        error at the same point) still leaves the other ranks waiting in one.
+        that phase succeeded on all of them (:meth:`agreed`); if not, every rank raises
+        :class:`StepFailed` there, before any update. Replicated ranks run both phases
+        without a collective, so any failure of one rank is one every rank takes alike.
+        Under FSDP the forward and backward passes are collectives themselves: a failure
+        there on some ranks leaves the others in a collective until
+        ``collective_timeout_s``, the process group unusable, and every rank raises
+        :class:`GroupFailed` instead.
         """
         start = time.perf_counter()
         prepared, common, batch = self._agreed(lambda: self._prepare(groups), "while building the batch")

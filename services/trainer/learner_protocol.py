@@ -21,6 +21,16 @@ class StepFailed(RuntimeError):
     or dead-letters the batch as for any failed step, and the other ranks go on following."""
 
 
+class GroupFailed(RuntimeError):
+    """The ranks of a distributed learner cannot go on together: a failure left the process
+    group unusable (a rank failed or timed out inside a collective the others were in, so
+    they stopped at different collectives), or a rank is gone. Every rank raises it within
+    the collective timeout (``--collective-timeout-s``), the message naming each rank's
+    error and the phase; none trains on. Rank 0's service stops (health NOT_SERVING, exit
+    1), the followers exit 1, and a restarted job resumes from the newest checkpoint.
+    Retrying in the same processes cannot help, so the training loop does not."""
+
+
 @dataclasses.dataclass
 class StepResult:
     """What one call of :meth:`PolicyLearner.step` did."""
@@ -61,7 +71,9 @@ class PolicyLearner(Protocol):
         """One optimizer step on complete groups (no step when nothing is left to learn).
         When it raises, the learner's state (weights, optimizer, step and version) is as it
         was before the call: the loop retries the batch (a distributed learner raises
-        :class:`StepFailed` on every rank when the step failed on any)."""
+        :class:`StepFailed` on every rank when the step failed on any). A distributed
+        learner raises :class:`GroupFailed` when its ranks cannot go on together: the loop
+        ends, and with it the service."""
         ...
 
     def check_group(self, trajectories: Sequence[common_pb2.Trajectory]) -> str:

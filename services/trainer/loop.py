@@ -5,7 +5,11 @@ which publishes and checkpoints in the background while the next step runs.
 A step that raises leaves the learner as it was (see ``PolicyLearner.step``): its batch
 goes back to the front of the ready queue and is tried again, ``STEP_ATTEMPTS`` times in
 all, then dead-lettered with the error, so one poison batch cannot stop training (its
-entries, never acked, would otherwise come back by claim and fail again, for ever)."""
+entries, never acked, would otherwise come back by claim and fail again, for ever).
+
+A distributed learner whose ranks cannot go on together raises :class:`GroupFailed`
+(from a step, or from the committer's collective reads): the loop ends with it, nothing
+acked, and the service stops; a restart resumes from the checkpoint and replays."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +23,7 @@ from meridian import telemetry
 from meridian.v1 import trainer_pb2 as pb
 from services.trainer.commit import CommitRefused, Committer, Progress
 from services.trainer.consumer import GroupConsumer, Taken
-from services.trainer.learner_protocol import PolicyLearner, StepResult
+from services.trainer.learner_protocol import GroupFailed, PolicyLearner, StepResult
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -97,8 +101,9 @@ class TrainingLoop:
         return [*self._committed, *self._uncommitted]
 
     async def run(self) -> None:
-        """Runs until cancelled or refused (:class:`CommitRefused`); any other failure is
-        logged and the loop goes on from the transport."""
+        """Runs until cancelled, refused (:class:`CommitRefused`) or the ranks of a
+        distributed learner stopped (:class:`GroupFailed`); any other failure is logged and
+        the loop goes on from the transport."""
         recovered = False
         while True:
             try:
@@ -106,7 +111,7 @@ class TrainingLoop:
                     await self.consumer.recover()
                     recovered = True
                 await self.iteration(READ_BLOCK_MS)
-            except (asyncio.CancelledError, CommitRefused):
+            except (asyncio.CancelledError, CommitRefused, GroupFailed):
                 raise
             except Exception:
                 log.exception("training loop iteration failed; retrying")
@@ -149,6 +154,11 @@ class TrainingLoop:
         with tracer.start_as_current_span("trainer.step", links=links) as span:
             try:
                 result = await asyncio.to_thread(self.learner.step, trajs)
+            except GroupFailed as exc:
+                # Not the batch's fault, and no retry in these processes can help.
+                span.record_exception(exc)
+                log.error("step on groups %s: the ranks cannot go on together; the training loop stops: %s", [group.group_id for _, group in taken], exc)
+                raise
             except Exception as exc:
                 span.record_exception(exc)
                 await self._step_failed(taken, exc)

@@ -18,7 +18,17 @@ follow it. Four batches of two groups go through, in this order:
 Each rank writes ``rank-R.json``: its master-weight hash before and after, its step count
 and version, and on rank 0 what the loop saw (dead letters, counters, reported steps).
 Collectives time out after ``--collective-timeout-s``: a rank left waiting for one fails
-instead of hanging."""
+instead of hanging.
+
+``--fault F`` runs one of these instead (by tests/integration/test_trainer_rank_failures.py),
+rank 1 failing once:
+
+- ``layer`` (FSDP): in the forward pass of the second decoder layer, while rank 0 is in
+  the collectives of that pass; rank 0 runs the loop on one batch;
+
+Each rank then writes what it raised (``error``: ``Type: message``, or '' when nothing
+did), how long after the fault's step or command (``seconds``), and its master hash,
+step count and version when it still could."""
 from __future__ import annotations
 
 import argparse
@@ -26,11 +36,13 @@ import asyncio
 import datetime
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from meridian.grpc_runtime import failure_of
 from meridian.trajectory_transport import MemoryStreams
 from meridian.v1 import common_pb2
 from services.trainer import learner as learner_mod
@@ -131,6 +143,76 @@ async def _lead(learner: Any, model: Path) -> dict[str, Any]:
     }
 
 
+FAULTS = ("layer",)
+
+
+def _fail_once(rank: int, what: str) -> Any:
+    """A callable that raises on rank 1 the first time it is called (nothing on rank 0)."""
+    fired = []
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        if rank == 1 and not fired:
+            fired.append(True)
+            raise OSError(f"rank {rank}: an injected fault in {what}")
+
+    return fail
+
+
+def install_fault(learner: Any, rank: int, fault: str) -> None:
+    """Makes rank 1 fail once at ``fault`` (see the module's docstring)."""
+    fail = _fail_once(rank, fault)
+    if fault == "layer":
+        layer = learner_mod._decoder_layers(learner.module)[1]
+        layer.register_forward_pre_hook(lambda module, args: fail())
+
+
+def _described(exc: BaseException | None) -> str:
+    return "" if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+async def _lead_loop_once(learner: Any, model: Path, bound_s: float) -> dict[str, Any]:
+    """Rank 0 under ``layer``: the training loop on the two ``good``
+    groups (rank 1 fails in their step), for at most ``bound_s`` seconds: what ended it."""
+    from tests.unit.test_trainer_loop import build
+
+    loop_mod.READ_BLOCK_MS = 5
+    loop_mod.STEP_RETRY_S = 0.0
+    lead = BroadcastLearner(learner)
+    streams = MemoryStreams()
+    loop = build(streams, lead, groups_per_step=2)  # type: ignore[arg-type]
+    await loop.consumer.start()
+    for group in _groups(model)[-2:]:
+        await loop.consumer.transport.publish_group(group)
+    started = time.monotonic()
+    task = asyncio.create_task(loop.run())
+    reason = ""  # what the trainer service reports when its loop ends (TrainerService.failure)
+    try:
+        reason = await asyncio.wait_for(failure_of(task, "the training loop"), bound_s)
+    except TimeoutError:
+        task.cancel()  # the loop went on: nothing stopped it
+    finally:
+        lead.close()
+    error = task.exception() if task.done() and not task.cancelled() else None
+    return {"error": _described(error), "reason": reason, "seconds": time.monotonic() - started, "steps": [m.step for m in loop.recent_steps()]}
+
+
+def _lead_fault(learner: Any, model: Path, fault: str, bound_s: float) -> dict[str, Any]:
+    """Rank 0's side of ``fault``."""
+    return asyncio.run(_lead_loop_once(learner, model, bound_s))
+
+
+def _follow_fault(learner: Any, fault: str) -> tuple[dict[str, Any], int]:
+    """A follower's side of ``fault``: what ended its following, and its exit code (1 when
+    it raised, as services.trainer.distributed exits)."""
+    started = time.monotonic()
+    try:
+        follow(learner)
+    except Exception as exc:
+        logging.getLogger(__name__).error("rank %d stops: %s", learner.rank, exc)
+        return {"error": _described(exc), "seconds": time.monotonic() - started}, 1
+    return {"error": "", "seconds": time.monotonic() - started}, 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     for flag in ("--rank", "--world", "--port", "--collective-timeout-s"):
@@ -138,17 +220,32 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--data-parallel", choices=("ddp", "fsdp"), required=True)
-    parser.add_argument("--flaky-at", choices=("prepare", "forward"), required=True)
+    parser.add_argument("--flaky-at", choices=("prepare", "forward"), default="prepare")
+    parser.add_argument("--fault", choices=FAULTS, help="run this fault of rank 1 instead of the four batches")
+    parser.add_argument("--bound-s", type=float, default=120.0, help="with --fault: seconds rank 0's loop runs at most")
     ns = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"rank {ns.rank} %(levelname)s %(name)s: %(message)s")
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{ns.port}", rank=ns.rank, world_size=ns.world,
         timeout=datetime.timedelta(seconds=ns.collective_timeout_s),
     )
+    code = 0
     try:
-        learner = learner_mod.Learner(ns.model, TrainerConfig(model=str(ns.model), data_parallel=ns.data_parallel, **SETTINGS))  # type: ignore[arg-type]
+        config = TrainerConfig(model=str(ns.model), data_parallel=ns.data_parallel, collective_timeout_s=ns.collective_timeout_s, **SETTINGS)  # type: ignore[arg-type]
+        learner = learner_mod.Learner(ns.model, config)
+        if ns.fault:
+            install_fault(learner, ns.rank, ns.fault)
+            summary: dict[str, Any]
+            if ns.rank == 0:
+                summary = _lead_fault(learner, ns.model, ns.fault, ns.bound_s)
+            else:
+                summary, code = _follow_fault(learner, ns.fault)
+            summary.update(step_count=learner.step_count, version=learner.version)
+            ns.out.mkdir(parents=True, exist_ok=True)
+            (ns.out / f"rank-{ns.rank}.json").write_text(json.dumps(summary))
+            return
         Faults(ns.rank, ns.flaky_at).install(learner)
-        summary: dict[str, Any] = {"initial_hash": learner.master_hash()}
+        summary = {"initial_hash": learner.master_hash()}
         if ns.rank == 0:
             summary.update(asyncio.run(_lead(learner, ns.model)))
         else:
@@ -159,6 +256,8 @@ def main() -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+        if code:
+            raise SystemExit(code)
 
 
 if __name__ == "__main__":

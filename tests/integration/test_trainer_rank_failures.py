@@ -1,0 +1,75 @@
+"""Two-rank trainers (gloo) where rank 1 alone fails once, somewhere a failure used to hang
+the other rank
+(tests/integration/trainer_rank_faults.py ``--fault``): every rank stops with the error
+within a bound (a few collective timeouts), rank 0's training loop ending the way the
+service reports (``the training loop stopped: GroupFailed: ...``)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.test_trainer_distributed import _free_port
+
+pytestmark = pytest.mark.engine
+
+#: Seconds a rank waits in a collective (and twice that in the agreement after a phase).
+TIMEOUT_S = 5
+#: Generous: a stopped group is done within a few timeouts of the fault, not hung.
+BOUND_S = 8 * TIMEOUT_S
+
+
+def _run(tmp_path: Path, tiny_model: Path, data_parallel: str, fault: str) -> tuple[list[int], list[dict[str, Any]], str]:
+    """Both ranks under ``--fault``; their exit codes, their summaries and their output."""
+    port = _free_port()
+    out = tmp_path / "out"
+    procs = []
+    try:
+        for rank in (0, 1):
+            argv = [
+                sys.executable, "-m", "tests.integration.trainer_rank_faults", "--rank", str(rank), "--world", "2", "--port", str(port),
+                "--collective-timeout-s", str(TIMEOUT_S), "--model", str(tiny_model), "--out", str(out),
+                "--data-parallel", data_parallel, "--fault", fault, "--bound-s", str(BOUND_S),
+            ]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        # Start-up (imports, the model) takes most of this on a slow machine.
+        outputs = [proc.communicate(timeout=BOUND_S + 240)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    logs = "\n".join(f"--- rank {r}, exit {p.returncode}:\n{o[-6000:]}" for r, (p, o) in enumerate(zip(procs, outputs)))
+    summaries = []
+    for rank in (0, 1):
+        path = out / f"rank-{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no summary\n{logs}"
+        summaries.append(json.loads(path.read_text()))
+    return [p.returncode for p in procs], summaries, logs
+
+
+def _stopped_everywhere(codes: list[int], ranks: list[dict[str, Any]], logs: str, *named: str) -> None:
+    """Every rank raised GroupFailed naming rank 1's injected fault and ``named``, within the
+    bound; the follower exited 1."""
+    for rank, summary in enumerate(ranks):
+        error = summary["error"]
+        assert error.startswith("GroupFailed: "), f"rank {rank}: {error!r}\n{logs}"
+        for text in ("rank 1 (OSError: rank 1: an injected fault", *named):
+            assert text in error, f"rank {rank}: {text!r} not in {error!r}"
+        assert summary["seconds"] < BOUND_S, f"rank {rank} took {summary['seconds']:.1f} s to stop"
+    assert codes[1] == 1, logs
+
+
+def test_a_rank_failing_inside_fsdp_collectives_stops_every_rank_within_the_timeout(tmp_path: Path, tiny_model: Path) -> None:
+    """Rank 1 raises in the forward pass of a decoder layer while rank 0 is in FSDP's
+    all-gathers of that pass: rank 0 leaves them after the collective timeout (it waited
+    for 7 days before), and both ranks stop, naming rank 1's error; rank 0's loop ends
+    (the service would report it) instead of retrying on a broken process group."""
+    codes, (lead, other), logs = _run(tmp_path, tiny_model, "fsdp", "layer")
+    _stopped_everywhere(codes, [lead, other], logs, "in the forward and backward passes", "unusable")
+    assert lead["reason"].startswith("the training loop stopped: GroupFailed: "), lead
+    assert lead["steps"] == [] and lead["step_count"] == other["step_count"] == 0, (lead, other)
