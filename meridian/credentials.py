@@ -8,6 +8,8 @@ A credentials folder holds (private keys mode 0600)::
                                       weightsync (relays use weightsync's); SAN localhost,
                                       127.0.0.1 and every --host given
     client.pem, client-key.pem        the client certificate callers present (mTLS)
+    redis.pem, redis-key.pem          Redis's server certificate (its clients present
+                                      client.pem), SAN as the services'
     tokens.json                       role -> bearer token (trainer, rollout, relay,
                                       production, operator): the operator's copy of all
     <role>.token                      that role's token alone (what a process of the role
@@ -57,6 +59,9 @@ ROLES = ("trainer", "rollout", "relay", "production", "operator")
 SERVICES = ("envsandbox", "rollout", "trainer", "weightsync")
 #: Redis ACL users (the stream's two sides and the operator).
 REDIS_USERS = ("trainer", "rollout", "operator")
+#: Redis's server certificate (``redis.pem``): Redis speaks TLS to clients that present
+#: the client certificate, as every other server of a deployment does.
+REDIS_SERVER = "redis"
 #: The client role each service's own outgoing calls use (envsandbox calls nobody).
 SERVICE_ROLES = {"rollout": "rollout", "trainer": "trainer", "weightsync": "relay", "envsandbox": "operator"}
 
@@ -206,11 +211,12 @@ def make_credentials(out: Path, hosts: Iterable[str] = (), overwrite: bool = Fal
     _write_private(out / CA_KEY, _key_pem(ca_key))
 
     both = (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH)
-    for subject, hostnames, usages in [*((s, names, both) for s in SERVICES), ("client", (), (ExtendedKeyUsageOID.CLIENT_AUTH,))]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert_file, key_file = cert_path(out, subject)
-        cert_file.write_bytes(_pem(_certificate(f"meridian-{subject}", key, ca_name, ca_key, ca=False, hosts=hostnames, usages=usages)))
-        _write_private(key_file, _key_pem(key))
+    for subject, hostnames, usages in [
+        *((s, names, both) for s in SERVICES),
+        (REDIS_SERVER, names, (ExtendedKeyUsageOID.SERVER_AUTH,)),
+        ("client", (), (ExtendedKeyUsageOID.CLIENT_AUTH,)),
+    ]:
+        _write_cert(out, subject, hostnames, usages, ca_name, ca_key)
 
     tokens = {role: secrets.token_urlsafe(32) for role in ROLES}
     _write_private(out / TOKENS, json.dumps(tokens, indent=2).encode())
@@ -227,6 +233,26 @@ def make_credentials(out: Path, hosts: Iterable[str] = (), overwrite: bool = Fal
     generate_signing_key(out / SIGNING_KEY, out / SIGNING_PUB)
     os.chmod(out / SIGNING_KEY, 0o600)
     return out
+
+
+def _write_cert(out: Path, subject: str, hosts: Iterable[str], usages: Iterable[x509.ObjectIdentifier], ca_name: x509.Name, ca_key: Any) -> None:
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert_file, key_file = cert_path(out, subject)
+    cert_file.write_bytes(_pem(_certificate(f"meridian-{subject}", key, ca_name, ca_key, ca=False, hosts=hosts, usages=usages)))
+    _write_private(key_file, _key_pem(key))
+
+
+def _ensure_redis_cert(out: Path) -> None:
+    """Redis's certificate for a folder made before Redis spoke TLS: signed by its CA, for
+    the names its services' certificates hold."""
+    if cert_path(out, REDIS_SERVER)[0].exists():
+        return
+    ca = x509.load_pem_x509_certificate(_read(out, CA))
+    ca_key = serialization.load_pem_private_key(_read(out, CA_KEY), password=None)
+    service = x509.load_pem_x509_certificate(_read(out, cert_path(out, SERVICES[0])[0].name))
+    san = service.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    hosts = [*san.get_values_for_type(x509.DNSName), *(str(a) for a in san.get_values_for_type(x509.IPAddress))]
+    _write_cert(out, REDIS_SERVER, hosts, (ExtendedKeyUsageOID.SERVER_AUTH,), ca.subject, ca_key)
 
 
 def _write_per_role(out: Path, tokens: Mapping[str, str], passwords: Mapping[str, str], *, replace: bool) -> None:
@@ -247,6 +273,7 @@ def ensure_credentials(out: Path, hosts: Iterable[str] = ()) -> Path:
     if not (out / TOKENS).exists():
         return make_credentials(out, hosts)
     _write_per_role(out, load_tokens(out), redis_passwords(out), replace=False)
+    _ensure_redis_cert(out)
     return out
 
 
@@ -436,6 +463,22 @@ def redis_login(url: str) -> dict[str, str]:
     if parts.username or parts.password or identity is None or identity.role not in REDIS_USERS:
         return {}
     return {"username": identity.role, "password": redis_password(identity.folder, identity.role)}
+
+
+def redis_tls(url: str) -> dict[str, str]:
+    """TLS settings of a Redis client of a ``rediss://`` ``url``: trust the deployment's
+    CA and present the client certificate, when the caller has an identity; none
+    otherwise (a ``redis://`` URL, or a Redis of the user's own, trusted as the system
+    trusts it)."""
+    identity = identity_for(url) if urlsplit(url).scheme == "rediss" else None
+    return {} if identity is None else redis_client_tls(identity.folder)
+
+
+def redis_client_tls(folder: Path) -> dict[str, str]:
+    """redis-py's TLS settings for a client of ``folder``'s deployment: its CA, and the
+    client certificate to present."""
+    cert, key = cert_path(Path(folder), "client")
+    return {"ssl_ca_certs": str(Path(folder) / CA), "ssl_certfile": str(cert), "ssl_keyfile": str(key)}
 
 
 def main(argv: list[str]) -> int:

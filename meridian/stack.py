@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -355,8 +356,9 @@ def spawn_listener(name: str, argv: list[str], log: Path, env: dict[str, str]) -
 
 def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str], credentials_dir: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Starts redis-server; with ``credentials_dir`` its users and passwords come from
-    there (written to a 0600 config file, never onto the command line). The URL returned
-    names no user: each client logs in as its own role."""
+    there (written to a 0600 config file, never onto the command line) and it speaks TLS
+    only, to clients that present a certificate of the deployment's CA (``rediss://``).
+    The URL returned names no user: each client logs in as its own role."""
     server = shutil.which("redis-server")
     if server is None:
         raise FileNotFoundError("redis-server not found (make install installs it)")
@@ -372,13 +374,20 @@ def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str], crede
     # an XADD a rollout was told succeeded, or an XACK the trainer made after its
     # checkpoint, survives a host crash; exactly-once delivery rests on both.
     # (everysec, Redis' default, can lose the last second of acknowledged writes.)
+    listen = ["--port", str(port)]
+    tls = None
+    if credentials_dir is not None:
+        cert, key = credentials.cert_path(credentials_dir, credentials.REDIS_SERVER)
+        listen = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                  "--tls-ca-cert-file", str(credentials_dir / credentials.CA), "--tls-auth-clients", "yes"]
+        tls = _redis_probe_tls(credentials_dir)
     argv = [
-        server, str(conf), "--bind", host, "--port", str(port), "--dir", str(data), "--appendonly", "yes", "--appendfsync", "always",
+        server, str(conf), "--bind", host, *listen, "--dir", str(data), "--appendonly", "yes", "--appendfsync", "always",
         "--save", "", "--daemonize", "no", "--protected-mode", "yes",
     ]
     # Something answering there already would pass the readiness probe below while our
     # server fails to bind: the stack would run against another Redis (other passwords).
-    if _answers_redis(host, port):
+    if _answers_redis(host, port) or (tls is not None and _answers_redis(host, port, tls)):
         raise RuntimeError(f"{host}:{port} is in use by another Redis; stop it or choose another port")
     proc = _spawn(argv, log, env)
     try:
@@ -386,8 +395,8 @@ def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str], crede
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {proc.returncode}; see {log}")
-            if _answers_redis(host, port):
-                return proc, f"redis://{host}:{port}/0"
+            if _answers_redis(host, port, tls):
+                return proc, f"{'redis' if tls is None else 'rediss'}://{host}:{port}/0"
             time.sleep(0.1)
         raise TimeoutError(f"redis-server did not answer on {host}:{port}; see {log}")
     except BaseException:
@@ -395,12 +404,21 @@ def _start_redis(run_dir: Path, host: str, port: int, env: dict[str, str], crede
         raise
 
 
-def _answers_redis(host: str, port: int) -> bool:
-    """Whether a Redis answers PING on ``host:port`` (PONG, or NOAUTH when it wants a login)."""
+def _redis_probe_tls(credentials_dir: Path) -> ssl.SSLContext:
+    """A client TLS context for the stack's Redis: the deployment's CA and client certificate."""
+    context = ssl.create_default_context(cafile=str(credentials_dir / credentials.CA))
+    context.load_cert_chain(*(str(p) for p in credentials.cert_path(credentials_dir, "client")))
+    return context
+
+
+def _answers_redis(host: str, port: int, tls: ssl.SSLContext | None = None) -> bool:
+    """Whether a Redis answers PING on ``host:port`` (PONG, or NOAUTH when it wants a
+    login), through ``tls`` when given."""
     try:
-        with socket.create_connection((host, port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))
+        with socket.create_connection((host, port), timeout=0.5) as raw:
+            with tls.wrap_socket(raw, server_hostname=host) if tls is not None else contextlib.nullcontext(raw) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -439,7 +457,7 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
     stack = Stack(run_dir, {}, {}, {}, "", home, credentials=str(creds), env={**(env or {}), credentials.ENV_CREDENTIALS: str(creds)})
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        # Redis speaks no TLS here: it listens on loopback whatever --host says.
+        # Redis listens on loopback whatever --host says (and speaks TLS only).
         redis_host = config.host if credentials.is_loopback(config.host) else "127.0.0.1"
         procs["redis"], stack.redis_url = _start_redis(run_dir, redis_host, port("redis"), child_env, creds)
         stack.pids["redis"] = procs["redis"].pid

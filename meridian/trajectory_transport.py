@@ -241,11 +241,13 @@ class RedisGroupTransport(GroupTransport):
         import redis.asyncio as aioredis
         from redis import exceptions
 
-        from meridian.credentials import redis_login
+        from meridian.credentials import redis_login, redis_tls
 
         super().__init__(config)
-        # Logs in as the caller's role's Redis user (meridian up's Redis has no other).
-        self.redis = aioredis.from_url(config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s, **redis_login(config.url))
+        # Logs in as the caller's role's Redis user (meridian up's Redis has no other),
+        # over TLS with the deployment's client certificate for a rediss:// URL.
+        options = {**redis_login(config.url), **redis_tls(config.url)}
+        self.redis = aioredis.from_url(config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s, **options)
         self._errors = aioredis.ResponseError
         self._down = (exceptions.ConnectionError, exceptions.TimeoutError)
         self._auth = (exceptions.AuthenticationError, exceptions.AuthorizationError)

@@ -87,15 +87,21 @@ def test_the_openai_api_needs_a_key(stack: stack_mod.Stack) -> None:
 
 def test_the_stacks_redis_refuses_strangers_and_keeps_roles_apart(stack: stack_mod.Stack) -> None:
     passwords = credentials.redis_passwords(Path(stack.credentials))
-    stranger = redis.Redis.from_url(stack.redis_url)
-    rollout = redis.Redis.from_url(stack.redis_url, username="rollout", password=passwords["rollout"])
+    tls = credentials.redis_client_tls(Path(stack.credentials))
+    # TLS only: without the deployment's client certificate nothing gets as far as a login.
+    outsider = redis.Redis.from_url(stack.redis_url, username="rollout", password=passwords["rollout"], ssl_ca_certs=tls["ssl_ca_certs"])
+    stranger = redis.Redis.from_url(stack.redis_url, **tls)
+    rollout = redis.Redis.from_url(stack.redis_url, username="rollout", password=passwords["rollout"], **tls)
     try:
+        with pytest.raises(redis.ConnectionError):
+            outsider.ping()
         with pytest.raises(redis.AuthenticationError):
             stranger.ping()
         assert rollout.ping()
         with pytest.raises(redis.exceptions.NoPermissionError):
             rollout.xreadgroup(DEFAULT_CONSUMER_GROUP, "intruder", {DEFAULT_STREAM: ">"}, count=1)
     finally:
+        outsider.close()
         stranger.close()
         rollout.close()
 

@@ -49,9 +49,9 @@ def test_certs_makes_the_whole_folder_with_private_files_private(tmp_path: Path)
     names = {p.name for p in folder.iterdir()}
     role_files = {credentials.token_file(r) for r in credentials.ROLES} | {credentials.redis_password_file(u) for u in credentials.REDIS_USERS}
     assert {"ca.pem", "ca-key.pem", "client.pem", "client-key.pem", "tokens.json", "token-hashes.json", "api-keys.json", "redis-users.json", "redis.acl", "signing-key.pem", "signing-pub.pem"} | role_files <= names
-    for service in credentials.SERVICES:
+    for service in (*credentials.SERVICES, credentials.REDIS_SERVER):
         assert {f"{service}.pem", f"{service}-key.pem"} <= names
-    for secret in ("ca-key.pem", "client-key.pem", "rollout-key.pem", "tokens.json", "api-keys.json", "redis-users.json", "redis.acl", "signing-key.pem", *role_files):
+    for secret in ("ca-key.pem", "client-key.pem", "rollout-key.pem", "redis-key.pem", "tokens.json", "api-keys.json", "redis-users.json", "redis.acl", "signing-key.pem", *role_files):
         assert stat.S_IMODE(os.stat(folder / secret).st_mode) == 0o600, secret
     tokens = credentials.load_tokens(folder)
     assert set(tokens) == set(credentials.ROLES) and len(set(tokens.values())) == len(tokens)
@@ -92,16 +92,23 @@ def test_meridian_certs_makes_a_folder_and_keeps_an_existing_one(tmp_path: Path,
 
 def test_a_folder_made_before_per_role_files_gets_them_and_still_serves(tmp_path: Path) -> None:
     """A run folder of an earlier release (one file of all tokens, one of all Redis
-    passwords) still loads, and ``meridian up``'s ensure step adds the per-role files."""
-    folder = credentials.make_credentials(tmp_path / "creds")
+    passwords, no Redis certificate) still loads, and ``meridian up``'s ensure step adds
+    the per-role files and a Redis certificate from its CA, for its services' names."""
+    folder = credentials.make_credentials(tmp_path / "creds", hosts=["10.1.2.3"])
     tokens, passwords = credentials.load_tokens(folder), credentials.redis_passwords(folder)
     digests = credentials.token_digests(folder)
-    for name in [credentials.TOKEN_HASHES, *map(credentials.token_file, credentials.ROLES), *map(credentials.redis_password_file, credentials.REDIS_USERS)]:
+    redis_cert, redis_key = credentials.cert_path(folder, credentials.REDIS_SERVER)
+    for name in [credentials.TOKEN_HASHES, *map(credentials.token_file, credentials.ROLES), *map(credentials.redis_password_file, credentials.REDIS_USERS), redis_cert.name, redis_key.name]:
         (folder / name).unlink()
     assert credentials.token_digests(folder) == digests and credentials.role_token(folder, "relay") == tokens["relay"]
     assert credentials.redis_password(folder, "trainer") == passwords["trainer"]
     credentials.ensure_credentials(folder)
     assert (folder / "relay.token").read_text() == tokens["relay"] and (folder / "redis-trainer.password").read_text() == passwords["trainer"]
+    cert = x509.load_pem_x509_certificate(redis_cert.read_bytes())
+    cert.verify_directly_issued_by(x509.load_pem_x509_certificate((folder / "ca.pem").read_bytes()))
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {str(a) for a in san.get_values_for_type(x509.IPAddress)} == {"127.0.0.1", "10.1.2.3"}
+    assert stat.S_IMODE(os.stat(redis_key).st_mode) == 0o600
     (folder / "tokens.json").unlink()
     assert credentials.token_digests(folder) == digests
 
@@ -407,9 +414,10 @@ def test_the_http_api_refuses_plaintext_off_loopback(credentials_dir: Path) -> N
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed (deploy/install.sh installs it)")
 def test_local_stack_redis_has_one_acl_user_per_role(tmp_path: Path, pick_port: Callable[[], int], credentials_dir: Path) -> None:
-    """``meridian up``'s Redis: no unauthenticated command (not even PING); the rollout
-    user may XADD but not read the group; the trainer reads, acks and claims, and may
-    dead-letter; the operator may do all."""
+    """``meridian up``'s Redis: TLS only, to clients with the deployment's certificate;
+    no unauthenticated command (not even PING); the rollout user may XADD but not read
+    the group; the trainer reads, acks and claims, and may dead-letter; the operator may
+    do all."""
     import redis
 
     from meridian import stack
@@ -417,18 +425,27 @@ def test_local_stack_redis_has_one_acl_user_per_role(tmp_path: Path, pick_port: 
 
     passwords = credentials.redis_passwords(credentials_dir)
     proc, url = stack._start_redis(tmp_path, "127.0.0.1", pick_port(), dict(os.environ), credentials_dir)
+    tls = credentials.redis_client_tls(credentials_dir)
     clients: list[redis.Redis] = []
 
-    def as_user(user: str | None) -> redis.Redis:
-        client = redis.Redis.from_url(url, username=user, password=passwords[user] if user else None)
+    def as_user(user: str | None, **options: str) -> redis.Redis:
+        client = redis.Redis.from_url(url, username=user, password=passwords[user] if user else None, **(options or tls))
         clients.append(client)
         return client
 
     try:
+        assert url.startswith("rediss://")
+        # In plaintext, or without the client certificate, nothing gets as far as a login.
+        plaintext = redis.Redis.from_url(url.replace("rediss://", "redis://"), username="operator", password=passwords["operator"], socket_timeout=5)
+        clients.append(plaintext)
+        with pytest.raises(redis.ConnectionError):
+            plaintext.ping()
+        with pytest.raises(redis.ConnectionError):
+            as_user("operator", ssl_ca_certs=tls["ssl_ca_certs"]).ping()
         with pytest.raises(redis.AuthenticationError):
             as_user(None).ping()
         with pytest.raises(redis.AuthenticationError):
-            redis.Redis.from_url(url, username="rollout", password="wrong").ping()
+            redis.Redis.from_url(url, username="rollout", password="wrong", **tls).ping()
         rollout, trainer, operator = as_user("rollout"), as_user("trainer"), as_user("operator")
         trainer.xgroup_create(DEFAULT_STREAM, DEFAULT_CONSUMER_GROUP, id="0", mkstream=True)
         assert rollout.xadd(DEFAULT_STREAM, {"group": b"x"})
