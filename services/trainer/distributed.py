@@ -9,7 +9,8 @@ GPU). A step that fails on any rank is abandoned by every rank alike
 (:class:`~services.trainer.learner_protocol.StepFailed`, see
 :meth:`services.trainer.learner.Learner.step`): rank 0's loop retries or dead-letters
 its batch, and the other ranks follow it into the next command. Where the ranks cannot
-go on together (a failure inside a collective under FSDP, a rank gone) every rank
+go on together (a failure inside a collective under FSDP, an optimizer step that failed
+on some ranks only, a rank gone) every rank
 raises :class:`~services.trainer.learner_protocol.GroupFailed` within about twice
 ``--collective-timeout-s`` (the training group's collectives time out after it; rank 0's
 commands travel in a group of their own without a short timeout, as followers wait there

@@ -14,9 +14,9 @@ A step that fails on one rank fails on all of them alike (:class:`StepFailed`): 
 agree on whether each phase of the step succeeded everywhere before any of them enters
 the next phase's collectives (see :meth:`Learner.step`), so none is left waiting in a
 collective the others never join, and none updates its weights when another did not.
-Where that cannot hold (a rank failed inside a collective the others were in) every rank
-raises :class:`GroupFailed` instead, within ``collective_timeout_s`` (see
-:meth:`Learner.agreed`).
+Where that cannot hold (a rank failed inside a collective the others were in, an update
+that failed on some ranks only) every rank raises :class:`GroupFailed` instead, within
+``collective_timeout_s`` (see :meth:`Learner.agreed`).
 """
 from __future__ import annotations
 
@@ -579,11 +579,26 @@ class Learner:
             for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 grad.copy_(reduced)
 
-    def _agreed(self, work: Callable[[], T], phase: str) -> T:
-        """A phase of the step (see :meth:`agreed`): :class:`StepFailed` when it failed."""
-        return self.agreed(work, "the step", phase, failed=StepFailed)
+    def _reduce(self, local_loss: float) -> tuple[float, float]:
+        """The gradients summed over the ranks (replicated) and clipped; returns the gradient
+        norm and the whole batch's loss, both the same on every rank. Collectives only:
+        the weights are untouched."""
+        if self.world > 1 and not self.sharded:
+            self._reduce_gradients()
+        grad_norm = self._clip_gradients()
+        # The whole batch's loss, summed over the ranks before the update: nothing but the
+        # optimizer step comes after, and every rank takes the same decision on it (the
+        # gradient norm is already the whole model's).
+        reported = torch.tensor(local_loss, dtype=torch.float64, device=self.device)  # this shard's part of the whole batch's loss
+        if self.world > 1:
+            torch.distributed.all_reduce(reported)
+        return grad_norm, float(reported)
 
-    def agreed(self, work: Callable[[], T], action: str, phase: str = "", *, failed: type[RuntimeError] = StepFailed) -> T:
+    def _agreed(self, work: Callable[[], T], phase: str, fatal: bool = False) -> T:
+        """A phase of the step (see :meth:`agreed`): :class:`StepFailed` when it failed."""
+        return self.agreed(work, "the step", phase, fatal=fatal, failed=StepFailed)
+
+    def agreed(self, work: Callable[[], T], action: str, phase: str = "", *, fatal: bool = False, failed: type[RuntimeError] = StepFailed) -> T:
         """``work()`` on this rank; with several ranks, then an agreement on whether it
         succeeded on every one. Every rank calls this at the same point of rank 0's command
         sequence with its own share of ``action`` (``phase``: where in it, for the message).
@@ -593,7 +608,8 @@ class Learner:
           every rank raises ``failed`` (:class:`StepFailed` by default) naming each failed rank's
           error; ``work`` must then not have changed the learner's state.
         - Failed where that cannot hold: every rank raises :class:`GroupFailed`. That is
-          ranks that stopped at different collectives of the
+          a ``fatal`` action (one that changes the learner: a failure on some ranks leaves
+          the learners different), or ranks that stopped at different collectives of the
           training group (one failed inside a collective, or before one, the others were
           in: they waited there until ``collective_timeout_s``, and the group's streams
           are out of step for good), or a training group that no longer answers (a
@@ -611,7 +627,7 @@ class Learner:
         what = f"{action} failed{' ' + phase if phase else ''}"
         try:
             failures, out_of_step = self._rank_failures(error)
-            if failures and not out_of_step:
+            if failures and not fatal and not out_of_step:
                 out_of_step = not self._training_group_works()
         except RuntimeError as exc:  # the agreement's own group: a rank died, or never came
             own = f" (here it failed: {_describe(error)})" if error is not None else ""
@@ -626,6 +642,11 @@ class Learner:
             raise GroupFailed(
                 f"{what} on {ranks}; the ranks stopped at different collectives or the process group no longer answers, "
                 "so it is unusable: every rank stops (a restart resumes from the checkpoint)"
+            ) from error
+        if fatal:
+            raise GroupFailed(
+                f"{what} on {ranks}; it changes the learner, so the ranks' learners may now differ: "
+                "every rank stops (a restart resumes from the checkpoint)"
             ) from error
         raise failed(f"{what} on {ranks}; every rank abandoned it, the learners are unchanged") from error
 
@@ -680,14 +701,16 @@ class Learner:
         failed step leaves the learner as it found it, and the caller may retry it.
 
         Under ``torch.distributed`` every rank calls this with the same groups. The ranks
-        agree after building the batch and after the forward and backward passes whether
-        that phase succeeded on all of them (:meth:`agreed`); if not, every rank raises
-        :class:`StepFailed` there, before any update. Replicated ranks run both phases
-        without a collective, so any failure of one rank is one every rank takes alike.
-        Under FSDP the forward and backward passes are collectives themselves: a failure
-        there on some ranks leaves the others in a collective until
-        ``collective_timeout_s``, the process group unusable, and every rank raises
-        :class:`GroupFailed` instead.
+        agree after building the batch, after the forward and backward passes and after
+        the gradient reduction whether that phase succeeded on all of them (:meth:`agreed`);
+        if not, every rank raises :class:`StepFailed` there, before any update. Replicated
+        ranks run the first two phases without a collective, so any failure of one rank is
+        one every rank takes alike. Under FSDP the forward and backward passes are
+        collectives themselves: a failure there on some ranks leaves the others in a
+        collective until ``collective_timeout_s``, the process group unusable, and every
+        rank raises :class:`GroupFailed` instead. The ranks agree after the optimizer step
+        too: one that failed on any rank raises :class:`GroupFailed` on every rank (the
+        others did update their weights), so none trains on weights that differ.
         """
         start = time.perf_counter()
         prepared, common, batch = self._agreed(lambda: self._prepare(groups), "while building the batch")
@@ -695,16 +718,7 @@ class Learner:
             return StepResult(self.step_count, 0.0, trajectories=0, groups=0, grad_norm=0.0, seconds=time.perf_counter() - start, stats={}, stepped=False, **common)
         self.optimizer.zero_grad(set_to_none=True)
         local_loss, stats = self._agreed(lambda: self.backward(batch), "in the forward and backward passes")
-        if self.world > 1 and not self.sharded:
-            self._reduce_gradients()
-        grad_norm = self._clip_gradients()
-        # The whole batch's loss, summed over the ranks before the update: nothing that can
-        # raise (a collective) comes after optimizer.step, and every rank takes the same
-        # decision below (the gradient norm is already the whole model's).
-        reported = torch.tensor(local_loss, dtype=torch.float64, device=self.device)  # this shard's part of the whole batch's loss
-        if self.world > 1:
-            torch.distributed.all_reduce(reported)
-        loss = float(reported)
+        grad_norm, loss = self._agreed(lambda: self._reduce(local_loss), "in the gradient reduction")
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)  # the gradients hold inf/NaN: drop them
             why = f"non-finite loss {loss} or gradient norm {grad_norm}: the optimizer step was skipped"
@@ -713,7 +727,10 @@ class Learner:
                 self.step_count, loss, trajectories=0, groups=0, grad_norm=grad_norm, seconds=time.perf_counter() - start,
                 stats=stats, stepped=False, skipped=why, **common,
             )
-        self.optimizer.step()
+        # The only phase that changes the weights: a failure on some ranks only leaves them
+        # different (no copy to roll back to: it would double the optimiser's memory), so
+        # every rank stops there (GroupFailed) and a restart resumes from the checkpoint.
+        self._agreed(self.optimizer.step, "in the optimizer step", fatal=True)
         self.scheduler.step()
         self.step_count += 1
         self.version += 1

@@ -24,7 +24,8 @@ class StepFailed(RuntimeError):
 class GroupFailed(RuntimeError):
     """The ranks of a distributed learner cannot go on together: a failure left the process
     group unusable (a rank failed or timed out inside a collective the others were in, so
-    they stopped at different collectives), or a rank is gone. Every rank raises it within
+    they stopped at different collectives), or the learners may differ (an optimizer step
+    that failed on some ranks only), or a rank is gone. Every rank raises it within
     the collective timeout (``--collective-timeout-s``), the message naming each rank's
     error and the phase; none trains on. Rank 0's service stops (health NOT_SERVING, exit
     1), the followers exit 1, and a restarted job resumes from the newest checkpoint.

@@ -1,5 +1,5 @@
 """Two-rank trainers (gloo) where rank 1 alone fails once, somewhere a failure used to hang
-the other rank
+the other rank or left the ranks' weights different
 (tests/integration/trainer_rank_faults.py ``--fault``): every rank stops with the error
 within a bound (a few collective timeouts), rank 0's training loop ending the way the
 service reports (``the training loop stopped: GroupFailed: ...``)."""
@@ -73,3 +73,12 @@ def test_a_rank_failing_inside_fsdp_collectives_stops_every_rank_within_the_time
     _stopped_everywhere(codes, [lead, other], logs, "in the forward and backward passes", "unusable")
     assert lead["reason"].startswith("the training loop stopped: GroupFailed: "), lead
     assert lead["steps"] == [] and lead["step_count"] == other["step_count"] == 0, (lead, other)
+
+
+def test_an_optimizer_step_failing_on_one_rank_stops_every_rank(tmp_path: Path, tiny_model: Path) -> None:
+    """Rank 1's optimizer step raises, rank 0's went through: their weights differ, so
+    neither trains on (before, rank 1 died and rank 0 trained on alone, unaware)."""
+    codes, (lead, other), logs = _run(tmp_path, tiny_model, "ddp", "optimizer")
+    _stopped_everywhere(codes, [lead, other], logs, "in the optimizer step", "may now differ")
+    assert lead["reason"].startswith("the training loop stopped: GroupFailed: "), lead
+    assert lead["steps"] == [], lead  # the loop reported no step

@@ -25,6 +25,7 @@ rank 1 failing once:
 
 - ``layer`` (FSDP): in the forward pass of the second decoder layer, while rank 0 is in
   the collectives of that pass; rank 0 runs the loop on one batch;
+- ``optimizer``: in the optimizer step; rank 0 runs the loop on one batch;
 
 Each rank then writes what it raised (``error``: ``Type: message``, or '' when nothing
 did), how long after the fault's step or command (``seconds``), and its master hash,
@@ -143,7 +144,7 @@ async def _lead(learner: Any, model: Path) -> dict[str, Any]:
     }
 
 
-FAULTS = ("layer",)
+FAULTS = ("layer", "optimizer")
 
 
 def _fail_once(rank: int, what: str) -> Any:
@@ -164,14 +165,32 @@ def install_fault(learner: Any, rank: int, fault: str) -> None:
     if fault == "layer":
         layer = learner_mod._decoder_layers(learner.module)[1]
         layer.register_forward_pre_hook(lambda module, args: fail())
+    elif fault == "optimizer":
+        real_step = learner.optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            fail()
+            return real_step(*args, **kwargs)
+
+        learner.optimizer.step = step
 
 
 def _described(exc: BaseException | None) -> str:
     return "" if exc is None else f"{type(exc).__name__}: {exc}"
 
 
+def _close(lead: BroadcastLearner) -> str:
+    """Tells the followers to stop; what that raised ('' when nothing did: a follower that
+    died leaves nobody to tell)."""
+    try:
+        lead.close()
+    except Exception as exc:
+        return _described(exc)
+    return ""
+
+
 async def _lead_loop_once(learner: Any, model: Path, bound_s: float) -> dict[str, Any]:
-    """Rank 0 under ``layer``: the training loop on the two ``good``
+    """Rank 0 under ``layer`` and ``optimizer``: the training loop on the two ``good``
     groups (rank 1 fails in their step), for at most ``bound_s`` seconds: what ended it."""
     from tests.unit.test_trainer_loop import build
 
@@ -190,10 +209,9 @@ async def _lead_loop_once(learner: Any, model: Path, bound_s: float) -> dict[str
         reason = await asyncio.wait_for(failure_of(task, "the training loop"), bound_s)
     except TimeoutError:
         task.cancel()  # the loop went on: nothing stopped it
-    finally:
-        lead.close()
+    seconds = time.monotonic() - started
     error = task.exception() if task.done() and not task.cancelled() else None
-    return {"error": _described(error), "reason": reason, "seconds": time.monotonic() - started, "steps": [m.step for m in loop.recent_steps()]}
+    return {"error": _described(error), "reason": reason, "seconds": seconds, "steps": [m.step for m in loop.recent_steps()], "closed": _close(lead)}
 
 
 def _lead_fault(learner: Any, model: Path, fault: str, bound_s: float) -> dict[str, Any]:
