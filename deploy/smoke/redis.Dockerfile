@@ -8,7 +8,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends redis-server redis-tools \
  && rm -rf /var/lib/apt/lists/* \
  && mkdir -p /data && chown redis:redis /data
-RUN printf '#!/bin/sh\nchown redis:redis /data /data/users.acl 2>/dev/null\nexec setpriv --reuid=redis --regid=redis --init-groups "$@"\n' > /usr/local/bin/docker-entrypoint.sh \
+RUN printf '#!/bin/sh\nchown redis:redis /data /data/users.acl /data/redis-key.pem 2>/dev/null\nexec setpriv --reuid=redis --regid=redis --init-groups "$@"\n' > /usr/local/bin/docker-entrypoint.sh \
  && chmod 755 /usr/local/bin/docker-entrypoint.sh
 WORKDIR /data
 VOLUME ["/data"]

@@ -270,7 +270,9 @@ def test_addresses_point_at_services(config: dict) -> None:
         return int(_env(services[name]).get(env_name(name, "port"), FIXED_PORTS[name]))
 
     redis_command = " ".join(map(str, services["redis"].get("command") or []))
-    redis_port = int(m.group(1)) if (m := re.search(r"--port (\d+)", redis_command)) else 6379
+    # TLS only: its plaintext port is off.
+    assert re.search(r"--port 0\b", redis_command) and "--tls-auth-clients yes" in redis_command, redis_command
+    redis_port = int(m.group(1)) if (m := re.search(r"--tls-port (\d+)", redis_command)) else 6379
     wiring = {
         "rollout": {"envsandbox": "envsandbox", "weightsync": "weightsync"},
         "trainer": {"weightsync": "weightsync"},
@@ -280,7 +282,7 @@ def test_addresses_point_at_services(config: dict) -> None:
         for field, target in fields.items():
             assert env.get(env_name(name, field)) == f"{target}:{port_of(target)}", f"{name}.{field}"
         url = urlsplit(env.get(env_name(name, "redis_url"), ""))
-        assert (url.scheme, url.hostname, url.port) == ("redis", "redis", redis_port), f"{name}.redis_url"
+        assert (url.scheme, url.hostname, url.port) == ("rediss", "redis", redis_port), f"{name}.redis_url"
     for name in MERIDIAN_SERVICES:
         assert port_of(name) == FIXED_PORTS[name]
 
@@ -315,7 +317,7 @@ def test_each_service_mounts_only_the_credentials_it_reads(two_regions: dict) ->
         kind = name.removesuffix("-b")
         assert _credential_files(services[name]) == secrets[f"meridian-{kind}-credentials"] | HEALTHCHECK_FILES, name
         assert _env(services[name]).get("MERIDIAN_CREDENTIALS") == CREDENTIALS, name
-    assert _credential_files(services["redis"]) == secrets["meridian-redis-credentials"]
+    assert _credential_files(services["redis"]) == secrets["meridian-redis-credentials"] | HEALTHCHECK_FILES
     assert _credential_files(services["prometheus"]) == {"ca.pem"}  # it checks the metrics endpoints' certificates
     holders = {name for name, service in services.items() if "signing-key.pem" in _credential_files(service)}
     assert holders == {"trainer"}

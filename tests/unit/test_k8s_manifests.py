@@ -593,6 +593,30 @@ def test_region_b_relay_follows_region_a_origin(rendered: dict[str, list[Obj]]) 
     assert [(component(p), ns(p)) for p in redis_pods] == [("redis", "meridian-region-a")]
 
 
+
+def test_redis_speaks_tls_only_and_its_clients_use_it(rendered: dict[str, list[Obj]]) -> None:
+    """Redis's plaintext port is off and it asks callers for a certificate, with its
+    certificate and key from its own Secret; every client's URL is rediss:// (region b's
+    rollout reaches region a's Redis across regions)."""
+    cluster = rendered["region-a"] + rendered["region-b"]
+    redis = find(cluster, "StatefulSet", "redis", "meridian-region-a")
+    assert redis is not None
+    container = pod_spec(redis)["containers"][0]
+    args = container["command"]
+    assert args[args.index("--port") + 1] == "0" and args[args.index("--tls-auth-clients") + 1] == "yes"
+    secret = next(v for v in pod_spec(redis)["volumes"] if "secret" in v)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == secret["name"])["mountPath"]
+    held = {s["metadata"]["name"]: set(s.get("data", {})) for s in rendered["region-a"] if s["kind"] == "Secret"}[secret["secret"]["secretName"]]
+    for flag in ("--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file", "--aclfile"):
+        folder, _, name = args[args.index(flag) + 1].rpartition("/")
+        assert folder == mount and name in held, (flag, name, held)
+    for namespace, name, kind in (("meridian-region-a", "trainer", "Job"), ("meridian-region-a", "rollout", "Deployment"), ("meridian-region-b", "rollout", "Deployment")):
+        workload = find(cluster, kind, name, namespace)
+        assert workload is not None
+        env = env_of(pod_spec(workload)["containers"][0], cluster, namespace)
+        url = env[f"MERIDIAN_{name.upper()}_REDIS_URL"]
+        assert url.startswith("rediss://"), (namespace, name, url)
+
 def test_regions_run_what_they_should(rendered: dict[str, list[Obj]]) -> None:
     def kinds(overlay: str) -> set[tuple[str, str]]:
         return {(w["kind"], w["metadata"]["name"]) for w in workloads(rendered[overlay])}
