@@ -8,9 +8,12 @@ ranks, and each rank trains on its shard of the trajectories (gloo on CPU, NCCL 
 GPU). A step that fails on any rank is abandoned by every rank alike
 (:class:`~services.trainer.learner_protocol.StepFailed`, see
 :meth:`services.trainer.learner.Learner.step`): rank 0's loop retries or dead-letters
-its batch, and the other ranks follow it into the next command. Where the ranks cannot
-go on together (a failure inside a collective under FSDP, an optimizer step that failed
-on some ranks only, a rank gone) every rank
+its batch, and the other ranks follow it into the next command. So is any other command
+(a collective read, a part of a version) that failed on some rank: every rank takes part
+in an agreement after it (:meth:`~services.trainer.learner.Learner.agreed`), so rank 0
+hears of a follower's failure, names it, and handles it (a follower does not just die).
+Where the ranks cannot go on together (a failure inside a collective under FSDP, a
+restore or an optimizer step that failed on some ranks only, a rank gone) every rank
 raises :class:`~services.trainer.learner_protocol.GroupFailed` within about twice
 ``--collective-timeout-s`` (the training group's collectives time out after it; rank 0's
 commands travel in a group of their own without a short timeout, as followers wait there
@@ -51,7 +54,7 @@ from meridian.config import add_config_args, config_from_args
 from meridian.tensors import RawTensor
 from meridian.v1 import common_pb2, weightsync_pb2
 from services.trainer.config import TrainerConfig
-from services.trainer.learner_protocol import GroupFailed, StepFailed, StepResult
+from services.trainer.learner_protocol import GroupFailed, RankFailed, StepResult
 
 if TYPE_CHECKING:  # torch is imported only by the ranks that train
     from services.trainer.learner import Learner
@@ -145,6 +148,14 @@ class BroadcastLearner:
             self.failed = GroupFailed(f"rank 0 could not send the {command!r} command to the other ranks ({exc}): a rank is gone, every rank stops")
             raise self.failed from exc
 
+    def _all(self, command: str, payload: Any, work: Any, phase: str = "", fatal: bool = False) -> Any:
+        """``command`` broadcast, then rank 0's share (``work()``) and the agreement every
+        rank joins after it (:meth:`Learner.agreed`): a follower's failure raises here,
+        named (:class:`RankFailed`, or :class:`GroupFailed` that also stops every later
+        command)."""
+        self._send(command, payload)
+        return self._agreed(lambda: self.inner.agreed(work, f"rank 0's command {command!r}", phase, fatal=fatal))
+
     def _agreed(self, call: Any) -> Any:
         try:
             return call()
@@ -161,16 +172,17 @@ class BroadcastLearner:
         return self.inner.check_group(trajectories)
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self._send("load_state", state)
-        self.inner.load_state(state)
+        """Every rank restores ``state``; one that failed on any rank stops every rank
+        (:class:`GroupFailed`: the learners may differ)."""
+        self._all("load_state", state, lambda: self.inner.load_state(state), fatal=True)
 
     def load_policy_weights(self, weights: dict[str, RawTensor], version: int) -> None:
-        self._send("load_policy_weights", (weights, version))
-        self.inner.load_policy_weights(weights, version)
+        """Every rank starts from ``weights``; as :meth:`load_state`, a failure anywhere stops every rank."""
+        self._all("load_policy_weights", (weights, version), lambda: self.inner.load_policy_weights(weights, version), fatal=True)
 
     def _read(self, command: str) -> Any:
         if self.inner.sharded:
-            self._send(command, None)
+            return self._all(command, None, getattr(self.inner, command))
         return getattr(self.inner, command)()
 
     def policy_weights(self) -> dict[str, RawTensor]:
@@ -187,11 +199,13 @@ class BroadcastLearner:
         tensors and joins the canary and the header's signing."""
         from services.trainer.shard_publish import prepare_part, record_part
 
-        self._send("publish", (version, dict(trace_context), dict(metrics), send))
-        part = prepare_part(self.inner, version, signer=signer, trace_context=trace_context, metrics=metrics)
-        if send:
-            record_part(self.part_log, part)
-        return part
+        def prepare() -> PreparedPart:
+            part = prepare_part(self.inner, version, signer=signer, trace_context=trace_context, metrics=metrics)
+            if send:
+                record_part(self.part_log, part)
+            return part
+
+        return self._all("publish", (version, dict(trace_context), dict(metrics), send), prepare, f"preparing the parts of version {version}")  # type: ignore[no-any-return]
 
     def master_hash(self) -> str:
         return self._read("master_hash")  # type: ignore[no-any-return]
@@ -212,7 +226,12 @@ COLLECTIVE_READS = ("policy_weights", "master_hash", "state")
 def follow(learner: Any, sender: PartSender | None = None, part_log: Path | None = None) -> None:
     """A follower rank: applies rank 0's commands until it says stop. ``sender`` sends the
     parts of the versions rank 0 publishes (under FSDP); at stop it finishes what it holds.
-    Raises :class:`GroupFailed` when the ranks cannot go on together: the caller exits with it."""
+
+    Every command but ``step`` (whose phases agree themselves) ends in an agreement with
+    the other ranks (:meth:`Learner.agreed`): a failure here is reported to rank 0, which
+    names it. When the command failed on some rank and the ranks can go on
+    (:class:`RankFailed`), this rank waits for rank 0's next command, as rank 0 does;
+    when they cannot, :class:`GroupFailed` is raised here: the caller exits with it."""
     import torch.distributed as dist
 
     group = command_group()
@@ -227,28 +246,38 @@ def follow(learner: Any, sender: PartSender | None = None, part_log: Path | None
             if sender is not None:
                 sender.close()
             return
-        if command == "publish":
-            _prepare_and_send(learner, payload, sender, part_log)
-        elif command == "step":
-            _follow_step(learner, payload)
-        elif command == "load_state":
-            learner.load_state(payload)
-        elif command == "load_policy_weights":
-            learner.load_policy_weights(*payload)
-        elif command in COLLECTIVE_READS:
-            getattr(learner, command)()
-        else:
+        try:
+            _follow(learner, command, payload, sender, part_log)
+        except RankFailed as exc:
+            log.warning("rank %d: %s; waiting for rank 0's next command", learner.rank, exc, exc_info=exc)
+
+
+#: Commands that change the learner: one that failed on some ranks leaves the learners different.
+FATAL_COMMANDS = ("load_state", "load_policy_weights")
+
+
+def _follow(learner: Any, command: str, payload: Any, sender: PartSender | None, part_log: Path | None) -> None:
+    """This rank's share of one of rank 0's commands, and the agreement after it."""
+    if command == "step":
+        learner.step(_parse(payload))  # a step's phases agree themselves
+        return
+    phase = ""
+    work: Any
+    if command == "publish":
+        work = lambda: _prepare_and_send(learner, payload, sender, part_log)  # noqa: E731
+        phase = f"preparing the parts of version {payload[0]}"
+    elif command == "load_state":
+        work = lambda: learner.load_state(payload)  # noqa: E731
+    elif command == "load_policy_weights":
+        work = lambda: learner.load_policy_weights(*payload)  # noqa: E731
+    elif command in COLLECTIVE_READS:
+        work = getattr(learner, command)
+    else:
+        # Rank 0 waits in the agreement after its command: it hears of this one too.
+        def work() -> None:
             raise RuntimeError(f"unknown command from rank 0: {command!r}")
 
-
-def _follow_step(learner: Any, payload: list[list[bytes]]) -> None:
-    """A follower's share of rank 0's step. A step every rank abandoned (StepFailed: it
-    failed on some rank, this one's learner is unchanged) is rank 0's loop's to retry or
-    dead-letter: this rank waits for its next command, as rank 0 does."""
-    try:
-        learner.step(_parse(payload))
-    except StepFailed as exc:
-        log.warning("rank %d: %s; waiting for rank 0's next command", learner.rank, exc, exc_info=exc)
+    learner.agreed(work, f"rank 0's command {command!r}", phase, fatal=command in FATAL_COMMANDS)
 
 
 def _prepare_and_send(learner: Any, payload: tuple[int, dict[str, str], dict[str, float], bool], sender: PartSender | None, part_log: Path | None) -> None:

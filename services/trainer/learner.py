@@ -43,7 +43,7 @@ from meridian.v1 import common_pb2
 from meridian.v1 import weightsync_pb2
 from services.trainer.batch import Batch, build_batch, policy_lag, token_logprobs
 from services.trainer.config import TrainerConfig, cpu_set
-from services.trainer.learner_protocol import PASS_REWARD, GroupFailed, StepFailed, StepResult
+from services.trainer.learner_protocol import PASS_REWARD, GroupFailed, RankFailed, StepFailed, StepResult
 from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal, staleness_weight
 from services.trainer.packing import PackedLayout, pack, packed_logprobs, plan_packs
 from meridian.tensors import RawTensor, from_torch, to_torch
@@ -598,14 +598,14 @@ class Learner:
         """A phase of the step (see :meth:`agreed`): :class:`StepFailed` when it failed."""
         return self.agreed(work, "the step", phase, fatal=fatal, failed=StepFailed)
 
-    def agreed(self, work: Callable[[], T], action: str, phase: str = "", *, fatal: bool = False, failed: type[RuntimeError] = StepFailed) -> T:
+    def agreed(self, work: Callable[[], T], action: str, phase: str = "", *, fatal: bool = False, failed: type[RankFailed] = RankFailed) -> T:
         """``work()`` on this rank; with several ranks, then an agreement on whether it
         succeeded on every one. Every rank calls this at the same point of rank 0's command
         sequence with its own share of ``action`` (``phase``: where in it, for the message).
 
         - Succeeded everywhere: ``work``'s result.
         - Failed on some rank, the learners unchanged and the process group still in step:
-          every rank raises ``failed`` (:class:`StepFailed` by default) naming each failed rank's
+          every rank raises ``failed`` (a :class:`RankFailed`) naming each failed rank's
           error; ``work`` must then not have changed the learner's state.
         - Failed where that cannot hold: every rank raises :class:`GroupFailed`. That is
           a ``fatal`` action (one that changes the learner: a failure on some ranks leaves

@@ -14,7 +14,15 @@ from meridian.v1 import common_pb2, weightsync_pb2
 PASS_REWARD = 1.0  # a trajectory passes when its reward reaches this (every test passed)
 
 
-class StepFailed(RuntimeError):
+class RankFailed(RuntimeError):
+    """Something rank 0 asked of every rank of a distributed learner (a step, a read, its
+    part of a version) failed on one or more of them (the message names each rank's error
+    and the phase). Every rank raises it at the same point, the learners unchanged, equal
+    and in step, and the process group still works: the ranks go on with rank 0's next
+    command."""
+
+
+class StepFailed(RankFailed):
     """A step abandoned by every rank of a distributed learner because it failed on one or
     more of them (the message names each rank's error). Every rank raises it at the same
     point, before any update, so the learners stay equal and in step: rank 0's loop retries
@@ -24,8 +32,8 @@ class StepFailed(RuntimeError):
 class GroupFailed(RuntimeError):
     """The ranks of a distributed learner cannot go on together: a failure left the process
     group unusable (a rank failed or timed out inside a collective the others were in, so
-    they stopped at different collectives), or the learners may differ (an optimizer step
-    that failed on some ranks only), or a rank is gone. Every rank raises it within
+    they stopped at different collectives), or the learners may differ (an update or a
+    restore that failed on some ranks only), or a rank is gone. Every rank raises it within
     the collective timeout (``--collective-timeout-s``), the message naming each rank's
     error and the phase; none trains on. Rank 0's service stops (health NOT_SERVING, exit
     1), the followers exit 1, and a restarted job resumes from the newest checkpoint.

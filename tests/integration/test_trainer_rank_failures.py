@@ -1,8 +1,9 @@
 """Two-rank trainers (gloo) where rank 1 alone fails once, somewhere a failure used to hang
-the other rank or left the ranks' weights different
-(tests/integration/trainer_rank_faults.py ``--fault``): every rank stops with the error
-within a bound (a few collective timeouts), rank 0's training loop ending the way the
-service reports (``the training loop stopped: GroupFailed: ...``)."""
+the other rank, leave the ranks' weights different or kill the follower unnoticed
+(tests/integration/trainer_rank_faults.py ``--fault``). Either the ranks go on together,
+rank 0 naming the follower's error, or every rank stops with the error within a bound
+(a few collective timeouts), rank 0's training loop ending the way the service reports
+(``the training loop stopped: GroupFailed: ...``)."""
 from __future__ import annotations
 
 import json
@@ -82,3 +83,27 @@ def test_an_optimizer_step_failing_on_one_rank_stops_every_rank(tmp_path: Path, 
     _stopped_everywhere(codes, [lead, other], logs, "in the optimizer step", "may now differ")
     assert lead["reason"].startswith("the training loop stopped: GroupFailed: "), lead
     assert lead["steps"] == [], lead  # the loop reported no step
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_a_restore_failing_on_a_follower_is_reported_to_rank_0_and_stops_every_rank(tmp_path: Path, tiny_model: Path, data_parallel: str) -> None:
+    """Rank 1's load_state raises: rank 0 hears of it (its load_state raises, naming rank 1
+    and the command; before, it returned and the follower died alone), and, the ranks'
+    states being different, every rank stops."""
+    codes, ranks, logs = _run(tmp_path, tiny_model, data_parallel, "load_state")
+    _stopped_everywhere(codes, ranks, logs, "'load_state'")
+
+
+def test_a_part_failing_on_a_follower_is_reported_to_rank_0_and_the_ranks_train_on(tmp_path: Path, tiny_model: Path) -> None:
+    """Rank 1 fails after preparing its part of a version (its part log cannot be written):
+    rank 0's prepare_part raises, naming rank 1, the version and the error (before, it
+    returned and the follower died); the weights were not touched and the process group
+    still works, so both ranks go on to the next step together and end equal."""
+    codes, (lead, other), logs = _run(tmp_path, tiny_model, "fsdp", "part_log")
+    assert codes == [0, 0], logs
+    error = lead["error"]
+    assert error.startswith("RankFailed: "), f"{error!r}\n{logs}"
+    assert "preparing the parts of version 1 on rank 1 (OSError: rank 1: an injected fault in part_log)" in error, error
+    assert other["error"] == "", other
+    assert lead["step_count"] == other["step_count"] == 1, (lead, other)
+    assert lead["master_hash"] == other["master_hash"], "the ranks' weights diverged"

@@ -26,6 +26,9 @@ rank 1 failing once:
 - ``layer`` (FSDP): in the forward pass of the second decoder layer, while rank 0 is in
   the collectives of that pass; rank 0 runs the loop on one batch;
 - ``optimizer``: in the optimizer step; rank 0 runs the loop on one batch;
+- ``load_state``: restoring rank 0's state (rank 0 takes it after one step);
+- ``part_log`` (FSDP): writing the part log after preparing its part of a version (rank 0
+  publishes one), then rank 0 steps once more and both ranks read the master hash.
 
 Each rank then writes what it raised (``error``: ``Type: message``, or '' when nothing
 did), how long after the fault's step or command (``seconds``), and its master hash,
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import datetime
 import json
 import logging
@@ -49,6 +53,7 @@ from meridian.v1 import common_pb2
 from services.trainer import learner as learner_mod
 from services.trainer import loop as loop_mod
 from services.trainer.config import TrainerConfig
+from services.trainer import shard_publish
 from services.trainer.distributed import BroadcastLearner, follow
 
 KINDS = ("flaky", "poison", "nonfinite", "good")
@@ -144,7 +149,7 @@ async def _lead(learner: Any, model: Path) -> dict[str, Any]:
     }
 
 
-FAULTS = ("layer", "optimizer")
+FAULTS = ("layer", "optimizer", "load_state", "part_log")
 
 
 def _fail_once(rank: int, what: str) -> Any:
@@ -173,6 +178,35 @@ def install_fault(learner: Any, rank: int, fault: str) -> None:
             return real_step(*args, **kwargs)
 
         learner.optimizer.step = step
+    elif fault == "load_state":
+        real_load = learner.load_state
+
+        def load_state(state: Any) -> None:
+            fail()
+            real_load(state)
+
+        learner.load_state = load_state
+    elif fault == "part_log":
+        real_record = shard_publish.record_part
+
+        def record_part(folder: Any, part: Any) -> None:
+            fail()
+            real_record(folder, part)
+
+        shard_publish.record_part = record_part
+
+
+class KeptParts:
+    """A follower's part sender that keeps the parts instead of sending them."""
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+
+    def submit(self, part: Any) -> None:
+        self.parts.append(part)
+
+    def close(self) -> None:
+        pass
 
 
 def _described(exc: BaseException | None) -> str:
@@ -216,7 +250,29 @@ async def _lead_loop_once(learner: Any, model: Path, bound_s: float) -> dict[str
 
 def _lead_fault(learner: Any, model: Path, fault: str, bound_s: float) -> dict[str, Any]:
     """Rank 0's side of ``fault``."""
-    return asyncio.run(_lead_loop_once(learner, model, bound_s))
+    if fault in ("layer", "optimizer"):
+        return asyncio.run(_lead_loop_once(learner, model, bound_s))
+    lead = BroadcastLearner(learner)
+    error: BaseException | None = None
+    good = _groups(model)[-2:]
+    started = time.monotonic()
+    try:
+        if fault == "load_state":
+            lead.step(good)
+            state = copy.deepcopy(lead.state())
+            started = time.monotonic()
+            lead.load_state(state)
+        else:  # part_log: rank 1's part fails; the ranks go on training together
+            try:
+                lead.prepare_part(1, {}, {}, None, send=True)
+            except Exception as exc:
+                error = exc
+            seconds = time.monotonic() - started
+            lead.step(good)
+            return {"error": _described(error), "seconds": seconds, "closed": _close(lead)}
+    except Exception as exc:
+        error = exc
+    return {"error": _described(error), "seconds": time.monotonic() - started, "closed": _close(lead)}
 
 
 def _follow_fault(learner: Any, fault: str) -> tuple[dict[str, Any], int]:
@@ -224,7 +280,7 @@ def _follow_fault(learner: Any, fault: str) -> tuple[dict[str, Any], int]:
     it raised, as services.trainer.distributed exits)."""
     started = time.monotonic()
     try:
-        follow(learner)
+        follow(learner, KeptParts() if fault == "part_log" else None)  # type: ignore[arg-type]
     except Exception as exc:
         logging.getLogger(__name__).error("rank %d stops: %s", learner.rank, exc)
         return {"error": _described(exc), "seconds": time.monotonic() - started}, 1
@@ -258,6 +314,8 @@ def main() -> None:
                 summary = _lead_fault(learner, ns.model, ns.fault, ns.bound_s)
             else:
                 summary, code = _follow_fault(learner, ns.fault)
+            if ns.fault == "part_log" and not code:
+                summary["master_hash"] = learner.master_hash()  # a gather: both ranks, after the stop
             summary.update(step_count=learner.step_count, version=learner.version)
             ns.out.mkdir(parents=True, exist_ok=True)
             (ns.out / f"rank-{ns.rank}.json").write_text(json.dumps(summary))
