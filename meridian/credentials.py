@@ -488,8 +488,19 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="meridian certs", description="Make a deployment's credentials: a private CA, server certificates, a client certificate, role tokens, API keys, Redis passwords and the version-signing key pair.")
     parser.add_argument("--out", type=Path, default=Path(".meridian/run/credentials"), help="folder to write (default: meridian up's, .meridian/run/credentials)")
     parser.add_argument("--host", action="append", default=[], help="another name or address the server certificates are valid for (repeatable; localhost and 127.0.0.1 always are)")
-    parser.add_argument("--force", action="store_true", help="replace credentials already in --out (every token, key and certificate changes)")
+    parser.add_argument("--force", action="store_true", help="replace credentials already in --out (every token, key and certificate changes); without it an existing folder is kept and only the files an earlier release did not make are added")
     ns = parser.parse_args(argv)
+    if (ns.out / TOKENS).exists() and not ns.force:
+        # A folder of an earlier release: its secrets stay (deployed services hold them);
+        # what it lacks is made for the names its certificates already hold.
+        before = {p.name for p in ns.out.iterdir()}
+        try:
+            ensure_credentials(ns.out)
+        except (CredentialsError, OSError, ValueError) as exc:
+            parser.error(f"cannot complete {ns.out}: {exc}")
+        added = sorted({p.name for p in ns.out.iterdir()} - before)
+        print(f"credentials at {ns.out.resolve()} kept ({'added ' + ', '.join(added) if added else 'nothing missing'}; --force replaces them all)")
+        return 0
     try:
         make_credentials(ns.out, ns.host, overwrite=ns.force)
     except CredentialsError as exc:

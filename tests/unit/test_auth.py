@@ -83,9 +83,15 @@ def test_meridian_certs_makes_a_folder_and_keeps_an_existing_one(tmp_path: Path,
     out = tmp_path / "creds"
     assert main(["certs", "--out", str(out), "--host", "rollout"]) == 0
     tokens = (out / "tokens.json").read_bytes()
-    with pytest.raises(SystemExit):
-        main(["certs", "--out", str(out)])
-    assert "--force" in capsys.readouterr().err and (out / "tokens.json").read_bytes() == tokens
+    assert main(["certs", "--out", str(out)]) == 0
+    assert "nothing missing" in capsys.readouterr().out and (out / "tokens.json").read_bytes() == tokens
+    # A folder of an earlier release, without Redis's certificate: completed, secrets kept.
+    for name in credentials.cert_path(out, credentials.REDIS_SERVER):
+        name.unlink()
+    assert main(["certs", "--out", str(out)]) == 0
+    assert "added redis-key.pem, redis.pem" in capsys.readouterr().out and (out / "tokens.json").read_bytes() == tokens
+    san = x509.load_pem_x509_certificate((out / "redis.pem").read_bytes()).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "rollout" in san.get_values_for_type(x509.DNSName)
     assert main(["certs", "--out", str(out), "--force"]) == 0
     assert (out / "tokens.json").read_bytes() != tokens
 
