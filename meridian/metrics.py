@@ -22,7 +22,7 @@ import dataclasses
 import ipaddress
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -128,6 +128,7 @@ WEIGHTSYNC_PROPAGATION = _spec(
 
 SANDBOX_LIVE = _spec("meridian_envsandbox_live_sandboxes", "gauge", "sandboxes alive now")
 SANDBOX_MAX = _spec("meridian_envsandbox_max_sandboxes", "gauge", "sandboxes allowed at once")
+SANDBOX_EXPIRED = _spec("meridian_envsandbox_sandboxes_expired_total", "counter", "sandboxes envsandbox closed itself, by reason (lease: their client stopped renewing them, e.g. a killed rollout; ttl: their time-to-live ran out)", ["reason"])
 SANDBOX_EXEC_SECONDS = _spec("meridian_envsandbox_exec_seconds", "histogram", "wall-clock seconds of commands run in sandboxes, by kind (exec: Exec; tests: RunTests)", ["kind"], _LATENCY_BUCKETS)
 
 #: Every metric a Meridian service exports, by name: the specs defined above (the
@@ -428,6 +429,7 @@ def weightsync_values(status: Any) -> list[Value]:
     ]
 
 
-def envsandbox_values(live: int, capacity: int) -> list[Value]:
-    """An envsandbox's figures: sandboxes alive and allowed."""
-    return [value(SANDBOX_LIVE, live), value(SANDBOX_MAX, capacity)]
+def envsandbox_values(live: int, capacity: int, expired: Mapping[str, int]) -> list[Value]:
+    """An envsandbox's figures: sandboxes alive and allowed, and those it closed itself
+    (``expired``: reason -> count)."""
+    return [value(SANDBOX_LIVE, live), value(SANDBOX_MAX, capacity), *(value(SANDBOX_EXPIRED, n, reason=r) for r, n in sorted(expired.items()))]

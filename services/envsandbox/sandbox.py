@@ -324,6 +324,8 @@ class SandboxManager:
         self.max_sandboxes = max_sandboxes
         self._boxes: dict[str, Sandbox] = {}
         self._by_request: dict[str, str] = {}
+        #: Sandboxes the reaper closed, by reason: "lease" (unrenewed) or "ttl".
+        self.expired: dict[str, int] = {"lease": 0, "ttl": 0}
         self._started = False
         self._start_lock = asyncio.Lock()
 
@@ -438,11 +440,12 @@ class SandboxManager:
         lapsed; returns their ids."""
         now = time.time() if now is None else now
         lease_now = self.clock()
-        expired = [b.sandbox_id for b in self.list() if b.expires <= now or b.lease_lapsed(lease_now)]
-        for sandbox_id in expired:
+        expired = {b.sandbox_id: "ttl" if b.expires <= now else "lease" for b in self.list() if b.expires <= now or b.lease_lapsed(lease_now)}
+        for sandbox_id, reason in expired.items():
             if sandbox_id in self._boxes:
                 await self.close(sandbox_id)
-        return expired
+                self.expired[reason] += 1
+        return list(expired)
 
     async def close_all(self) -> None:
         """Closes every sandbox and stops the backend."""

@@ -94,7 +94,7 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
 
     async def _metric_values(self) -> list[metrics.Value]:
         """What the metrics endpoint exports: sandboxes alive and allowed."""
-        return metrics.envsandbox_values(len(self.sandboxes.list()), self.config.max_sandboxes)
+        return metrics.envsandbox_values(len(self.sandboxes.list()), self.config.max_sandboxes, self.sandboxes.expired)
 
     async def _reap_forever(self) -> None:
         while True:

@@ -748,6 +748,7 @@ def test_a_lease_lapses_only_when_nothing_uses_or_renews_the_sandbox(pair, monke
     monkeypatch.setattr(m, "clock", lambda: now[0])
 
     async def main() -> None:
+        closed = dict(m.expired)
         held = await m.create(lease_s=10)
         (fork,) = await m.fork(held.sandbox_id, 1)
         assert fork.lease_s == 10
@@ -770,6 +771,7 @@ def test_a_lease_lapses_only_when_nothing_uses_or_renews_the_sandbox(pair, monke
         assert await m.reap_expired() == []
         now[0] += 2
         assert await m.reap_expired() == [held.sandbox_id]
+        assert m.expired == {"lease": closed["lease"] + 2, "ttl": closed["ttl"]}
         assert {b.sandbox_id for b in m.list()} == {attacker, bystander}
         await _healthy(m, bystander, probe=True)
 
