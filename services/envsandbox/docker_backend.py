@@ -90,6 +90,10 @@ def _instance_alive(name: str) -> bool:
     return pid.isdigit() and process_start_time(int(pid)) == start
 
 
+#: How long an exec waits for its reader thread after waking it (it ends at once).
+READER_JOIN_S = 10.0
+
+
 class DockerBackend(Backend):
     name = "docker"
 
@@ -370,7 +374,17 @@ class DockerBackend(Backend):
             timed_out = drained.timed_out
         finally:
             stop.set()
-            await self._end_exec(sandbox_id, exec_id, raw, kill=timed_out or thread.is_alive())
+            kill = timed_out or thread.is_alive()
+            # The reader must be gone before _end_exec closes the socket: a recv already
+            # past its descriptor check would read whatever socket reuses the number next
+            # (another exec's output). Shutting the socket down wakes a blocked recv or send.
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_RDWR)
+            if thread.ident is not None:
+                await asyncio.to_thread(thread.join, READER_JOIN_S)
+            if thread.is_alive():
+                log.warning("exec reader of sandbox %s did not end within %.0f s; closing its socket anyway", sandbox_id, READER_JOIN_S)
+            await self._end_exec(sandbox_id, exec_id, raw, kill=kill)
         info = await asyncio.to_thread(self._wait_exec, exec_id)
         code = info.get("ExitCode")
         code = -1 if code is None else int(code)

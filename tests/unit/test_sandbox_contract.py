@@ -777,6 +777,36 @@ def test_a_lease_lapses_only_when_nothing_uses_or_renews_the_sandbox(pair, monke
 
     loop.run(main())
 
+
+def test_an_execs_socket_is_closed_only_once_its_reader_has_ended(pair, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Docker: an exec whose caller goes away mid-output (or that times out) closes its
+    socket only after the thread reading it has ended. Closed under a reader, the
+    descriptor's number could be reused by another exec's socket, and the stale reader
+    would read that exec's output."""
+    loop, m, attacker, _ = pair
+    if m.backend.name != "docker":
+        pytest.skip("the process backend reads its commands' pipes on the event loop, with no thread")
+    import threading
+
+    readers_alive_at_close: list[list[str]] = []
+    real = m.backend._end_exec
+
+    async def end_exec(sandbox_id: str, *args: Any, **kwargs: Any) -> None:
+        readers_alive_at_close.append([t.name for t in threading.enumerate() if t.name == f"exec-{sandbox_id}" and t.is_alive()])
+        await real(sandbox_id, *args, **kwargs)
+
+    monkeypatch.setattr(m.backend, "_end_exec", end_exec)
+
+    async def main() -> None:
+        stream = m.exec(attacker, ["sh", "-c", "while :; do echo x; sleep 0.05; done"])
+        assert (await stream.__anext__())[0] == "stdout"
+        await stream.aclose()  # the caller goes away while the command still writes
+        _, _, res = await run(m, attacker, ["sh", "-c", "echo x; sleep 30"], timeout_s=1)
+        assert res.timed_out
+
+    loop.run(main())
+    assert len(readers_alive_at_close) == 2 and readers_alive_at_close == [[], []], readers_alive_at_close
+
 def test_exec_timeouts_must_be_finite(pair) -> None:  # type: ignore[no-untyped-def]
     loop, m, attacker, _ = pair
     for bad in (float("nan"), float("inf"), -1.0):
