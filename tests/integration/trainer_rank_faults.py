@@ -164,6 +164,16 @@ def _fail_once(rank: int, what: str) -> Any:
     return fail
 
 
+def _failing_first(fail: Any, real: Any) -> Any:
+    """``real`` with ``fail()`` called before it."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        fail()
+        return real(*args, **kwargs)
+
+    return wrapped
+
+
 def install_fault(learner: Any, rank: int, fault: str) -> None:
     """Makes rank 1 fail once at ``fault`` (see the module's docstring)."""
     fail = _fail_once(rank, fault)
@@ -171,29 +181,11 @@ def install_fault(learner: Any, rank: int, fault: str) -> None:
         layer = learner_mod._decoder_layers(learner.module)[1]
         layer.register_forward_pre_hook(lambda module, args: fail())
     elif fault == "optimizer":
-        real_step = learner.optimizer.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            fail()
-            return real_step(*args, **kwargs)
-
-        learner.optimizer.step = step
+        learner.optimizer.step = _failing_first(fail, learner.optimizer.step)
     elif fault == "load_state":
-        real_load = learner.load_state
-
-        def load_state(state: Any) -> None:
-            fail()
-            real_load(state)
-
-        learner.load_state = load_state
+        learner.load_state = _failing_first(fail, learner.load_state)
     elif fault == "part_log":
-        real_record = shard_publish.record_part
-
-        def record_part(folder: Any, part: Any) -> None:
-            fail()
-            real_record(folder, part)
-
-        shard_publish.record_part = record_part
+        shard_publish.record_part = _failing_first(fail, shard_publish.record_part)
 
 
 class KeptParts:
