@@ -148,13 +148,13 @@ class BroadcastLearner:
             self.failed = GroupFailed(f"rank 0 could not send the {command!r} command to the other ranks ({exc}): a rank is gone, every rank stops")
             raise self.failed from exc
 
-    def _all(self, command: str, payload: Any, work: Any, phase: str = "", fatal: bool = False) -> Any:
+    def _all(self, command: str, payload: Any, work: Any) -> Any:
         """``command`` broadcast, then rank 0's share (``work()``) and the agreement every
-        rank joins after it (:meth:`Learner.agreed`): a follower's failure raises here,
-        named (:class:`RankFailed`, or :class:`GroupFailed` that also stops every later
-        command)."""
+        rank joins after it (:func:`_agree`, as the followers do): a follower's failure
+        raises here, named (:class:`RankFailed`, or :class:`GroupFailed` that also stops
+        every later command)."""
         self._send(command, payload)
-        return self._agreed(lambda: self.inner.agreed(work, f"rank 0's command {command!r}", phase, fatal=fatal))
+        return self._agreed(lambda: _agree(self.inner, command, payload, work))
 
     def _agreed(self, call: Any) -> Any:
         try:
@@ -174,11 +174,11 @@ class BroadcastLearner:
     def load_state(self, state: dict[str, Any]) -> None:
         """Every rank restores ``state``; one that failed on any rank stops every rank
         (:class:`GroupFailed`: the learners may differ)."""
-        self._all("load_state", state, lambda: self.inner.load_state(state), fatal=True)
+        self._all("load_state", state, lambda: self.inner.load_state(state))
 
     def load_policy_weights(self, weights: dict[str, RawTensor], version: int) -> None:
         """Every rank starts from ``weights``; as :meth:`load_state`, a failure anywhere stops every rank."""
-        self._all("load_policy_weights", (weights, version), lambda: self.inner.load_policy_weights(weights, version), fatal=True)
+        self._all("load_policy_weights", (weights, version), lambda: self.inner.load_policy_weights(weights, version))
 
     def _read(self, command: str) -> Any:
         if self.inner.sharded:
@@ -205,7 +205,7 @@ class BroadcastLearner:
                 record_part(self.part_log, part)
             return part
 
-        return self._all("publish", (version, dict(trace_context), dict(metrics), send), prepare, f"preparing the parts of version {version}")  # type: ignore[no-any-return]
+        return self._all("publish", (version, dict(trace_context), dict(metrics), send), prepare)  # type: ignore[no-any-return]
 
     def master_hash(self) -> str:
         return self._read("master_hash")  # type: ignore[no-any-return]
@@ -256,16 +256,22 @@ def follow(learner: Any, sender: PartSender | None = None, part_log: Path | None
 FATAL_COMMANDS = ("load_state", "load_policy_weights")
 
 
+def _agree(learner: Any, command: str, payload: Any, work: Any) -> Any:
+    """``work()``, this rank's share of one of rank 0's commands, and the agreement every
+    rank joins after it (:meth:`Learner.agreed`). Rank 0 and the followers both come
+    here, so they judge a failure alike: fatal for a command in FATAL_COMMANDS."""
+    phase = f"preparing the parts of version {payload[0]}" if command == "publish" else ""
+    return learner.agreed(work, f"rank 0's command {command!r}", phase, fatal=command in FATAL_COMMANDS)
+
+
 def _follow(learner: Any, command: str, payload: Any, sender: PartSender | None, part_log: Path | None) -> None:
     """This rank's share of one of rank 0's commands, and the agreement after it."""
     if command == "step":
         learner.step(_parse(payload))  # a step's phases agree themselves
         return
-    phase = ""
     work: Any
     if command == "publish":
         work = lambda: _prepare_and_send(learner, payload, sender, part_log)  # noqa: E731
-        phase = f"preparing the parts of version {payload[0]}"
     elif command == "load_state":
         work = lambda: learner.load_state(payload)  # noqa: E731
     elif command == "load_policy_weights":
@@ -277,7 +283,7 @@ def _follow(learner: Any, command: str, payload: Any, sender: PartSender | None,
         def work() -> None:
             raise RuntimeError(f"unknown command from rank 0: {command!r}")
 
-    learner.agreed(work, f"rank 0's command {command!r}", phase, fatal=command in FATAL_COMMANDS)
+    _agree(learner, command, payload, work)
 
 
 def _prepare_and_send(learner: Any, payload: tuple[int, dict[str, str], dict[str, float], bool], sender: PartSender | None, part_log: Path | None) -> None:
