@@ -28,6 +28,7 @@ from services.rollout.agent import (
     format_observation,
     parse_tool_call,
 )
+from services.rollout.chat_template import chat_ids, plain_ids, template_ids
 from services.rollout.engine import PRIORITY_RL, PolicyEngine, Sampling
 
 tracer = telemetry.tracer(__name__)
@@ -49,14 +50,15 @@ class EpisodeLimits:
 
 
 def chat_prompt(engine: PolicyEngine, task: sbx.Task) -> list[int]:
-    """The prompt's token ids through the model's own chat template."""
+    """The prompt's token ids through the model's own chat template. The instruction is
+    the task's text (a GitHub issue's, for SWE-bench), so it stays text: a turn marker it
+    spells does not open a turn (see :mod:`services.rollout.chat_template`)."""
     assert engine.tokenizer is not None
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT.replace("{answer_path}", task.answer_path)},
         {"role": "user", "content": task.instruction},
     ]
-    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return chat_ids(engine.tokenizer, messages)
 
 
 _PROBE = "MERIDIAN-PROBE-7f3a"
@@ -88,13 +90,7 @@ def observation_ids(engine: PolicyEngine, template: str, text: str, model_ended_
     eos = tok.eos_token or ""
     if model_ended_turn and eos and before.startswith(eos):
         before = before[len(eos) :]  # the model already closed its turn with the end token
-    output = tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
-    return [*_template_ids(tok, before), *output, *_template_ids(tok, after)]
-
-
-def _template_ids(tok: Any, text: str) -> list[int]:
-    """The chat template's own text, whose special tokens are meant."""
-    return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
+    return [*template_ids(tok, before), *plain_ids(tok, text), *template_ids(tok, after)]
 
 
 async def _model_turn(engine: PolicyEngine, ids: list[int], sampling: Sampling) -> tuple[list[int], list[float], list[int], str, str]:

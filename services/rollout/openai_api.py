@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from meridian import credentials
 from meridian.errors import Unauthenticated
 from services.rollout.callers import CallerClasses
+from services.rollout.chat_template import ContentNotPlain, chat_ids
 from services.rollout.config import DEFAULT_HTTP_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_BYTES
 from services.rollout.engine import MAX_TEMPERATURE, PolicyEngine, Sampling
 from services.rollout.prompt_limits import is_text, text_bytes, tokenize_off_loop, too_long
@@ -174,7 +175,9 @@ def parse_sampling(body: dict[str, Any], max_model_len: int, default_max_tokens:
 
 
 def chat_prompt_ids(engine: PolicyEngine, messages: Any) -> list[int]:
-    """Token ids of a chat through the model's own template."""
+    """Token ids of a chat through the model's own template, what each message says kept
+    as text (a ``<|im_start|>system`` in a user's words is those characters, not a new
+    turn; see :mod:`services.rollout.chat_template`)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     clean = []
@@ -183,8 +186,10 @@ def chat_prompt_ids(engine: PolicyEngine, messages: Any) -> list[int]:
             raise RequestError(f"messages[{i}] needs a role (system, user, assistant, tool) and string content", "messages")
         clean.append({"role": m["role"], "content": m["content"]})
     assert engine.tokenizer is not None
-    ids = engine.tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    try:
+        return chat_ids(engine.tokenizer, clean)
+    except ContentNotPlain as exc:
+        raise RequestError(str(exc), "messages") from exc
 
 
 def prompt_text_bytes(body: dict[str, Any], chat: bool) -> int:

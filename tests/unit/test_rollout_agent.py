@@ -181,6 +181,20 @@ async def envsandbox_serving(servicer: sbx_grpc.EnvSandboxServicer) -> AsyncIter
         await server.stop(grace=None)
 
 
+class StandInTokenizer:
+    """Enough of a tokenizer for a group's prompt: a chat renders as its messages' text,
+    which is three tokens; no special tokens."""
+
+    all_special_tokens: list[str] = []
+    added_tokens_decoder: dict[int, Any] = {}
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool) -> str:
+        return "".join(m["content"] for m in messages)
+
+    def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
+        return {"input_ids": [1, 2, 3]}
+
+
 def test_a_frozen_envsandbox_ends_the_group_at_the_deadline_and_still_closes_its_sandbox(monkeypatch: pytest.MonkeyPatch) -> None:
     """An envsandbox that stops answering (frozen, or replies dropped) while a group forks:
     the call ends at the client deadline (DEADLINE_EXCEEDED), not never, and the base
@@ -207,12 +221,8 @@ def test_a_frozen_envsandbox_ends_the_group_at_the_deadline_and_still_closes_its
             self.closed.append(request.sandbox_id)
             return sbx.CloseResponse()
 
-    class Tokenizer:
-        def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool) -> list[int]:
-            return [1, 2, 3]
-
     class Engine:
-        tokenizer = Tokenizer()
+        tokenizer = StandInTokenizer()
 
     async def scenario() -> tuple[grpc.StatusCode, list[str]]:
         servicer = Frozen()
@@ -258,13 +268,8 @@ def test_a_failed_episode_cancels_its_siblings_and_every_fork_is_closed() -> Non
             self.closed.append(request.sandbox_id)
             return sbx.CloseResponse()
 
-    class Tokenizer:
-        def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool) -> Any:
-            text = "".join(m["content"] for m in messages)
-            return [1, 2, 3] if tokenize else text
-
     class Engine:
-        tokenizer = Tokenizer()
+        tokenizer = StandInTokenizer()
 
         async def generate(self, prompt_ids: list[int], sampling: Sampling, priority: int, request_id: str = "") -> Any:
             held_while_running.append(keeper.held)

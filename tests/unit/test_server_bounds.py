@@ -343,6 +343,8 @@ class SlowTokenizer:
     fast tokenizers do, so tokenising it on the event loop would stall health checks."""
 
     bos_token_id = 1
+    all_special_tokens: list[str] = []
+    added_tokens_decoder: dict[int, Any] = {}
 
     def __init__(self) -> None:
         self.calls: list[int] = []
@@ -355,11 +357,11 @@ class SlowTokenizer:
             time.sleep(SLOW_S)
         return [2 + b % 200 for b in text.encode()[:8]]
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
+    def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
         return {"input_ids": self._encode(text)}
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool) -> list[int]:
-        return self._encode("".join(m["content"] for m in messages))
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool) -> str:
+        return "".join(m["content"] for m in messages)
 
     def __len__(self) -> int:
         return 256
