@@ -43,7 +43,7 @@ from meridian.v1 import common_pb2
 from meridian.v1 import weightsync_pb2
 from services.trainer.batch import Batch, build_batch, policy_lag, token_logprobs
 from services.trainer.config import TrainerConfig, cpu_set
-from services.trainer.learner_protocol import PASS_REWARD, GroupFailed, RankFailed, StepFailed, StepResult
+from services.trainer.learner_protocol import PASS_REWARD, GroupFailed, LearnerBroken, RankFailed, StepFailed, StepResult
 from services.trainer.loss import LossConfig, clipped_pg_loss, has_reward_signal, staleness_weight
 from services.trainer.packing import PackedLayout, pack, packed_logprobs, plan_packs
 from meridian.tensors import RawTensor, from_torch, to_torch
@@ -615,9 +615,10 @@ class Learner:
           are out of step for good), or a training group that no longer answers (a
           collective timed out on it), or a rank that never came to the agreement.
 
-        One process: ``work``'s own exception."""
+        One process: ``work``'s own exception, or for a ``fatal`` action
+        :class:`LearnerBroken` (it may have changed part of the learner)."""
         if self.world == 1:
-            return work()
+            return work() if not fatal else self._unbroken(work, f"{action} failed{' ' + phase if phase else ''}")
         result: T | None = None
         error: Exception | None = None
         try:
@@ -649,6 +650,17 @@ class Learner:
                 "every rank stops (a restart resumes from the checkpoint)"
             ) from error
         raise failed(f"{what} on {ranks}; every rank abandoned it, the learners are unchanged") from error
+
+    @staticmethod
+    def _unbroken(work: Callable[[], T], what: str) -> T:
+        """``work()``, whose failure leaves the learner in doubt: :class:`LearnerBroken`."""
+        try:
+            return work()
+        except Exception as exc:
+            raise LearnerBroken(
+                f"{what} ({_describe(exc)}); it may have changed part of the learner, so training stops here "
+                "(a restart resumes from the checkpoint)"
+            ) from exc
 
     def _rank_failures(self, error: Exception | None) -> tuple[list[str], bool]:
         """Every rank's ``error`` ('rank N (Type: message)' per failed rank; [] when none
@@ -698,7 +710,10 @@ class Learner:
         into every weight (and the next checkpoint would keep it), so the weights, the
         optimizer and the schedule stay as they were and the result says why
         (``stepped=False``, ``skipped``). Whatever raises does so before the update: a
-        failed step leaves the learner as it found it, and the caller may retry it.
+        failed step leaves the learner as it found it, and the caller may retry it. The
+        update itself is the exception: an optimizer step that raises may have updated part
+        of the weights, so it raises :class:`LearnerBroken` (training stops, a restart
+        resumes from the checkpoint) rather than be retried on them.
 
         Under ``torch.distributed`` every rank calls this with the same groups. The ranks
         agree after building the batch, after the forward and backward passes and after
@@ -727,9 +742,10 @@ class Learner:
                 self.step_count, loss, trajectories=0, groups=0, grad_norm=grad_norm, seconds=time.perf_counter() - start,
                 stats=stats, stepped=False, skipped=why, **common,
             )
-        # The only phase that changes the weights: a failure on some ranks only leaves them
-        # different (no copy to roll back to: it would double the optimiser's memory), so
-        # every rank stops there (GroupFailed) and a restart resumes from the checkpoint.
+        # The only phase that changes the weights: a failure part-way, or on some ranks
+        # only, leaves them partly updated or different (no copy to roll back to: it would
+        # double the optimiser's memory), so training stops there (LearnerBroken; with
+        # several ranks GroupFailed, on every rank) and a restart resumes from the checkpoint.
         self._agreed(self.optimizer.step, "in the optimizer step", fatal=True)
         self.scheduler.step()
         self.step_count += 1

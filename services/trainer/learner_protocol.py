@@ -29,7 +29,15 @@ class StepFailed(RankFailed):
     or dead-letters the batch as for any failed step, and the other ranks go on following."""
 
 
-class GroupFailed(RuntimeError):
+class LearnerBroken(RuntimeError):
+    """The learner cannot go on in these processes: a failure left its state in doubt (an
+    optimizer step that raised part-way has updated some weights and optimizer moments and
+    not others; retried, it would update those twice). The training loop ends with it,
+    nothing acked; the service stops (health NOT_SERVING, exit 1) and a restart resumes from
+    the newest checkpoint, replaying what came after it."""
+
+
+class GroupFailed(LearnerBroken):
     """The ranks of a distributed learner cannot go on together: a failure left the process
     group unusable (a rank failed or timed out inside a collective the others were in, so
     they stopped at different collectives), or the learners may differ (an update or a
@@ -78,11 +86,12 @@ class PolicyLearner(Protocol):
 
     def step(self, groups: list[list[common_pb2.Trajectory]]) -> StepResult:
         """One optimizer step on complete groups (no step when nothing is left to learn).
-        When it raises, the learner's state (weights, optimizer, step and version) is as it
+        When it raises (but for :class:`LearnerBroken`), the learner's state (weights, optimizer, step and version) is as it
         was before the call: the loop retries the batch (a distributed learner raises
         :class:`StepFailed` on every rank when the step failed on any). A distributed
-        learner raises :class:`GroupFailed` when its ranks cannot go on together: the loop
-        ends, and with it the service."""
+        learner raises :class:`GroupFailed` when its ranks cannot go on together, and any
+        learner :class:`LearnerBroken` when the optimizer step itself raised (the one phase
+        that changes the learner): the loop ends, and with it the service."""
         ...
 
     def check_group(self, trajectories: Sequence[common_pb2.Trajectory]) -> str:

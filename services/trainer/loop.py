@@ -7,9 +7,10 @@ goes back to the front of the ready queue and is tried again, ``STEP_ATTEMPTS`` 
 all, then dead-lettered with the error, so one poison batch cannot stop training (its
 entries, never acked, would otherwise come back by claim and fail again, for ever).
 
-A distributed learner whose ranks cannot go on together raises :class:`GroupFailed`
-(from a step, or from the committer's collective reads): the loop ends with it, nothing
-acked, and the service stops; a restart resumes from the checkpoint and replays."""
+A learner that cannot go on raises :class:`LearnerBroken`: an optimizer step that raised
+part-way, or (:class:`GroupFailed`) the ranks of a distributed learner that cannot go on
+together (from a step, or from the committer's collective reads). The loop ends with it,
+nothing acked, and the service stops; a restart resumes from the checkpoint and replays."""
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +24,7 @@ from meridian import telemetry
 from meridian.v1 import trainer_pb2 as pb
 from services.trainer.commit import CommitRefused, Committer, Progress
 from services.trainer.consumer import GroupConsumer, Taken
-from services.trainer.learner_protocol import GroupFailed, PolicyLearner, StepResult
+from services.trainer.learner_protocol import LearnerBroken, PolicyLearner, StepResult
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -101,9 +102,9 @@ class TrainingLoop:
         return [*self._committed, *self._uncommitted]
 
     async def run(self) -> None:
-        """Runs until cancelled, refused (:class:`CommitRefused`) or the ranks of a
-        distributed learner stopped (:class:`GroupFailed`); any other failure is logged and
-        the loop goes on from the transport."""
+        """Runs until cancelled, refused (:class:`CommitRefused`) or the learner cannot go on
+        (:class:`LearnerBroken`, :class:`GroupFailed` among them); any other failure is
+        logged and the loop goes on from the transport."""
         recovered = False
         while True:
             try:
@@ -111,7 +112,7 @@ class TrainingLoop:
                     await self.consumer.recover()
                     recovered = True
                 await self.iteration(READ_BLOCK_MS)
-            except (asyncio.CancelledError, CommitRefused, GroupFailed):
+            except (asyncio.CancelledError, CommitRefused, LearnerBroken):
                 raise
             except Exception:
                 log.exception("training loop iteration failed; retrying")
@@ -154,10 +155,10 @@ class TrainingLoop:
         with tracer.start_as_current_span("trainer.step", links=links) as span:
             try:
                 result = await asyncio.to_thread(self.learner.step, trajs)
-            except GroupFailed as exc:
+            except LearnerBroken as exc:
                 # Not the batch's fault, and no retry in these processes can help.
                 span.record_exception(exc)
-                log.error("step on groups %s: the ranks cannot go on together; the training loop stops: %s", [group.group_id for _, group in taken], exc)
+                log.error("step on groups %s: the learner cannot go on; the training loop stops: %s", [group.group_id for _, group in taken], exc)
                 raise
             except Exception as exc:
                 span.record_exception(exc)

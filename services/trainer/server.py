@@ -78,9 +78,10 @@ class TrainerService(pb_grpc.TrainerServicer):
     async def failure(self) -> str:
         """Returns once the training loop has ended, which it does only when weightsync
         refused a version (:class:`CommitRefused`: what this trainer would publish differs
-        from what weightsync holds) or the ranks of a distributed learner cannot go on
-        together (:class:`~services.trainer.learner_protocol.GroupFailed`, naming each
-        rank's error and the phase): training cannot go on, so the service stops."""
+        from what weightsync holds) or the learner cannot go on
+        (:class:`~services.trainer.learner_protocol.LearnerBroken`: an optimizer step that
+        raised part-way, or a distributed learner's ranks that cannot go on together,
+        naming each rank's error and the phase): training cannot go on, so the service stops."""
         return await failure_of(self._task, "the training loop")
 
     async def stop(self) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import pytest
 
 from meridian.trajectory_transport import MemoryStreams
@@ -113,3 +114,34 @@ def test_a_non_finite_loss_skips_the_update_and_leaves_the_learner_as_it_was(tin
     assert all(p.grad is None for p in lrn.module.parameters()), "the inf/NaN gradients are dropped"
     # The learner goes on as if the batch had not come.
     assert lrn.step([group("ok", [0.0, 1.0])]).stepped and lrn.version == 1 and all_finite(lrn)
+
+
+def test_an_optimizer_step_that_raises_part_way_stops_training_rather_than_update_twice(tiny_model: Path) -> None:
+    """The optimizer step updated one tensor, then raised (out of memory, say). Retried, it
+    would update that tensor twice: the learner raises LearnerBroken instead, and the loop
+    stops with it once, the group neither retried, acked nor dead-lettered (a restart
+    resumes from the checkpoint and replays it)."""
+    from services.trainer.learner_protocol import LearnerBroken
+
+    async def body() -> None:
+        lrn = learner(tiny_model)
+        streams = MemoryStreams()
+        loop = build(streams, lrn, groups_per_step=1)
+        await loop.consumer.start()
+        first = next(lrn.module.parameters())
+        tries = []
+
+        def half_a_step() -> None:
+            tries.append(1)
+            with torch.no_grad():
+                first.add_(1.0)
+            raise RuntimeError("out of memory while updating the second tensor")
+
+        lrn.optimizer.step = half_a_step
+        await loop.consumer.transport.publish_group(group("g1", [0.0, 1.0]))
+        with pytest.raises(LearnerBroken, match="the step failed in the optimizer step .*out of memory.*restart resumes from the checkpoint"):
+            await run_until(loop, lambda: False, within=20)
+        assert len(tries) == 1 and (lrn.step_count, lrn.version) == (0, 0)
+        assert dead_letters(streams) == {} and loop.consumer.unacked() == {} and await loop.consumer.transport.pending() == 1
+
+    asyncio.run(body())
