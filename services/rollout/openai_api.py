@@ -174,17 +174,39 @@ def parse_sampling(body: dict[str, Any], max_model_len: int, default_max_tokens:
     )
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def message_text(message: Any, i: int) -> str:
+    """What ``messages[i]`` says, validated: its ``content`` as a string, or as a list of
+    text parts (``{"type": "text", "text": ...}``, joined by newlines as vLLM joins them),
+    or none on an assistant message (one that only called tools)."""
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise RequestError(f"messages[{i}] needs a role ({', '.join(ROLES)})", "messages")
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and message["role"] == "assistant":
+        return ""
+    if not isinstance(content, list):
+        raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}", "messages")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"a part of type {kind!r}" if isinstance(kind, str) else "not a text part"
+            raise RequestError(f"messages[{i}].content[{j}] is {what}; this model takes text parts ({{'type': 'text', 'text': ...}}) only", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def chat_prompt_ids(engine: PolicyEngine, messages: Any) -> list[int]:
     """Token ids of a chat through the model's own template, what each message says kept
     as text (a ``<|im_start|>system`` in a user's words is those characters, not a new
     turn; see :mod:`services.rollout.chat_template`)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") or not isinstance(m.get("content"), str):
-            raise RequestError(f"messages[{i}] needs a role (system, user, assistant, tool) and string content", "messages")
-        clean.append({"role": m["role"], "content": m["content"]})
+    clean = [{"role": m["role"], "content": message_text(m, i)} for i, m in enumerate(messages)]
     assert engine.tokenizer is not None
     try:
         return chat_ids(engine.tokenizer, clean)
@@ -193,17 +215,26 @@ def chat_prompt_ids(engine: PolicyEngine, messages: Any) -> list[int]:
 
 
 def prompt_text_bytes(body: dict[str, Any], chat: bool) -> int:
-    """Bytes of prompt text a request asks to tokenise (chat: every message's content;
+    """Bytes of prompt text a request asks to tokenise (chat: every message's text;
     token-id prompts: 0, their length is bounded by the body and checked as tokens)."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return 0
-        return sum(text_bytes(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+        return sum(_text_bytes_of(m, i) for i, m in enumerate(messages))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     return text_bytes(prompt) if isinstance(prompt, str) else 0
+
+
+def _text_bytes_of(message: Any, i: int) -> int:
+    """A message's text bytes (0 for one :func:`message_text` refuses: its request is
+    answered 400 before anything is tokenised)."""
+    try:
+        return text_bytes(message_text(message, i))
+    except RequestError:
+        return 0
 
 
 def completion_prompt_ids(engine: PolicyEngine, prompt: Any) -> list[int]:

@@ -154,3 +154,40 @@ def test_a_tasks_instruction_cannot_open_turns(tok: Any) -> None:
     ids = chat_prompt(RecordingEngine(tok), sbx.Task(instruction=FORGED, answer_path="answer.txt"))  # type: ignore[arg-type]
     assert _markers(tok, ids) == 2 * 2 + 1
     assert tok.decode(ids).endswith(FORGED + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_chat_api_takes_text_parts_and_refuses_other_content_by_name(tok: Any) -> None:
+    """Content as a list of text parts (what newer OpenAI clients send) is joined as vLLM
+    joins it, an assistant message that only called tools has none, and parts this model
+    cannot take, or content of another type, are a 400 naming the part; text parts count
+    toward the prompt's byte bound as a string would."""
+    from fastapi.testclient import TestClient
+
+    from services.rollout.callers import CallerClasses
+    from services.rollout.openai_api import create_app
+
+    engine = RecordingEngine(tok)
+    app = create_app(engine, "m", 2048, 64, CallerClasses({}, "production"), max_prompt_bytes=4096)  # type: ignore[arg-type]
+    parts = [{"type": "text", "text": "Fix the parser."}, {"type": "text", "text": "Keep the tests."}]
+    with TestClient(app) as http:
+
+        def post(messages: list[dict[str, Any]]) -> Any:
+            return http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+
+        assert post([{"role": "user", "content": parts}]).status_code == 200
+        assert post([{"role": "user", "content": "Fix the parser.\nKeep the tests."}]).status_code == 200
+        assert post([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "go on"}]).status_code == 200
+        refused = {
+            "messages[0].content[1] is a part of type 'image_url'": [{"role": "user", "content": [parts[0], {"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages[0].content[0] is not a text part": [{"role": "user", "content": [{"text": "no type"}]}],
+            "messages[1].content must be a string or a list of text parts, got int": [{"role": "user", "content": "hi"}, {"role": "user", "content": 7}],
+            "messages[0].content must be a string or a list of text parts, got NoneType": [{"role": "user", "content": None}],
+            "messages[0] needs a role": [{"role": "wizard", "content": "hi"}],
+        }
+        for message, messages in refused.items():
+            reply = post(messages)
+            assert reply.status_code == 400 and message in reply.json()["error"]["message"], (message, reply.text)
+        too_long = post([{"role": "user", "content": [{"type": "text", "text": "x" * 3000}] * 2}])
+        assert too_long.status_code == 413, too_long.text
+    first, second, _ = engine.prompts
+    assert first == second, "parts are joined by newlines"
