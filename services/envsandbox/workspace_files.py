@@ -141,7 +141,7 @@ def _open_as_owner(dir_fd: int, name: str, flags: int, need: int, mode: int = 0o
         os.close(path)
 
 
-def _walk_dirs(root_fd: int, parts: list[str], relative: str, create: bool, owner: tuple[int, int] | None) -> int:
+def _walk_dirs(root_fd: int, parts: list[str] | list[bytes], relative: str, create: bool, owner: tuple[int, int] | None) -> int:
     """A descriptor of the directory ``parts`` below ``root_fd`` (created when asked), to
     look names up in: an ``O_PATH`` one, unless this call made the folder."""
     with _bad_paths(relative):
@@ -162,7 +162,7 @@ def _walk_dirs(root_fd: int, parts: list[str], relative: str, create: bool, owne
             raise
 
 
-def _step_down(fd: int, name: str, relative: str, create: bool, owner: tuple[int, int] | None) -> int:
+def _step_down(fd: int, name: str | bytes, relative: str, create: bool, owner: tuple[int, int] | None) -> int:
     """The folder ``name`` below the folder ``fd``, made (``owner``'s) when it is missing and
     ``create`` is set. Searching ``fd`` and adding to it are granted for the step alone."""
     with _owner_may(fd, _SEARCH):
@@ -399,13 +399,21 @@ def _parent_of(fd: int, expected: tuple[int, int]) -> int:
 #   ("dir", name, mode)      a folder; the entries below it follow, then ("up",)
 #   ("up",)                  the end of the folder entered last
 #   ("link", name, target)   a symlink, copied as a link (never followed)
-#   ("file", name, mode)     a regular file; its data follows, then ("end", size)
+#   ("file", name, mode, linked)
+#                            a regular file; its data follows, then ("end", size). linked:
+#                            it has other links, which the walk may meet: the builder keeps
+#                            where it made the file, as linked file number 0, 1, 2, ...
+#   ("hardlink", name, number, last)
+#                            another link to linked file ``number`` of this copy, made as a
+#                            link to that copy; last: the walk will name it no more
 #   ("data", offset, bytes)  some of the file's data; holes are not sent, so the copy of a
 #                            sparse file is as sparse (and fits wherever the source did)
 #   ("end", size)            the end of the file and its size
 #   ("top", mode)            the mode of the copied folder itself: the last entry
 #
-# FIFOs, sockets and devices are not copied; hard links are copied as separate files.
+# FIFOs, sockets and devices are not copied. Hard links stay links within the copy (keyed
+# by the source's st_dev and st_ino), so a file linked hundreds of times takes its room
+# once, as in the source; a link whose other links are outside the tree is a file of its own.
 
 #: The most file data one entry carries: what a copy holds in memory at a time.
 CHUNK_BYTES = 1 << 20
@@ -414,8 +422,9 @@ Entry = tuple[Any, ...]
 
 
 def copy_tree(src_fd: int, dst_fd: int, owner: tuple[int, int] | None = None, check: Callable[[], None] | None = None) -> None:
-    """Copies folders, regular files (data, holes and permission bits) and symlinks (as
-    links) from ``src_fd`` into the empty folder ``dst_fd``, ``owner``'s when given.
+    """Copies folders, regular files (data, holes and permission bits; hard links as links
+    within the copy) and symlinks (as links) from ``src_fd`` into the empty folder
+    ``dst_fd``, ``owner``'s when given.
 
     Iterative, with one folder descriptor open on each side however deep the tree (see
     :func:`walk_tree`); PathError('changed') when a folder is moved during the copy.
@@ -455,6 +464,7 @@ def walk_tree(src_fd: int) -> Iterator[Entry]:
     # One frame a level: the names left to walk there, the folder's identity, and the mode
     # to give the folder back when the walk leaves it (-1: it was not changed).
     stack: list[tuple[Iterator[str], tuple[int, int], int]] = []
+    links = _Links()
     try:
         stack.append((iter(os.listdir(src)), _identity(src), -1))
         while stack:
@@ -486,7 +496,11 @@ def walk_tree(src_fd: int) -> Iterator[Entry]:
                     raise _changed(name, exc) from None
                 yield ("link", os.fsencode(name), os.fsencode(target))
             elif stat.S_ISREG(st.st_mode):
-                yield from _file_entries(src, name, st)
+                again = links.again(st)
+                if again is not None:
+                    yield ("hardlink", os.fsencode(name), *again)
+                else:
+                    yield from _file_entries(src, name, st, links)
             # FIFOs, sockets and devices are not copied.
         yield ("top", top_mode)
     finally:
@@ -510,7 +524,36 @@ def _enter(src: int, name: str, st: os.stat_result) -> tuple[int, tuple[Iterator
         raise
 
 
-def _file_entries(src: int, name: str, st: os.stat_result) -> Iterator[Entry]:
+class _Links:
+    """The files with other links that a walk copied and has not yet met all the links of:
+    by (st_dev, st_ino), the number the builder knows the copy by and the links left to meet."""
+
+    def __init__(self) -> None:
+        self.pending: dict[tuple[int, int], list[int]] = {}
+        self.count = 0
+
+    def first(self, st: os.stat_result) -> bool:
+        """Whether the file ``st`` (fstat of the descriptor copied) has other links: it is then
+        linked file number ``count`` of the copy."""
+        if st.st_nlink < 2:
+            return False
+        self.pending[(st.st_dev, st.st_ino)] = [self.count, st.st_nlink - 1]
+        self.count += 1
+        return True
+
+    def again(self, st: os.stat_result) -> tuple[int, bool] | None:
+        """(number, last) when ``st`` is a link to a file the walk copied already, else None."""
+        key = (st.st_dev, st.st_ino)
+        known = self.pending.get(key) if st.st_nlink > 1 else None
+        if known is None:
+            return None
+        known[1] -= 1
+        if known[1] <= 0:
+            del self.pending[key]
+        return known[0], known[1] <= 0
+
+
+def _file_entries(src: int, name: str, st: os.stat_result, links: _Links) -> Iterator[Entry]:
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     opened = _open_to_walk(src, name, flags, 0o400, stat.S_IFREG, st)
     if opened is None:
@@ -518,9 +561,10 @@ def _file_entries(src: int, name: str, st: os.stat_result) -> Iterator[Entry]:
     fd, back = opened
     try:
         _give_back(fd, back)  # the descriptor is all the walk needs
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode):
             return  # swapped for something else since the stat: not copied, like any special file
-        yield ("file", os.fsencode(name), st.st_mode & 0o777)
+        yield ("file", os.fsencode(name), st.st_mode & 0o777, links.first(now))
         for offset, data in _extents(fd):
             yield ("data", offset, data)
         yield ("end", os.fstat(fd).st_size)
@@ -636,17 +680,29 @@ class TreeBuilder:
     Its entries are checked as the hostile input they may be (in the Docker backend they
     come out of the source sandbox's container): a name must be one component, ``up``
     never climbs above the top, data only goes into a file, ``top`` comes last and at the
-    top; PathError('invalid') otherwise. A folder gets its mode once it is filled, so a
-    read-only one can be; the top folder (``dst_fd``, possibly an ``O_PATH`` descriptor)
-    gets the mode of a ``top`` entry when the builder finishes."""
+    top, a hard link names a linked file this builder made; PathError('invalid')
+    otherwise. A folder gets its mode once it is filled, so a read-only one can be; the top
+    folder (``dst_fd``, possibly an ``O_PATH`` descriptor) gets the mode of a ``top`` entry
+    when the builder finishes.
+
+    A hard link is made to the very file the builder made (its st_dev and st_ino checked),
+    found from the top of the copy one ``O_NOFOLLOW`` component at a time, never through
+    ``..``: it never links to anything outside the copy."""
 
     def __init__(self, dst_fd: int, owner: tuple[int, int] | None = None) -> None:
         self.owner = owner
         self.dst = os.dup(dst_fd)
+        self.top = os.dup(dst_fd)
         self.file = -1
         # One frame a level: the folder's identity and the mode it gets when it is left.
         self.frames: list[tuple[tuple[int, int], int]] = [(_identity(self.dst), -1)]
         self.top_mode = -1  # the top's mode from a "top" entry; -1: none came yet
+        # Where the builder is: (the folder above's place, this folder's name); None: the top.
+        self.place: tuple[Any, bytes] | None = None
+        # The linked files made (see the entries above) whose links may still come, by
+        # number: the place of their folder, their name and their identity.
+        self.linked: dict[int, tuple[tuple[Any, bytes] | None, bytes, tuple[int, int]]] = {}
+        self.linked_count = 0
 
     def add(self, entry: Entry) -> None:
         """Makes one entry."""
@@ -655,7 +711,10 @@ class TreeBuilder:
             raise _bad_stream(f"{kind!r} entry after the top's mode")
         if (self.file >= 0) != (kind in ("data", "end")):
             raise _bad_stream(f"{kind!r} entry {'inside' if self.file >= 0 else 'outside'} a file")
-        make = {"dir": self._dir, "up": self._up, "link": self._link, "file": self._file, "data": self._data, "end": self._end, "top": self._top}.get(kind)
+        make = {
+            "dir": self._dir, "up": self._up, "link": self._link, "file": self._file, "data": self._data, "end": self._end,
+            "top": self._top, "hardlink": self._hardlink,
+        }.get(kind)
         if make is None:
             raise _bad_stream(f"unknown entry {kind!r}")
         try:
@@ -676,9 +735,11 @@ class TreeBuilder:
         if self.file >= 0:
             os.close(self.file)
             self.file = -1
-        if self.dst >= 0:
-            os.close(self.dst)
-            self.dst = -1
+        for name in ("dst", "top"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
 
     def _dir(self, name: bytes, mode: int) -> None:
         os.mkdir(_one_name(name), 0o700, dir_fd=self.dst)
@@ -692,12 +753,14 @@ class TreeBuilder:
             raise
         os.close(self.dst)
         self.dst = fd
+        self.place = (self.place, name)
 
     def _up(self) -> None:
-        if len(self.frames) < 2:
+        if len(self.frames) < 2 or self.place is None:
             raise _bad_stream("'up' above the top of the copy")
         self.dst = _leave(self.dst, self.frames[-2][0], self.frames[-1][1])
         self.frames.pop()
+        self.place = self.place[0]
 
     def _top(self, mode: int) -> None:
         if len(self.frames) != 1:
@@ -709,17 +772,55 @@ class TreeBuilder:
         if self.owner is not None:
             os.chown(name, *self.owner, dir_fd=self.dst, follow_symlinks=False)
 
-    def _file(self, name: bytes, mode: int) -> None:
+    def _file(self, name: bytes, mode: int, linked: bool = False) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(_one_name(name), flags, 0o600, dir_fd=self.dst)
         try:
             if self.owner is not None:
                 os.fchown(fd, *self.owner)
             os.fchmod(fd, mode & 0o777)
+            if linked:
+                self.linked[self.linked_count] = (self.place, name, _identity(fd))
+                self.linked_count += 1
         except BaseException:
             os.close(fd)
             raise
         self.file = fd
+
+    def _hardlink(self, name: bytes, number: int, last: bool) -> None:
+        made = self.linked.pop(number, None) if last else self.linked.get(number)
+        if made is None:
+            raise _bad_stream(f"a link to linked file {number}, which is none of this copy's")
+        place, first, identity = made
+        changed = PathError("changed", f"linked file {first!r} changed in the copy while the workspace was being copied")
+        folder = self._folder_at(place)
+        try:
+            with _owner_may(folder, _SEARCH):
+                path = os.open(first, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+        except FileNotFoundError:
+            raise changed from None
+        finally:
+            if folder != self.dst:
+                os.close(folder)
+        try:
+            if _identity(path) != identity:
+                raise changed
+            # Through /proc the link is made to the entry the O_PATH descriptor holds.
+            os.link(f"/proc/self/fd/{path}", _one_name(name), dst_dir_fd=self.dst, follow_symlinks=True)
+        finally:
+            os.close(path)
+
+    def _folder_at(self, place: tuple[Any, bytes] | None) -> int:
+        """A descriptor of the copy's folder at ``place``: the folder being built, or one found
+        from the top (``O_PATH``, to be closed by the caller)."""
+        if place is self.place:
+            return self.dst
+        parts: list[bytes] = []
+        while place is not None:
+            place, part = place
+            parts.append(part)
+        parts.reverse()
+        return _walk_dirs(self.top, parts, os.fsdecode(b"/".join(parts)), create=False, owner=None)
 
     def _data(self, offset: int, data: bytes) -> None:
         view = memoryview(data)
@@ -826,13 +927,17 @@ def _record(entry: Entry) -> bytes:
         body = _U32.pack(len(entry[1])) + entry[1] + entry[2]
     elif kind == "file":
         body = _U32.pack(entry[2]) + entry[1]
+        if len(entry) > 3 and entry[3]:
+            return _HEADER.pack(b"K", len(body)) + body
+    elif kind == "hardlink":
+        body = _U64.pack(entry[2]) + (b"\x01" if entry[3] else b"\x00") + entry[1]
     elif kind == "data":
         body = _U64.pack(entry[1]) + entry[2]
     elif kind == "top":
         body = _U32.pack(entry[1])
     else:
         body = _U64.pack(entry[1])
-    kinds = {"dir": b"D", "up": b"U", "link": b"L", "file": b"F", "data": b"B", "end": b"E", "top": b"T"}
+    kinds = {"dir": b"D", "up": b"U", "link": b"L", "file": b"F", "hardlink": b"H", "data": b"B", "end": b"E", "top": b"T"}
     return _HEADER.pack(kinds[kind], len(body)) + body
 
 
@@ -868,14 +973,21 @@ def _entries(in_fd: int) -> Iterator[Entry]:
 
 
 def _entry(kind: bytes, body: bytes) -> Entry:
-    fixed = {b"D": _U32.size, b"L": _U32.size, b"F": _U32.size, b"B": _U64.size, b"E": _U64.size, b"U": 0, b"T": _U32.size}.get(kind)
+    fixed = {
+        b"D": _U32.size, b"L": _U32.size, b"F": _U32.size, b"K": _U32.size, b"H": _U64.size + 1, b"B": _U64.size,
+        b"E": _U64.size, b"U": 0, b"T": _U32.size,
+    }.get(kind)
     if fixed is None or len(body) < fixed or kind in (b"E", b"U", b"T") and len(body) != fixed:
         raise _bad_stream(f"a record of kind {kind!r} and {len(body)} bytes")
     head, rest = body[:fixed], body[fixed:]
     if kind == b"D":
         return ("dir", rest, _U32.unpack(head)[0])
-    if kind == b"F":
-        return ("file", rest, _U32.unpack(head)[0])
+    if kind in (b"F", b"K"):
+        return ("file", rest, _U32.unpack(head)[0], kind == b"K")
+    if kind == b"H":
+        if head[-1] not in (0, 1):
+            raise _bad_stream("a hard link record with a bad flag")
+        return ("hardlink", rest, _U64.unpack(head[:-1])[0], head[-1] == 1)
     if kind == b"L":
         size = _U32.unpack(head)[0]
         if size > len(rest):

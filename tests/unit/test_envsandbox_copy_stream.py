@@ -82,10 +82,11 @@ def test_a_streamed_copy_is_copy_tree_s_copy_and_keeps_holes(folders: tuple[Path
     assert _streamed(src, dst)
     want = [e for e in describe(src / ".tests") if e[2] != "special"]
     assert list(describe(dst / ".tests")) == want
+    assert os.stat(dst / "sparse.bin").st_ino == os.stat(dst / "hard.bin").st_ino
     for name in ("sparse.bin", "hard.bin"):
         copy = os.stat(dst / name)
         assert copy.st_size == size and copy.st_blocks * 512 <= 1 << 20, "a hole was filled"
-        assert copy.st_nlink == 1, "hard links are copied as separate files"
+        assert copy.st_nlink == 2, "a hard link was copied as a separate file"
         with open(dst / name, "rb") as fh:
             assert fh.read(4) == b"head" and os.pread(fh.fileno(), 4, size - 4) == b"tail"
 
@@ -184,6 +185,98 @@ def test_a_sender_walking_as_the_owner_copies_what_only_root_could_read(folders:
         assert (dst / path).read_bytes() == (src / path).read_bytes()
 
 
+def _build_links(src_fd: int, outside_fd: int) -> None:
+    """As the owner: ``x/f`` (1 MiB) also linked as ``y/g``, ``top`` and ``x/deep/k``, in
+    folders only root may search; ``lone`` with its second link in ``outside_fd``; a symlink
+    to ``x/f``."""
+    for folder in ("x", "x/deep", "y"):
+        os.mkdir(folder, 0o755, dir_fd=src_fd)
+    for path, data in (("x/f", os.urandom(1 << 20)), ("lone", b"lone")):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o640, dir_fd=src_fd)
+        os.write(fd, data)
+        os.close(fd)
+    for link in ("y/g", "top", "x/deep/k"):
+        os.link("x/f", link, src_dir_fd=src_fd, dst_dir_fd=src_fd)
+    os.link("lone", "link", src_dir_fd=src_fd, dst_dir_fd=outside_fd)
+    os.symlink("x/f", "sym", dir_fd=src_fd)
+    for folder in ("x/deep", "x", "y"):
+        os.chmod(folder, 0, dir_fd=src_fd)
+
+
+LINKED = ("x/f", "y/g", "top", "x/deep/k")
+
+
+def _check_links(src: Path, dst: Path) -> None:
+    """``dst`` holds ``_build_links``' tree with its links kept: one inode for LINKED, a
+    separate file for ``lone``; every folder has its mode in both trees."""
+    for tree in (src, dst):
+        assert {p: stat.S_IMODE(os.lstat(tree / p).st_mode) for p in ("x", "x/deep", "y")} == dict.fromkeys(("x", "x/deep", "y"), 0)
+    for folder in ("x", "x/deep", "y"):
+        os.chmod(dst / folder, 0o700)
+        os.chmod(src / folder, 0o700)
+    copies = [os.lstat(dst / p) for p in LINKED]
+    assert len({(c.st_dev, c.st_ino) for c in copies}) == 1 and copies[0].st_nlink == len(LINKED)
+    assert (copies[0].st_dev, copies[0].st_ino) != (os.lstat(src / "x/f").st_dev, os.lstat(src / "x/f").st_ino)
+    assert (dst / "top").read_bytes() == (src / "x/f").read_bytes() and stat.S_IMODE(copies[0].st_mode) == 0o640
+    assert os.lstat(dst / "lone").st_nlink == 1 and (dst / "lone").read_bytes() == b"lone"
+    assert os.readlink(dst / "sym") == "x/f"
+    (dst / "y" / "g").write_bytes(b"changed")
+    assert (dst / "x" / "deep" / "k").read_bytes() == b"changed" and (src / "top").read_bytes() != b"changed"
+
+
+def test_hard_links_stay_links_within_the_copy(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    """A file with several links in the tree is copied once and linked again in the copy,
+    wherever its links are (folders only root may search included); a link whose other
+    link is outside the tree is a file of its own. Streamed or not, the same copy."""
+    src, dst = folders
+    (tmp_path / "out").mkdir()
+    src_fd, out_fd = os.open(src, DIR_FLAGS), os.open(tmp_path / "out", DIR_FLAGS)
+    try:
+        _build_links(src_fd, out_fd)
+    finally:
+        os.close(src_fd)
+        os.close(out_fd)
+    assert _streamed(src, dst)
+    _check_links(src, dst)
+    again = tmp_path / "again"
+    again.mkdir()
+    for folder in ("x", "x/deep", "y"):
+        os.chmod(src / folder, 0)
+    src_fd, dst_fd = os.open(src, DIR_FLAGS), os.open(again, DIR_FLAGS)
+    try:
+        workspace_files.copy_tree(src_fd, dst_fd)
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)
+    _check_links(src, again)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_hard_links_stay_links_copying_as_the_owner(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    """As the Docker backend copies (walk and build as the sandbox's user, no capability):
+    links into and out of folders the owner locked itself out of are kept all the same."""
+    src, dst = folders
+    os.chown(dst, NOBODY, NOBODY)
+    outside = tmp_path / "out"
+    outside.mkdir()
+    os.chown(outside, NOBODY, NOBODY)
+
+    # Opened here: the owner may not reach tmp_path by name.
+    src_fd, dst_fd, out_fd = os.open(src, DIR_FLAGS), os.open(dst, DIR_FLAGS), os.open(outside, DIR_FLAGS)
+
+    def copy() -> int:
+        _build_links(src_fd, out_fd)
+        workspace_files.copy_tree(src_fd, dst_fd)
+        return 0
+
+    try:
+        assert _exit_status(_as_owner(copy, src)) == 0
+    finally:
+        for fd in (src_fd, dst_fd, out_fd):
+            os.close(fd)
+    _check_links(src, dst)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 def test_a_sender_walking_as_the_owner_copies_a_top_folder_it_locked_with_its_mode(folders: tuple[Path, Path]) -> None:
     """A sandbox that took every permission on its workspace folder from itself (chmod 0
@@ -256,6 +349,10 @@ def _file(name: bytes) -> tuple[bytes, bytes]:
     return b"F", struct.pack(">I", 0o644) + name
 
 
+def _linked(name: bytes) -> tuple[bytes, bytes]:
+    return b"K", struct.pack(">I", 0o644) + name
+
+
 END = (b"Z", b"")
 UP = (b"U", b"")
 TOP = (b"T", struct.pack(">I", 0o755))
@@ -296,6 +393,11 @@ def _refused(folder: Path, stream: bytes, error: type[E]) -> E:
         (_records(TOP, _file(b"f"), (b"E", struct.pack(">Q", 0)), END), "invalid"),
         (_records(_dir(b"d"), TOP, UP, END), "invalid"),
         (_records((b"T", b"\x00"), END), "invalid"),
+        (_records((b"H", struct.pack(">QB", 0, 1) + b"x"), END), "invalid"),
+        (_records(_linked(b"f"), (b"E", struct.pack(">Q", 0)), (b"H", struct.pack(">QB", 0, 1) + b"g"), (b"H", struct.pack(">QB", 0, 0) + b"h"), END), "invalid"),
+        (_records(_linked(b"f"), (b"E", struct.pack(">Q", 0)), (b"H", struct.pack(">QB", 0, 2) + b"g"), END), "invalid"),
+        (_records(_linked(b"f"), (b"E", struct.pack(">Q", 0)), (b"H", struct.pack(">QB", 0, 0) + b"../g"), END), "invalid"),
+        (_records(_linked(b"f"), (b"E", struct.pack(">Q", 0)), (b"H", struct.pack(">QB", 0, 0) + b"f"), END), "invalid"),
     ],
 )
 def test_a_receiver_takes_no_stream_that_is_not_a_copy(folders: tuple[Path, Path], stream: bytes, kind: str) -> None:

@@ -7,6 +7,7 @@ Docker tests are skipped only when dockerd is not installed; with dockerd presen
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import socket
@@ -470,9 +471,9 @@ def _manifest(loop: Loop, m: SandboxManager, sid: str, top: str) -> list[str]:
 def test_hostile_workspace_forks_faithfully(pair) -> None:  # type: ignore[no-untyped-def]
     """What the sandbox built to break a copy forks, on both backends, into the same tree:
     every folder, file (data, holes, mode) and symlink, whatever its depth, path length,
-    name or permissions; FIFOs and sockets are left out, hard links become separate files
-    (as the process backend has always copied). The source is left as it was, the host
-    holds no copy of the workspace in memory, and nothing is left behind."""
+    name or permissions; FIFOs and sockets are left out, hard links stay links within the
+    copy. The source is left as it was, the host holds no copy of the workspace in memory,
+    and nothing is left behind."""
     import tracemalloc
 
     loop, m, attacker, bystander = pair
@@ -493,7 +494,7 @@ def test_hostile_workspace_forks_faithfully(pair) -> None:  # type: ignore[no-un
             expected = [line for line in source if line.split()[2] not in ("'fifo'", "'sock'")]
             assert _manifest(loop, m, copy.sandbox_id, "hostile") == expected
             out, _, _ = loop.run(sh(m, copy.sandbox_id, "stat -c %h hostile/h1 hostile/h2; echo changed > hostile/h1; cat hostile/h2"))
-            assert out == b"1\n1\nlinked", out
+            assert out == b"2\n2\nchanged\n", out
         finally:
             loop.run(m.close(copy.sandbox_id))
         assert _manifest(loop, m, attacker, "hostile") == source
@@ -503,31 +504,81 @@ def test_hostile_workspace_forks_faithfully(pair) -> None:  # type: ignore[no-un
     loop.run(_healthy(m, bystander))
 
 
-def test_hostile_fork_that_does_not_fit_is_resource_exhausted(pair) -> None:  # type: ignore[no-untyped-def]
-    """A workspace whose copy needs more room than the disk limit (a 12 MiB file hard-linked
-    4,000 times, in folders only root may search: links are copied as files) fails Fork
-    with RESOURCE_EXHAUSTED, leaving no sandbox behind and the source exactly as it was: the
-    copy gave up inside the folders it had opened to itself, stopped reading the source
-    (48 GB of it) and gave the folders their modes back."""
+def test_hostile_fork_that_does_not_fit_is_resource_exhausted(pair, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A workspace whose copy needs more room than the copy has (12 MiB of files, in
+    folders only root may search, forked into sandboxes given 8 MiB of disk here: a real
+    copy has the source's room, and since hard links stay links a copy takes no more than
+    its source) fails Fork with RESOURCE_EXHAUSTED, leaving no sandbox behind and the
+    source exactly as it was: the copy gave up inside the folders it had opened to itself,
+    stopped reading the source and gave the folders their modes back."""
     loop, m, attacker, bystander = pair
     build = (
         "import os\nos.makedirs('bomb/locked/inner'); os.chdir('bomb/locked/inner')\n"
-        "open('a', 'wb').write(os.urandom(12 << 20))\nfor i in range(4000):\n    os.link('a', 'l%d' % i)\n"
+        "for i in range(3):\n    open('a%d' % i, 'wb').write(os.urandom(4 << 20))\n"
         "open('secret', 'w').write('s'); os.chmod('secret', 0); os.chmod('.', 0o100); os.chmod('..', 0)\n"
     )
+    create = m.backend.create
+
+    async def small(sandbox_id: str, limits: Limits) -> None:
+        await create(sandbox_id, dataclasses.replace(limits, disk_bytes=8 << 20))
     _, err, res = loop.run(run(m, attacker, ["python3", "-c", build], timeout_s=10))
     assert res.exit_code == 0, err
     try:
         source = _manifest(loop, m, attacker, "bomb")
         assert "'locked' 'dir' 0 " in " ".join(source).replace("b'", "'"), source
         live = {b.sandbox_id for b in m.list()}
+        monkeypatch.setattr(m.backend, "create", small)
         with pytest.raises(ResourceExhausted, match="does not fit"):
             loop.run(asyncio.wait_for(m.fork(attacker, 1), 300))
+        monkeypatch.undo()
         assert {b.sandbox_id for b in m.list()} == live and loop.run(m.backend.leftovers()) == []
         assert _manifest(loop, m, attacker, "bomb") == source
     finally:
         loop.run(m.backend.remove(attacker, "bomb"))
     loop.run(_healthy(m, bystander))
+
+def test_fork_keeps_hard_links_within_the_copy(pair) -> None:  # type: ignore[no-untyped-def]
+    """A file of 4 MiB hard-linked 300 times over three folders (1.2 GB of apparent size in a
+    32 MiB workspace: each link is free) forks: the copy holds one file with all its links,
+    one inode as seen from inside the fork, with the source's data. A file linked between
+    two folders only root may search is linked in the copy too. Writing through a link of
+    the copy changes every link of the copy, and nothing of the source."""
+    loop, m, attacker, bystander = pair
+    build = (
+        "import os\nos.makedirs('links/a/deep'); os.makedirs('links/b'); os.makedirs('links/c'); os.makedirs('links/d')\n"
+        "open('links/a/big', 'wb').write(os.urandom(4 << 20))\n"
+        "for i in range(300):\n    os.link('links/a/big', ('links/a/l%d', 'links/b/l%d', 'links/a/deep/l%d')[i % 3] % i)\n"
+        "open('links/c/small', 'w').write('small'); os.link('links/c/small', 'links/d/small')\n"
+        "os.chmod('links/c', 0); os.chmod('links/d', 0)\n"
+    )
+    names = "links/a/big " + " ".join(("links/a/l%d", "links/b/l%d", "links/a/deep/l%d")[i % 3] % i for i in range(300))
+    _, err, res = loop.run(run(m, attacker, ["python3", "-c", build], timeout_s=10))
+    assert res.exit_code == 0, err
+    try:
+        source = _manifest(loop, m, attacker, "links")
+        before, _, _ = loop.run(sh(m, attacker, "sha256sum links/a/big"))
+        (copy,) = loop.run(asyncio.wait_for(m.fork(attacker, 1), 300))
+        try:
+            cid = copy.sandbox_id
+            assert _manifest(loop, m, cid, "links") == source
+            out, err, res = loop.run(sh(m, cid, f"stat -c %i {names} | sort -u | wc -l; stat -c %h links/a/big; sha256sum links/a/big"))
+            assert res.exit_code == 0, err
+            assert out == b"1\n301\n" + before, out
+            out, err, res = loop.run(sh(m, cid, "chmod 700 links/c links/d && stat -c '%i %h' links/c/small links/d/small && cat links/d/small"))
+            assert res.exit_code == 0, err
+            first, second, content = out.decode().split("\n", 2)
+            assert first == second and first.endswith(" 2") and content == "small", out
+            out, err, res = loop.run(sh(m, cid, "echo changed > links/b/l1; cat links/a/big links/a/deep/l2"))
+            assert out == b"changed\nchanged\n", (out, err)
+        finally:
+            loop.run(m.close(cid))
+        after, _, _ = loop.run(sh(m, attacker, "sha256sum links/a/big; cat links/b/l1 | sha256sum"))
+        assert after == before + before.replace(b"links/a/big", b"-"), after
+        assert _manifest(loop, m, attacker, "links") == source
+    finally:
+        loop.run(m.backend.remove(attacker, "links"))
+    loop.run(_healthy(m, bystander))
+
 
 # ------------------------------------------------------------------ integrity: nothing outlives, fools or links
 
