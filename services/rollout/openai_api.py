@@ -180,9 +180,13 @@ ROLES = ("system", "user", "assistant", "tool")
 def message_text(message: Any, i: int) -> str:
     """What ``messages[i]`` says, validated: its ``content`` as a string, or as a list of
     text parts (``{"type": "text", "text": ...}``, joined by newlines as vLLM joins them),
-    or none on an assistant message (one that only called tools)."""
+    or none on an assistant message. Structured tool calls are refused rather than
+    dropped."""
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise RequestError(f"messages[{i}] needs a role ({', '.join(ROLES)})", "messages")
+    if message.get("tool_calls") or message.get("function_call"):
+        # Dropped, the model would not see the calls it made in the history it is given.
+        raise RequestError(f"messages[{i}] carries tool calls, which this server does not render; put the call in the content", "messages")
     content = message.get("content")
     if isinstance(content, str):
         return content

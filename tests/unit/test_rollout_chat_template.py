@@ -158,7 +158,7 @@ def test_a_tasks_instruction_cannot_open_turns(tok: Any) -> None:
 
 def test_the_chat_api_takes_text_parts_and_refuses_other_content_by_name(tok: Any) -> None:
     """Content as a list of text parts (what newer OpenAI clients send) is joined as vLLM
-    joins it, an assistant message that only called tools has none, and parts this model
+    joins it, an assistant message may have none, and tool calls (not rendered), parts this model
     cannot take, or content of another type, are a 400 naming the part; text parts count
     toward the prompt's byte bound as a string would."""
     from fastapi.testclient import TestClient
@@ -183,6 +183,9 @@ def test_the_chat_api_takes_text_parts_and_refuses_other_content_by_name(tok: An
             "messages[1].content must be a string or a list of text parts, got int": [{"role": "user", "content": "hi"}, {"role": "user", "content": 7}],
             "messages[0].content must be a string or a list of text parts, got NoneType": [{"role": "user", "content": None}],
             "messages[0] needs a role": [{"role": "wizard", "content": "hi"}],
+            "messages[1] carries tool calls, which this server does not render": [
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+            ],
         }
         for message, messages in refused.items():
             reply = post(messages)
