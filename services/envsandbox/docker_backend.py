@@ -62,6 +62,9 @@ try:
     elif _req["op"] == "remove":
         remove_tree(_root, _req["path"])
         _out = {}
+    elif _req["op"] == "folder":
+        check_folder(_root, _req["path"])
+        _out = {}
     else:
         _out = {"error": ["invalid", "unknown op"]}
 except (PathError, OSError) as _exc:
@@ -252,6 +255,10 @@ class DockerBackend(Backend):
 
     async def remove(self, sandbox_id: str, path: str) -> None:
         await self._files_op(sandbox_id, {"op": "remove", "path": path})
+
+    async def check_folder(self, sandbox_id: str, path: str) -> None:
+        # In the container, as the sandbox's user: Docker's working folder follows symlinks.
+        await self._files_op(sandbox_id, {"op": "folder", "path": path})
 
     async def copy_workspace(self, src_id: str, dst_id: str) -> None:
         """Copies as the process backend does (workspace_files' walk and builder, so the same

@@ -229,9 +229,6 @@ class ProcessBackend(Backend):
             raise NotFound(f"no live sandbox {sandbox_id!r}")
         return f"/proc/{self._helper.pid}/root{self.mount_dir}/{sandbox_id}"
 
-    def _workspace_fd(self, sandbox_id: str) -> int:
-        return _open_workspace(self._sandbox_root(sandbox_id))
-
     async def _in_workspace(self, sandbox_id: str, op: Callable[[int], T]) -> T:
         """``op(workspace descriptor)`` in a worker thread (a deep tree or a big file must not
         stall the event loop). The descriptor is opened and closed in that thread: a caller
@@ -283,6 +280,9 @@ class ProcessBackend(Backend):
 
     async def remove(self, sandbox_id: str, path: str) -> None:
         await self._in_workspace(sandbox_id, lambda fd: workspace_files.remove_tree(fd, path))
+
+    async def check_folder(self, sandbox_id: str, path: str) -> None:
+        await self._in_workspace(sandbox_id, lambda fd: workspace_files.check_folder(fd, path))
 
     async def copy_workspace(self, src_id: str, dst_id: str) -> None:
         """Copies on a copy thread within COPY_WALL_S. A cancelled copy (its Fork's caller
@@ -350,14 +350,6 @@ class ProcessBackend(Backend):
     ) -> AsyncIterator[ExecItem]:
         self._sandbox_root(sandbox_id)
         assert self._cgroups is not None
-        if cwd:
-            fd = self._workspace_fd(sandbox_id)
-            try:
-                os.close(workspace_files._walk_dirs(fd, workspace_files.split_relative(cwd), cwd, create=False, owner=None))
-            except workspace_files.PathError as exc:
-                raise InvalidArgument(f"cwd {cwd!r} is not a folder in the sandbox: {exc}") from None
-            finally:
-                os.close(fd)
         start = time.monotonic()
         group = self._cgroups.exec_group(sandbox_id)
         policy = os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC)

@@ -184,6 +184,11 @@ class Backend(abc.ABC):
         """Removes a file or folder below the workspace (no error if absent)."""
 
     @abc.abstractmethod
+    async def check_folder(self, sandbox_id: str, path: str) -> None:
+        """Raises workspace_files.PathError unless ``path`` is a folder below the workspace
+        reached without a symlink (:func:`workspace_files.check_folder`)."""
+
+    @abc.abstractmethod
     async def copy_workspace(self, src_id: str, dst_id: str) -> None:
         """Copies one sandbox's workspace into another's (empty) one."""
 
@@ -544,6 +549,12 @@ class SandboxManager:
             raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {timeout_s}")
         wall = min(timeout_s, box.limits.wall_seconds) if timeout_s > 0 else box.limits.wall_seconds
         with self._using(box):
+            if cwd:
+                # The same rule on every backend: never through a symlink the sandbox planted.
+                try:
+                    await self.backend.check_folder(sandbox_id, cwd)
+                except workspace_files.PathError as exc:
+                    raise InvalidArgument(f"cwd {cwd!r} is not a folder in the sandbox: {exc}") from None
             async for item in self.backend.exec(sandbox_id, argv, stdin, full_env, cwd, wall, box.limits):
                 yield item
 

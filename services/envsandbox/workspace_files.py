@@ -183,6 +183,15 @@ def _step_down(fd: int, name: str | bytes, relative: str, create: bool, owner: t
     return nxt
 
 
+def check_folder(root_fd: int, relative: str) -> None:
+    """Nothing when ``relative`` is a folder below ``root_fd`` reached without a symlink;
+    PathError otherwise (``not_found``: a folder on the way is missing; ``invalid``: the
+    path is or goes through a symlink or a file). The rule for an exec's working folder,
+    on every backend."""
+    parts = split_relative(relative)
+    os.close(_walk_dirs(root_fd, parts, relative, create=False, owner=None))
+
+
 def write_file(root_fd: int, relative: str, content: bytes, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
     """Writes ``content`` at ``relative``, replacing a symlink there rather than following it."""
     parts = split_relative(relative)

@@ -749,6 +749,27 @@ def test_seccomp_denies_what_links_or_escapes_sandboxes(pair) -> None:  # type: 
     loop.run(_healthy(m, bystander))
 
 
+def test_exec_cwd_is_a_folder_of_the_workspace_never_a_symlink(pair) -> None:  # type: ignore[no-untyped-def]
+    """An exec's cwd is checked alike on both backends, one component at a time: a missing
+    folder, a file, or a symlink the sandbox planted (to /, out of the workspace, even to a
+    folder inside it) answers INVALID_ARGUMENT naming the path, and the command does not
+    run; a real folder is where the command runs."""
+    loop, m, attacker, bystander = pair
+    _, err, res = loop.run(sh(m, attacker, "mkdir -p cwd/sub/deep && ln -s / cwd/root && ln -s /tmp cwd/tmp && ln -s sub cwd/inside && ln -s .. cwd/up && echo f > cwd/file"))
+    assert res.exit_code == 0, err
+    try:
+        for path in ("cwd/missing", "cwd/sub/missing/x", "cwd/root", "cwd/root/etc", "cwd/tmp", "cwd/inside", "cwd/inside/deep", "cwd/up", "cwd/file"):
+            with pytest.raises(InvalidArgument, match=f"cwd '{path}'"):
+                loop.run(run(m, attacker, ["sh", "-c", "pwd; touch /tmp/ran-in-bad-cwd"], cwd=path))
+        out, _, res = loop.run(sh(m, attacker, "ls /tmp/ran-in-bad-cwd 2>&1; true"))
+        assert b"No such file" in out, out
+        out, err, res = loop.run(run(m, attacker, ["pwd"], cwd="cwd/sub/deep"))
+        assert (out, res.exit_code) == (b"/workspace/cwd/sub/deep\n", 0), err
+    finally:
+        loop.run(m.backend.remove(attacker, "cwd"))
+    loop.run(_healthy(m, bystander))
+
+
 def test_loader_variables_are_refused(pair) -> None:  # type: ignore[no-untyped-def]
     loop, m, attacker, bystander = pair
     for name in ("LD_PRELOAD", "LD_DEBUG", "LD_LIBRARY_PATH", "GCONV_PATH", "MALLOC_CHECK_", "GLIBC_TUNABLES"):
