@@ -23,6 +23,7 @@ from services.rollout.callers import CallerClasses
 from services.rollout.chat_template import ContentNotPlain, chat_ids
 from services.rollout.config import DEFAULT_HTTP_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_BYTES
 from services.rollout.engine import MAX_TEMPERATURE, PolicyEngine, Sampling
+from services.rollout.openai_logprobs import chat_logprobs, completion_logprobs, token_texts
 from services.rollout.prompt_limits import is_text, text_bytes, tokenize_off_loop, too_long
 
 MAX_STOP = 16
@@ -128,6 +129,32 @@ async def merged(streams: list[AsyncIterator[Any]], until: Awaitable[None] | Non
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """What one engine delta of a choice adds: text, the finish reason on the last one,
+    the sampled tokens and their log-probs."""
+
+    text: str
+    finish: str
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """What every chunk of an answer repeats, and how it is shaped."""
+
+    rid: str
+    created: int
+    kind: str
+    chat: bool
+    logprobs: bool
+    prompt_tokens: int
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": self.prompt_tokens + completion_tokens}
+
+
 class UnknownModel(Exception):
     """The request names a model this server does not serve (404; not any LookupError,
     which would turn a KeyError of ours into a "wrong model" answer)."""
@@ -150,6 +177,66 @@ def lone_surrogate(body: Any) -> str:
     return ""
 
 
+#: Request fields this server does not implement, with the values that ask for nothing
+#: (the first is named in the error). Any other value is refused: ignored, it would change
+#: what the caller gets without telling them (no penalty applied, no JSON enforced, no
+#: tool call parsed).
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "top_k": (-1, 0),
+    "min_p": (0,),
+}
+
+
+def refuse_not_implemented(body: dict[str, Any]) -> None:
+    """Raises a RequestError naming the first field of :data:`NOT_IMPLEMENTED` that asks
+    for something (absent and null ask for nothing)."""
+    for field, nothing in NOT_IMPLEMENTED.items():
+        value = body.get(field)
+        if value is not None and value not in nothing:
+            raise RequestError(f"'{field}' is not supported by this server; leave it out or at {nothing[0]!r} rather than have it ignored, got {value!r}", field)
+
+
+def wants_logprobs(body: dict[str, Any], chat: bool) -> bool:
+    """Whether the request asks for the sampled tokens' log-probs: chat's ``logprobs:
+    true``, a completion's ``logprobs: 0``. The engine reports the sampled token's log-prob
+    (what an RL caller trains against), not the most likely alternatives, so asking for
+    those (``top_logprobs`` or a completion's ``logprobs`` above 0) is refused rather than
+    answered with empty lists."""
+    value = body.get("logprobs")
+    if chat:
+        top = body.get("top_logprobs")
+        if top is not None and (isinstance(top, bool) or top != 0):
+            raise RequestError(f"'top_logprobs' must be 0 or absent on this server (it reports the sampled token's log-prob only), got {top!r}", "top_logprobs")
+        if not isinstance(value, (bool, type(None))):
+            raise RequestError(f"'logprobs' must be true or false, got {value!r}", "logprobs")
+        return value is True
+    if value is not None and (isinstance(value, bool) or value != 0):
+        raise RequestError(f"'logprobs' must be 0 or absent on this server (it reports the sampled token's log-prob only, not alternatives), got {value!r}", "logprobs")
+    return value is not None
+
+
+def wants_usage_chunk(body: dict[str, Any]) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError("'stream_options' must be an object whose 'include_usage' is true or false", "stream_options")
+    return bool(options.get("include_usage"))
+
+
 def parse_sampling(body: dict[str, Any], max_model_len: int, default_max_tokens: int) -> Sampling:
     """Sampling parameters from an OpenAI request body, validated (``n`` apart: :func:`parse_n`)."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -165,12 +252,16 @@ def parse_sampling(body: dict[str, Any], max_model_len: int, default_max_tokens:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_RANGE):
         raise RequestError(f"'seed' must be an integer in [0, 2**63), got {seed!r}", "seed")
+    min_tokens = body.get("min_tokens") or 0
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+        raise RequestError(f"'min_tokens' must be an integer in [0, max_tokens={max_tokens}], got {min_tokens!r}", "min_tokens")
     return Sampling(
         temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
         max_tokens=max_tokens,
         stop=tuple(stop),
         seed=seed,
+        min_tokens=min_tokens,
     )
 
 
@@ -321,14 +412,22 @@ def create_app(
         callers.classify(request.headers.get("authorization"))  # a key, when keys are on
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "meridian"}]}
 
-    async def run(ids: list[int], sampling: Sampling, priority: int) -> AsyncIterator[tuple[str, str, int]]:
-        """(text delta, finish reason, tokens) per engine delta."""
+    async def run(ids: list[int], sampling: Sampling, priority: int) -> AsyncIterator[Piece]:
         async for delta in engine.generate(ids, sampling, priority):
-            yield delta.text, (delta.finish_reason if delta.finished else ""), len(delta.token_ids)
+            yield Piece(delta.text, delta.finish_reason if delta.finished else "", delta.token_ids, delta.logprobs)
+
+    def logprobs_of(piece_ids: list[int], logprobs: list[float], offset: int, chat: bool) -> dict[str, Any]:
+        """The ``logprobs`` object of a choice, or of a chunk of one whose text so far is
+        ``offset`` characters long (completions count token offsets in the choice's text)."""
+        texts = token_texts(engine.tokenizer, piece_ids)
+        return chat_logprobs(texts, logprobs) if chat else completion_logprobs(texts, logprobs, offset)
 
     async def respond(request: Request, chat: bool) -> Any:
         priority = callers.classify(request.headers.get("authorization"))
         body = await body_of(request)
+        refuse_not_implemented(body)
+        logprobs = wants_logprobs(body, chat)
+        usage_chunk = wants_usage_chunk(body)
         size = prompt_text_bytes(body, chat)
         if problem := too_long(size, max_prompt_bytes):
             raise ContentTooLarge(problem, "messages" if chat else "prompt")
@@ -345,45 +444,59 @@ def create_app(
         kind = "chat.completion" if chat else "text_completion"
         # The n choices run at once on the engine (they share the prompt's cached prefix).
         streams = [run(ids, choice_sampling(sampling, i), priority) for i in range(n)]
+        head = Head(rid, created, kind, chat, logprobs, len(ids))
         if body.get("stream"):
             # A stream's client leaving ends the response (Starlette watches for it), and
             # with it merged(): the engine's requests are aborted.
-            return StreamingResponse(_stream(rid, created, kind, streams, chat), media_type="text/event-stream")
-        texts, reasons, tokens = [""] * n, [""] * n, 0
+            return StreamingResponse(_stream(head, streams, usage_chunk), media_type="text/event-stream")
+        texts, reasons = [""] * n, [""] * n
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        token_logprobs: list[list[float]] = [[] for _ in range(n)]
         # Nothing else notices a non-streaming client leaving: the engine would generate
         # up to max_tokens for nobody, holding capacity production traffic needs.
         try:
-            async for i, (piece, finish, count) in merged(streams, client_gone(request)):
-                texts[i] += piece
-                reasons[i] = finish or reasons[i]
-                tokens += count
+            async for i, piece in merged(streams, client_gone(request)):
+                texts[i] += piece.text
+                reasons[i] = piece.finish or reasons[i]
+                token_ids[i] += piece.token_ids
+                token_logprobs[i] += piece.logprobs
         except ClientGone:
             # The engine's requests were aborted; nobody is there to read an answer.
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = []
         for i in range(n):
-            choice: dict[str, Any] = {"index": i, "finish_reason": reasons[i] or "stop", "logprobs": None}
+            choice: dict[str, Any] = {"index": i, "finish_reason": reasons[i] or "stop"}
+            choice["logprobs"] = logprobs_of(token_ids[i], token_logprobs[i], 0, chat) if logprobs else None
             if chat:
                 choice["message"] = {"role": "assistant", "content": texts[i]}
             else:
                 choice["text"] = texts[i]
             choices.append(choice)
-        usage = {"prompt_tokens": len(ids), "completion_tokens": tokens, "total_tokens": len(ids) + tokens}
-        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices, "usage": usage}
+        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices, "usage": head.usage(sum(map(len, token_ids)))}
 
-    async def _stream(rid: str, created: int, kind: str, streams: list[AsyncIterator[tuple[str, str, int]]], chat: bool) -> AsyncIterator[bytes]:
-        def event(choice: dict[str, Any]) -> bytes:
-            chunk = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created, "model": model_name, "choices": [choice]}
+    async def _stream(head: Head, streams: list[AsyncIterator[Piece]], usage_chunk: bool) -> AsyncIterator[bytes]:
+        def event(choices: list[dict[str, Any]], **more: Any) -> bytes:
+            chunk = {"id": head.rid, "object": head.kind + (".chunk" if head.chat else ""), "created": head.created, "model": model_name, "choices": choices, **more}
             return f"data: {json.dumps(chunk)}\n\n".encode()
 
-        if chat:
+        if head.chat:
             for i in range(len(streams)):
-                yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        async for i, (piece, finish, _) in merged(streams):
-            if chat:
-                yield event({"index": i, "delta": {"content": piece} if piece else {}, "finish_reason": finish or None})
+                yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        offsets = [0] * len(streams)
+        tokens = 0
+        async for i, piece in merged(streams):
+            tokens += len(piece.token_ids)
+            choice: dict[str, Any] = {"index": i, "finish_reason": piece.finish or None}
+            choice["logprobs"] = logprobs_of(piece.token_ids, piece.logprobs, offsets[i], head.chat) if head.logprobs else None
+            if head.chat:
+                choice["delta"] = {"content": piece.text} if piece.text else {}
             else:
-                yield event({"index": i, "text": piece, "finish_reason": finish or None, "logprobs": None})
+                choice["text"] = piece.text
+                if head.logprobs:
+                    offsets[i] += sum(map(len, choice["logprobs"]["tokens"]))
+            yield event([choice])
+        if usage_chunk:
+            yield event([], usage=head.usage(tokens))
         yield b"data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions")

@@ -69,6 +69,28 @@ def test_openai_completions_and_errors(stack: stack_mod.Stack) -> None:
     assert client.completions.create(model=model, prompt="still serving", max_tokens=2).choices
 
 
+def test_openai_logprobs_and_usage_through_the_official_client(stack: stack_mod.Stack) -> None:
+    """The engine's log-probs of the sampled tokens, one per completion token, the same
+    streamed as whole (greedy); a stream's usage chunk; a field the server would ignore is
+    refused by name."""
+    client = _client(stack)
+    model = client.models.list().data[0].id
+    chat = {"model": model, "messages": [{"role": "user", "content": "Count"}], "max_tokens": 8, "temperature": 0}
+    whole = client.chat.completions.create(**chat, logprobs=True)  # type: ignore[call-overload]
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and all(c.logprob <= 0 for c in content)
+    chunks = list(client.chat.completions.create(**chat, logprobs=True, stream=True, stream_options={"include_usage": True}))  # type: ignore[call-overload]
+    streamed = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-3)
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    reply = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=6, temperature=0, logprobs=0)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == reply.usage.completion_tokens and lp.text_offset[0] == 0
+    with pytest.raises(openai.BadRequestError, match="'presence_penalty' is not supported"):
+        client.chat.completions.create(**chat, presence_penalty=1.0)  # type: ignore[call-overload]
+
+
 async def _generate_as(address: str, key: str, credentials: str) -> int:
     """Tokens of one Generate call made with API key ``key`` (sent as the call's token)."""
     request = pb.GenerateRequest(prompt="def add(a, b):", sampling=pb.SamplingParams(max_tokens=5, min_tokens=5))

@@ -94,7 +94,8 @@ def test_a_template_that_changes_content_refuses_special_tokens_only(tok: Any, t
 
 
 class RecordingEngine:
-    """What the HTTP API needs of an engine, recording the prompt it is asked for."""
+    """What the HTTP API needs of an engine, recording the prompt it is asked for; every
+    answer is the built-in tokenizer's ", Fire," in two deltas."""
 
     version = 0
 
@@ -109,7 +110,8 @@ class RecordingEngine:
         from services.rollout.engine import Delta
 
         self.prompts.append(prompt_ids)
-        yield Delta([7], [-0.5], self.version, "x", True, "stop", [self.version])
+        yield Delta([28, 9163], [-0.5, -1.25], self.version, ", Fire", False, "")
+        yield Delta([28], [-0.125], self.version, ",", True, "stop", [self.version] * 3)
 
 
 def test_the_chat_api_keeps_a_users_markers_as_text(tok: Any) -> None:
