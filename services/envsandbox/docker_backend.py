@@ -48,27 +48,49 @@ log = logging.getLogger(__name__)
 LABEL = "meridian.envsandbox.instance"
 SANDBOX_LABEL = "meridian.envsandbox.sandbox"
 FILES_SOURCE = (Path(__file__).parent / "workspace_files.py").read_text()
+#: A file operation's helper is killed past this many seconds...
+FILES_OP_S = 30.0
+#: ...and stops itself this long before (its request says when): the owner bits it gave
+#: entries for a step are taken back on the way out, where a kill would leave them.
+FILES_UNWIND_S = 5.0
 FILES_MAIN = r'''
-import base64 as _b64, json as _json, sys as _sys
+import base64 as _b64, json as _json, signal as _signal, sys as _sys
+
+
+class _Overdue(BaseException):
+    """The helper's time is up: raised wherever it is, so each step gives back the modes it changed."""
+
+
+def _overdue(_signum, _frame):
+    raise _Overdue()
+
+
 _req = _json.loads(_sys.stdin.buffer.read())
-_root = os.open("/workspace", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+_signal.signal(_signal.SIGALRM, _overdue)
+_signal.setitimer(_signal.ITIMER_REAL, _req["deadline_s"])
 try:
-    if _req["op"] == "write":
-        for _f in _req["files"]:
-            write_file(_root, _f["path"], _b64.b64decode(_f["content"]), _f.get("mode", 0o644))
-        _out = {}
-    elif _req["op"] == "read":
-        _out = {"files": {p: _b64.b64encode(read_file(_root, p, _req["max_bytes"])).decode() for p in _req["paths"]}}
-    elif _req["op"] == "remove":
-        remove_tree(_root, _req["path"])
-        _out = {}
-    elif _req["op"] == "folder":
-        check_folder(_root, _req["path"])
-        _out = {}
-    else:
-        _out = {"error": ["invalid", "unknown op"]}
-except (PathError, OSError) as _exc:
-    _out = {"error": describe_error(_exc)}
+    _root = os.open("/workspace", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if _req["op"] == "write":
+            for _f in _req["files"]:
+                write_file(_root, _f["path"], _b64.b64decode(_f["content"]), _f.get("mode", 0o644))
+            _out = {}
+        elif _req["op"] == "read":
+            _out = {"files": {p: _b64.b64encode(read_file(_root, p, _req["max_bytes"])).decode() for p in _req["paths"]}}
+        elif _req["op"] == "remove":
+            remove_tree(_root, _req["path"])
+            _out = {}
+        elif _req["op"] == "folder":
+            check_folder(_root, _req["path"])
+            _out = {}
+        else:
+            _out = {"error": ["invalid", "unknown op"]}
+    except (PathError, OSError) as _exc:
+        _out = {"error": describe_error(_exc)}
+    finally:
+        _signal.setitimer(_signal.ITIMER_REAL, 0)
+except _Overdue:
+    _out = {"overdue": True}
 _sys.stdout.write(_json.dumps(_out))
 '''
 #: Fork's two halves (argv[1]): "send" streams the workspace to stdout, stopping when stdin
@@ -236,10 +258,14 @@ class DockerBackend(Backend):
 
     async def _files_op(self, sandbox_id: str, request: dict) -> dict:
         source = FILES_SOURCE + FILES_MAIN
-        out, err, result = await self._run_collect(sandbox_id, ["python3", "-I", "-S", "-c", source], json.dumps(request).encode(), 30.0, 1 << 26)
+        deadline = max(0.1, FILES_OP_S - FILES_UNWIND_S)
+        stdin = json.dumps({**request, "deadline_s": deadline}).encode()
+        out, err, result = await self._run_collect(sandbox_id, ["python3", "-I", "-S", "-c", source], stdin, FILES_OP_S, 1 << 26)
         if result.exit_code != 0 or result.timed_out:
             raise Unavailable(f"file operation in sandbox {sandbox_id} failed (exit {result.exit_code}): {err[-300:].decode(errors='replace')}")
         reply = json.loads(out or b"{}")
+        if reply.get("overdue"):
+            raise Unavailable(f"file operation in sandbox {sandbox_id} took more than {deadline:.0f} s; it stopped and gave back the modes it changed")
         if "error" in reply:
             # With its kind, or its errno and file name: the caller's status depends on them.
             raise workspace_files.error_from(reply["error"])

@@ -1130,3 +1130,39 @@ def test_file_operations_work_whatever_modes_the_sandbox_left(env: tuple[Loop, S
             await m.close(sid)
 
     loop.run(main())
+
+
+def test_a_file_operation_past_its_time_gives_the_modes_back(env: tuple[Loop, SandboxManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Docker backend's file helper works as the sandbox's user and gives itself owner
+    bits the sandbox took away for the step that needs them. One that runs past its time
+    (here a removal of 20,000 files in a folder the sandbox made read-only, in a sandbox
+    with 2 % of a CPU, against a limit lowered to 6 s) is not killed holding them: it
+    stops itself before the host's limit, gives the modes back and answers UNAVAILABLE.
+    The process backend works as root and never changes a mode."""
+    loop, m = env
+    if m.backend.name != "docker":
+        pytest.skip("only the Docker backend's file helper gives itself owner bits (the process backend works as root)")
+    from meridian.errors import Unavailable
+    from services.envsandbox import docker_backend
+
+    limit = 6.0
+    monkeypatch.setattr(docker_backend, "FILES_OP_S", limit, raising=False)
+    monkeypatch.setattr(docker_backend, "FILES_UNWIND_S", limit - 1.0, raising=False)
+    collect_in = m.backend._run_collect  # type: ignore[attr-defined]
+
+    async def within_limit(sid: str, argv: list[str], stdin: bytes, wall_s: float, max_output: int):  # type: ignore[no-untyped-def]
+        return await collect_in(sid, argv, stdin, min(wall_s, limit), max_output)
+
+    monkeypatch.setattr(m.backend, "_run_collect", within_limit)
+    slow = Limits(memory_bytes=256 << 20, max_pids=64, disk_bytes=96 << 20, wall_seconds=120, cpus=0.02)
+    sid = loop.run(m.create(limits=slow)).sandbox_id
+    try:
+        build = "import os\nos.makedirs('box/big')\nfor i in range(20000):\n    open('box/big/f%d' % i, 'w').close()\nos.chmod('box', 0o500)\n"
+        _, err, res = loop.run(run(m, sid, ["python3", "-c", build], timeout_s=120))
+        assert res.exit_code == 0, err
+        with pytest.raises(Unavailable):
+            loop.run(m.backend.remove(sid, "box/big"))
+        out, err, res = loop.run(sh(m, sid, "stat -c '%a' box"))
+        assert out == b"500\n", (out, err)
+    finally:
+        loop.run(m.close(sid))
