@@ -53,6 +53,9 @@ FILES_OP_S = 30.0
 #: ...and stops itself this long before (its request says when): the owner bits it gave
 #: entries for a step are taken back on the way out, where a kill would leave them.
 FILES_UNWIND_S = 5.0
+#: The most a file operation's helper may print: a ReadFiles answer's contents in base64
+#: (4/3 of at most MAX_READ_TOTAL_BYTES) and its JSON.
+FILES_REPLY_BYTES = 2 * workspace_files.MAX_READ_TOTAL_BYTES
 FILES_MAIN = r'''
 import base64 as _b64, json as _json, signal as _signal, sys as _sys
 
@@ -76,7 +79,8 @@ try:
                 write_file(_root, _f["path"], _b64.b64decode(_f["content"]), _f.get("mode", 0o644))
             _out = {}
         elif _req["op"] == "read":
-            _out = {"files": {p: _b64.b64encode(read_file(_root, p, _req["max_bytes"])).decode() for p in _req["paths"]}}
+            _read = read_files(_root, _req["paths"], _req["max_bytes"], _req["total"])
+            _out = {"files": {p: _b64.b64encode(c).decode() for p, c in _read.items()}}
         elif _req["op"] == "remove":
             remove_tree(_root, _req["path"])
             _out = {}
@@ -260,7 +264,7 @@ class DockerBackend(Backend):
         source = FILES_SOURCE + FILES_MAIN
         deadline = max(0.1, FILES_OP_S - FILES_UNWIND_S)
         stdin = json.dumps({**request, "deadline_s": deadline}).encode()
-        out, err, result = await self._run_collect(sandbox_id, ["python3", "-I", "-S", "-c", source], stdin, FILES_OP_S, 1 << 26)
+        out, err, result = await self._run_collect(sandbox_id, ["python3", "-I", "-S", "-c", source], stdin, FILES_OP_S, FILES_REPLY_BYTES)
         if result.exit_code != 0 or result.timed_out:
             raise Unavailable(f"file operation in sandbox {sandbox_id} failed (exit {result.exit_code}): {err[-300:].decode(errors='replace')}")
         reply = json.loads(out or b"{}")
@@ -276,7 +280,7 @@ class DockerBackend(Backend):
         await self._files_op(sandbox_id, {"op": "write", "files": encoded})
 
     async def read_files(self, sandbox_id: str, paths: list[str], max_bytes: int) -> dict[str, bytes]:
-        reply = await self._files_op(sandbox_id, {"op": "read", "paths": paths, "max_bytes": max_bytes})
+        reply = await self._files_op(sandbox_id, {"op": "read", "paths": paths, "max_bytes": max_bytes, "total": workspace_files.MAX_READ_TOTAL_BYTES})
         return {p: base64.b64decode(c) for p, c in reply["files"].items()}
 
     async def remove(self, sandbox_id: str, path: str) -> None:

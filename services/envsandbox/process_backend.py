@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
 from services.envsandbox.sandbox import COPY_WALL_S, SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, pump_process, tmpfs_inodes
@@ -59,10 +59,6 @@ LAUNCHER = "/.meridian/sandbox-exec"
 #: removal need.
 COPY_THREADS = 4
 SECCOMP_FD = 3
-#: The most one ReadFiles may answer in all (contents and paths): well below the service's
-#: 64 MiB gRPC message limit, so an answer is never too big to send, and a request naming
-#: thousands of files cannot make the service hold gigabytes.
-MAX_READ_TOTAL_BYTES = 48 << 20
 
 T = TypeVar("T")
 
@@ -255,28 +251,8 @@ class ProcessBackend(Backend):
         await self._in_workspace(sandbox_id, write)
 
     async def read_files(self, sandbox_id: str, paths: list[str], max_bytes: int) -> dict[str, bytes]:
-        cap = MAX_READ_TOTAL_BYTES
-
-        def too_much(rel: str) -> InvalidArgument:
-            return InvalidArgument(f"ReadFiles would answer more than {cap} bytes in all (at {rel!r}); ask for fewer files at once")
-
-        def read(fd: int) -> dict[str, bytes]:
-            out: dict[str, bytes] = {}
-            total = 0
-            for rel in dict.fromkeys(paths):  # a path asked for twice is read once
-                total += len(rel.encode())
-                if total > cap:
-                    raise too_much(rel)
-                try:
-                    out[rel] = workspace_files.read_file(fd, rel, max_bytes, total_left=cap - total)
-                except workspace_files.PathError as exc:
-                    if exc.kind == "too_large":
-                        raise too_much(rel) from None
-                    raise
-                total += len(out[rel])
-            return out
-
-        return await self._in_workspace(sandbox_id, read)
+        total = workspace_files.MAX_READ_TOTAL_BYTES
+        return await self._in_workspace(sandbox_id, lambda fd: workspace_files.read_files(fd, paths, max_bytes, total))
 
     async def remove(self, sandbox_id: str, path: str) -> None:
         await self._in_workspace(sandbox_id, lambda fd: workspace_files.remove_tree(fd, path))

@@ -231,6 +231,36 @@ def _write_in(parent: int, name: str, relative: str, content: bytes, mode: int, 
         fh.write(content)
 
 
+#: The most one ReadFiles may answer in all (contents and paths): well below the service's
+#: 64 MiB gRPC message limit, so an answer is never too big to send, and a request naming
+#: thousands of files cannot make the service hold gigabytes.
+MAX_READ_TOTAL_BYTES = 48 << 20
+
+
+def read_files(root_fd: int, paths: list[str], max_bytes: int, total: int = MAX_READ_TOTAL_BYTES) -> dict[str, bytes]:
+    """The regular files at ``paths`` (each read once however often it is named), each at
+    most ``max_bytes``; PathError('invalid') naming the path where the answer would pass
+    ``total`` bytes of contents and paths, before anything past it is read."""
+
+    def too_much(rel: str) -> PathError:
+        return PathError("invalid", f"ReadFiles would answer more than {total} bytes in all (at {rel!r}); ask for fewer files at once")
+
+    out: dict[str, bytes] = {}
+    used = 0
+    for rel in dict.fromkeys(paths):
+        used += len(rel.encode())
+        if used > total:
+            raise too_much(rel)
+        try:
+            out[rel] = read_file(root_fd, rel, max_bytes, total_left=total - used)
+        except PathError as exc:
+            if exc.kind == "too_large":
+                raise too_much(rel) from None
+            raise
+        used += len(out[rel])
+    return out
+
+
 def read_file(root_fd: int, relative: str, max_bytes: int, total_left: int | None = None) -> bytes:
     """The regular file at ``relative`` (never a symlink, FIFO or device), at most ``max_bytes``.
 

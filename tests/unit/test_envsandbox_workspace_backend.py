@@ -120,27 +120,6 @@ def test_bad_paths_answer_invalid_argument_or_not_found(env: tuple[asyncio.Abstr
     loop.run_until_complete(main())
 
 
-def test_read_files_has_a_total_cap(env: tuple[asyncio.AbstractEventLoop, SandboxManager], monkeypatch: pytest.MonkeyPatch) -> None:
-    loop, m = env
-    monkeypatch.setattr(process_backend, "MAX_READ_TOTAL_BYTES", 1000)
-
-    async def main() -> None:
-        box = await m.create(files={f"f{i}.txt": b"x" * 300 for i in range(5)})
-        sid = box.sandbox_id
-        try:
-            three = [f"f{i}.txt" for i in range(3)]
-            assert await m.read_files(sid, three) == {p: b"x" * 300 for p in three}
-            # The same file named again is read once, and counts once.
-            assert await m.read_files(sid, ["f0.txt"] * 50) == {"f0.txt": b"x" * 300}
-            with pytest.raises(InvalidArgument, match="more than 1000 bytes in all"):
-                await m.read_files(sid, [f"f{i}.txt" for i in range(5)])
-            with pytest.raises(InvalidArgument, match="more than 1000 bytes in all"):
-                await m.read_files(sid, [f"./{'/' * i}f0.txt" for i in range(5)])
-        finally:
-            await m.close(sid)
-
-    loop.run_until_complete(main())
-
 
 def test_file_operations_leave_the_event_loop_free(env: tuple[asyncio.AbstractEventLoop, SandboxManager], monkeypatch: pytest.MonkeyPatch) -> None:
     """A big tree is walked in a worker thread, not on the event loop that serves every call."""

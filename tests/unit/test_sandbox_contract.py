@@ -132,6 +132,26 @@ def test_lifecycle_files_exec_and_close(env: tuple[Loop, SandboxManager]) -> Non
     loop.run(main())
 
 
+def test_read_files_has_a_total_cap(env: tuple[Loop, SandboxManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One ReadFiles answers at most MAX_READ_TOTAL_BYTES of contents and paths on every
+    backend (INVALID_ARGUMENT naming the path past it, nothing read beyond), so an answer
+    always fits a gRPC message; a file named twice is read and counted once."""
+    from services.envsandbox import workspace_files
+
+    loop, m = env
+    monkeypatch.setattr(workspace_files, "MAX_READ_TOTAL_BYTES", 1000)
+    sid = loop.run(m.create(files={f"f{i}.txt": b"x" * 300 for i in range(5)})).sandbox_id
+    try:
+        three = [f"f{i}.txt" for i in range(3)]
+        assert loop.run(m.read_files(sid, three)) == {p: b"x" * 300 for p in three}
+        assert loop.run(m.read_files(sid, ["f0.txt"] * 50)) == {"f0.txt": b"x" * 300}
+        with pytest.raises(InvalidArgument, match=r"more than 1000 bytes in all \(at 'f3.txt'\)"):
+            loop.run(m.read_files(sid, [f"f{i}.txt" for i in range(5)]))
+        with pytest.raises(InvalidArgument, match="more than 1000 bytes in all"):
+            loop.run(m.read_files(sid, [f"./{'/' * i}f0.txt" for i in range(5)]))
+    finally:
+        loop.run(m.close(sid))
+
 def test_limit_on_live_sandboxes(env: tuple[Loop, SandboxManager]) -> None:
     loop, m = env
     if m.backend.name == "docker":
