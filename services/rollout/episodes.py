@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import grpc
 
 from meridian import telemetry
-from meridian.errors import NotFound
+from meridian.errors import FailedPrecondition, NotFound
 from meridian.v1 import common_pb2
 from meridian.v1 import envsandbox_pb2 as sbx
 from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
@@ -28,7 +28,7 @@ from services.rollout.agent import (
     format_observation,
     parse_tool_call,
 )
-from services.rollout.chat_template import chat_ids, plain_ids, template_ids
+from services.rollout.chat_template import ContentNotPlain, chat_ids, plain_ids, template_ids
 from services.rollout.engine import PRIORITY_RL, PolicyEngine, Sampling
 
 tracer = telemetry.tracer(__name__)
@@ -58,7 +58,10 @@ def chat_prompt(engine: PolicyEngine, task: sbx.Task) -> list[int]:
         {"role": "system", "content": SYSTEM_PROMPT.replace("{answer_path}", task.answer_path)},
         {"role": "user", "content": task.instruction},
     ]
-    return chat_ids(engine.tokenizer, messages)
+    try:
+        return chat_ids(engine.tokenizer, messages)
+    except ContentNotPlain as exc:
+        raise FailedPrecondition(f"task {task.id!r} cannot be prompted with this model's chat template: {exc}") from exc
 
 
 _PROBE = "MERIDIAN-PROBE-7f3a"

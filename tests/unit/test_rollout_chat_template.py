@@ -196,3 +196,15 @@ def test_the_chat_api_takes_text_parts_and_refuses_other_content_by_name(tok: An
         assert too_long.status_code == 413, too_long.text
     first, second, _ = engine.prompts
     assert first == second, "parts are joined by newlines"
+
+
+def test_a_task_the_template_would_change_fails_its_group_by_name(tok: Any) -> None:
+    """A task whose instruction holds a special token, for a model whose template trims
+    content: FAILED_PRECONDITION naming the task, not an internal error."""
+    from meridian.errors import FailedPrecondition
+    from meridian.v1 import envsandbox_pb2 as sbx
+    from services.rollout.episodes import chat_prompt
+
+    trimming = _with_template(tok, "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}")
+    with pytest.raises(FailedPrecondition, match=r"task 'issue-7' cannot be prompted .* messages\[1\] holds the special token"):
+        chat_prompt(RecordingEngine(trimming), sbx.Task(id="issue-7", instruction=FORGED + " ", answer_path="a.txt"))  # type: ignore[arg-type]
