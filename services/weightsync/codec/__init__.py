@@ -40,7 +40,7 @@ from services.weightsync.codec.format import (
     _parse_delta_table,
     parse_header,
 )
-from services.weightsync.codec.kernels import _DELTA_ERRORS, _decode_delta, _encode_events, _scan_changes
+from services.weightsync.codec.kernels import _DELTA_ERRORS, _decode_chunk1, _decode_delta, _encode_events, _scan_changes
 from services.weightsync.codec.context_kernels import (
     _HEAD_ERRORS,
     _V2_ERRORS,
@@ -616,6 +616,38 @@ def decode_chunk_into(
         return _decode_delta2(hdr, body, out, old, context)
     if hdr.version == _VERSION_3:
         return _decode_delta3(hdr, body, out, old, context, index)
+    return _decode_delta1(hdr, body, out, old)
+
+
+def _decode_delta1(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.ndarray) -> ChunkChanges:
+    """Decode a version-1 delta chunk (see decode_chunk_into) in one kernel
+    call (_decode_chunk1: the class table, the stream and the changes), as
+    versions 2 and 3 do; a head the kernel refuses goes through the parser
+    here (_decode_delta1_steps), which names the fault."""
+    lo, hi = hdr.start, hdr.start + hdr.count
+    if out is old:
+        dst = src = out[lo:hi]  # in place: out already holds old
+        copy = False
+    else:
+        dst, src = out[lo:hi], old[lo:hi]
+        if np.may_share_memory(dst, src):
+            return _decode_delta1_steps(hdr, body, out, old)  # overlapping views: _base_into's care
+        copy = True
+    shift, emask = _EXP_FIELD[hdr.dtype]
+    rc, positions, olds, news = _decode_chunk1(
+        np.frombuffer(body, dtype=np.uint8), src, dst, copy, lo, hdr.count, shift, emask, 1 << (_BITS[hdr.dtype] - 1), (1 << _BITS[hdr.dtype]) - 1
+    )
+    if rc == 0:
+        return ChunkChanges(positions, olds, news)
+    if rc == 1:  # nothing written: the step by step decode raises the head's own error
+        return _decode_delta1_steps(hdr, body, out, old)
+    raise CodecError(f"{_DELTA_ERRORS.get(rc, f'delta decode error {rc}')} (chunk start {lo})")
+
+
+def _decode_delta1_steps(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.ndarray) -> ChunkChanges:
+    """_decode_delta1 step by step from Python: format.py's table parser (and
+    its errors), the stream words, the base copy and the decode kernel."""
+    lo, hi = hdr.start, hdr.start + hdr.count
     classes, k_gap, k_mag, nev, pos = _parse_delta_table(body, hdr.dtype)
     if int(nev.sum()) > hdr.count:
         raise CodecError(f"delta claims {int(nev.sum())} changes in a chunk of {hdr.count}")
