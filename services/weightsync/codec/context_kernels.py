@@ -15,8 +15,8 @@ from numba import njit
 
 from services.weightsync.codec import kernels as _k1
 
-from services.weightsync.codec.format import _BIN_RAW, _FLAG_CONTEXT, _PAD, _G_FLIP, _G_NEWSIGN, _NGROUPS, _QMAX, _RAW_BITS
-from services.weightsync.codec.kernels import _best_k, _get_rice, _ordered_key, _peek, _put, _put_rice
+from services.weightsync.codec.format import _BIN_RAW, _FLAG_CONTEXT, _G_FLIP, _G_NEWSIGN, _NGROUPS, _QMAX, _RAW_BITS
+from services.weightsync.codec.kernels import _best_k, _body_words, _get_rice, _ordered_key, _peek, _put, _put_rice, _uv
 
 # See the note in kernels.py: numba freezes these into its cached kernels.
 if (_NGROUPS, _G_FLIP, _G_NEWSIGN, _BIN_RAW, _FLAG_CONTEXT, _QMAX, _RAW_BITS) != (258, 256, 257, 0x80, 1, 24, 40):
@@ -26,8 +26,8 @@ if (_NGROUPS, _G_FLIP, _G_NEWSIGN, _BIN_RAW, _FLAG_CONTEXT, _QMAX, _RAW_BITS) !=
 # cache only notices edits to this file: an edit to them in kernels.py alone
 # would leave stale machine code running here. Pinning their source makes it
 # an import error instead (update the digest, which also refreshes the cache).
-_SHARED = ("_ordered_key", "_rice_cost", "_best_k", "_put", "_put_rice", "_ctz", "_peek", "_get_rice")
-_SHARED_DIGEST = "527bf87024d53eb5"
+_SHARED = ("_ordered_key", "_rice_cost", "_best_k", "_put", "_put_rice", "_ctz", "_peek", "_get_rice", "_uv", "_body_words")
+_SHARED_DIGEST = "d46b81cbd5efe012"
 if hashlib.sha256("".join(inspect.getsource(getattr(_k1, n).py_func) for n in _SHARED).encode()).hexdigest()[:16] != _SHARED_DIGEST:
     raise ImportError("kernels.py bit I/O helpers changed: update _SHARED_DIGEST in context_kernels.py (numba cache)")
 
@@ -496,23 +496,6 @@ def _decode_v2(old, out, count, ctx_pos, ctx_grp, ctx_neg, rows, mrows, n_new, k
     return 0, pos, olds, news
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _uv(buf, pos):
-    """Unsigned LEB128 at buf[pos]: (value, new pos), or (-1, -1) if truncated
-    or longer than 63 bits."""
-    value = np.int64(0)
-    shift = 0
-    while True:
-        if pos >= buf.shape[0] or shift > 56:
-            return np.int64(-1), -1
-        b = np.int64(buf[pos])
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, pos
-        shift += 7
-
-
 @njit(cache=True, nogil=True)
 def _parse_head(buf, count, emask):
     """Parse and validate the head of a version-2 delta body (see format.py).
@@ -610,11 +593,8 @@ def _decode_chunk2(body, src, dst, start, count, has_ctx, ctx_pos, ctx_old, ctx_
             return -21, ctx_count, fp, no_pos, no_bits, no_bits
         if rel.shape[0] != ctx_count or got != fp:
             return -22, ctx_count, fp, no_pos, no_bits, no_bits
-    nb = body.shape[0] - off
-    words = np.zeros((nb + _PAD + 7) // 8, dtype=np.uint64)
-    for i in range(nb):  # little-endian words, whatever the host
-        words[i >> 3] |= np.uint64(body[off + i]) << np.uint64(8 * (i & 7))
-    rc, pos, olds, news = _decode_v2(src, dst, count, rel, grp, neg, rows, mrows, n_new, k_new, words, 8 * nb, shift, emask, sign_bit, full)
+    words, nbits = _body_words(body, off)
+    rc, pos, olds, news = _decode_v2(src, dst, count, rel, grp, neg, rows, mrows, n_new, k_new, words, nbits, shift, emask, sign_bit, full)
     if rc != 0:
         return rc, ctx_count, fp, no_pos, no_bits, no_bits
     for e in range(pos.shape[0]):

@@ -24,18 +24,18 @@ from numba.extending import intrinsic
 
 from services.weightsync.codec import context_kernels as _k2
 from services.weightsync.codec import kernels as _k1
-from services.weightsync.codec.context_kernels import _bin_cost, _mag_rows, _put_bins, _uv, _zigzag
+from services.weightsync.codec.context_kernels import _bin_cost, _mag_rows, _put_bins, _zigzag
 from services.weightsync.codec.format import _BIN_RAW, _FLAG_CONTEXT, _FLAG_INDEX, _G_FLIP, _G_NEWSIGN, _NGROUPS, _PAD, _QMAX, _RAW_BITS
-from services.weightsync.codec.kernels import _best_k, _ordered_key, _peek, _put_rice
+from services.weightsync.codec.kernels import _best_k, _body_words, _ordered_key, _peek, _put_rice, _uv
 
 # See the note in kernels.py: numba freezes these into its cached kernels.
 if (_NGROUPS, _G_FLIP, _G_NEWSIGN, _BIN_RAW, _FLAG_CONTEXT, _FLAG_INDEX, _QMAX, _RAW_BITS, _PAD) != (258, 256, 257, 0x80, 1, 2, 24, 40, 40):
     raise ImportError("codec format constants changed: update index_kernels.py too (numba cache)")
 _LITTLE = sys.byteorder == "little"  # frozen into the cached kernels too; the cache is per machine
 
-_SHARED_1 = ("_ordered_key", "_rice_cost", "_best_k", "_put", "_put_rice", "_peek")
-_SHARED_2 = ("_zigzag", "_rice_total", "_bin_cost", "_put_bins", "_uv", "_mag_rows")
-_SHARED_DIGEST = "26817f0ec34c4766"
+_SHARED_1 = ("_ordered_key", "_rice_cost", "_best_k", "_put", "_put_rice", "_peek", "_uv", "_body_words")
+_SHARED_2 = ("_zigzag", "_rice_total", "_bin_cost", "_put_bins", "_mag_rows")
+_SHARED_DIGEST = "d45c6f1926716c78"
 
 
 def _shared_digest() -> str:
@@ -959,15 +959,9 @@ def _decode_chunk3(body, src, dst, start, count, has_ctx, ctx_pos, ctx_old, ctx_
             return -23, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
         if it != t or ipos.shape[0] != icount or ifp != pfp:
             return -24, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp
-    nb = body.shape[0] - off
-    words = np.zeros((nb + _PAD + 7) // 8, dtype=np.uint64)
-    if _LITTLE:  # the stream is little-endian words: a copy
-        words.view(np.uint8)[:nb] = body[off:]
-    else:
-        for i in range(nb):
-            words[i >> 3] |= np.uint64(body[off + i]) << np.uint64(8 * (i & 7))
+    words, nbits = _body_words(body, off)
     rc, pos, olds, news, slot, ev, nev = _decode_v3(
-        src, dst, count, flags, rel, ctx_old, ctx_new, ipos, icls, icounts, t, it, rows, mrows, n_out, k_out, words, 8 * nb, shift, emask, sign_bit, full
+        src, dst, count, flags, rel, ctx_old, ctx_new, ipos, icls, icounts, t, it, rows, mrows, n_out, k_out, words, nbits, shift, emask, sign_bit, full
     )
     if rc != 0:
         return rc, ctx_count, cfp, t, icount, pfp, no_pos, no_bits, no_bits, ipos, icls, icounts, ih, ifp

@@ -489,10 +489,10 @@ _LITTLE = sys.byteorder == "little"  # frozen into the cached kernels; the cache
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _uv_head(buf, pos):
+def _uv(buf, pos):
     """Unsigned LEB128 at buf[pos]: (value, new pos), or (-1, -1) if truncated
     or longer than 63 bits (the caller then lets format.py's parser name the
-    fault)."""
+    fault, or refuses the body)."""
     value = np.int64(0)
     shift = 0
     while True:
@@ -506,6 +506,21 @@ def _uv_head(buf, pos):
         shift += 7
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _body_words(body, off):
+    """A delta body's bit stream (its bytes from ``off``) as little-endian 64-bit
+    words with _PAD bits of zeros past its end for the reader's look-ahead: (words,
+    bit count). On a little-endian host a copy; elsewhere assembled byte by byte."""
+    nb = body.shape[0] - off
+    words = np.zeros((nb + _PAD + 7) // 8, dtype=np.uint64)
+    if _LITTLE:
+        words.view(np.uint8)[:nb] = body[off:]
+    else:
+        for i in range(nb):
+            words[i >> 3] |= np.uint64(body[off + i]) << np.uint64(8 * (i & 7))
+    return words, 8 * nb
+
+
 @njit(cache=True, nogil=True)
 def _parse_table1(body, count, emask):
     """format.py's _parse_delta_table (and the caller's check that the event
@@ -517,7 +532,7 @@ def _parse_table1(body, count, emask):
     n = body.shape[0]
     if n < 1 or body[0] != _LANES:
         return False, z, z, z, z, 0
-    nclass, pos = _uv_head(body, 1)
+    nclass, pos = _uv(body, 1)
     if pos < 0 or nclass > emask + 1:
         return False, z, z, z, z, 0
     classes = np.empty(nclass, dtype=np.int64)
@@ -531,7 +546,7 @@ def _parse_table1(body, count, emask):
         c = np.int64(body[pos])
         kg = np.int64(body[pos + 1])
         km = np.int64(body[pos + 2])
-        m, pos = _uv_head(body, pos + 3)
+        m, pos = _uv(body, pos + 3)
         if pos < 0 or c > emask or (j > 0 and c <= classes[j - 1]) or kg > _RAW_BITS or (km > 32 and km != _KMAG_UNIT):
             return False, z, z, z, z, 0
         total += m  # each m <= count checked below, so no overflow
@@ -563,21 +578,15 @@ def _decode_chunk1(body, src, dst, copy, start, count, shift, emask, sign_bit, f
     ok, classes, k_gap, k_mag, nev, off = _parse_table1(body, count, emask)
     if not ok:
         return 1, no_pos, no_bits, no_bits
-    nb = body.shape[0] - off
-    words = np.zeros((nb + _PAD + 7) // 8, dtype=np.uint64)
-    if _LITTLE:  # the stream is little-endian words: a copy
-        words.view(np.uint8)[:nb] = body[off:]
-    else:
-        for i in range(nb):
-            words[i >> 3] |= np.uint64(body[off + i]) << np.uint64(8 * (i & 7))
+    words, nbits = _body_words(body, off)
     if copy:  # a plain loop: distinct arrays (the caller checked)
         for i in range(src.shape[0]):
             dst[i] = src[i]
     n4 = src.shape[0] // 4
     if _LITTLE and src.itemsize == 2 and n4 > 0 and src.ctypes.data % 8 == 0:
-        rc, positions, olds = _decode_delta(src, src[: 4 * n4].view(np.uint64), dst, shift, emask, sign_bit, full, classes, k_gap, k_mag, nev, words, 8 * nb)
+        rc, positions, olds = _decode_delta(src, src[: 4 * n4].view(np.uint64), dst, shift, emask, sign_bit, full, classes, k_gap, k_mag, nev, words, nbits)
     else:
-        rc, positions, olds = _decode_delta(src, None, dst, shift, emask, sign_bit, full, classes, k_gap, k_mag, nev, words, 8 * nb)
+        rc, positions, olds = _decode_delta(src, None, dst, shift, emask, sign_bit, full, classes, k_gap, k_mag, nev, words, nbits)
     if rc != 0:
         return rc, no_pos, no_bits, no_bits
     news = np.empty(positions.shape[0], dtype=src.dtype)
