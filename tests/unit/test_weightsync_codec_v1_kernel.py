@@ -46,15 +46,22 @@ def _steps(payload: bytes, out: np.ndarray, old: np.ndarray):
     return codec._decode_delta1_steps(hdr, memoryview(payload)[hdr.body_offset :], out, old)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("in_place", [False, True])
-def test_kernel_decode_equals_the_steps(dtype: str, in_place: bool) -> None:
-    payload, old, new = _payload(dtype)
+def _both(payload: bytes, old: np.ndarray, in_place: bool) -> list:
+    """The outcome of the kernel path and of the step-by-step path, each on its own copy
+    of ``old`` (decoded in place, or into a fresh array)."""
     got = []
     for fn in (_kernel, _steps):
         base = old.copy()
         out = base if in_place else np.zeros_like(old)
         got.append(_outcome(fn, payload, out, base))
+    return got
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kernel_decode_equals_the_steps(dtype: str, in_place: bool) -> None:
+    payload, old, new = _payload(dtype)
+    got = _both(payload, old, in_place)
     assert got[0] == got[1]
     assert got[0][0] == "ok" and got[0][4] == new.tolist()
 
@@ -71,12 +78,7 @@ def test_damaged_bodies_agree_with_the_steps(data) -> None:
         body[at] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(0, len(body)))
     damaged = payload[: hdr.body_offset] + bytes(body[:cut] if data.draw(st.booleans()) else body)
-    in_place = data.draw(st.booleans())
-    got = []
-    for fn in (_kernel, _steps):
-        base = old.copy()
-        out = base if in_place else np.zeros_like(old)
-        got.append(_outcome(fn, damaged, out, base))
+    got = _both(damaged, old, data.draw(st.booleans()))
     assert got[0] == got[1]
 
 
