@@ -237,10 +237,11 @@ def _write_in(parent: int, name: str, relative: str, content: bytes, mode: int, 
 MAX_READ_TOTAL_BYTES = 48 << 20
 
 
-def read_files(root_fd: int, paths: list[str], max_bytes: int, total: int = MAX_READ_TOTAL_BYTES) -> dict[str, bytes]:
+def read_files(root_fd: int, paths: list[str], max_bytes: int, total: int) -> dict[str, bytes]:
     """The regular files at ``paths`` (each read once however often it is named), each at
     most ``max_bytes``; PathError('invalid') naming the path where the answer would pass
-    ``total`` bytes of contents and paths, before anything past it is read."""
+    ``total`` bytes of contents and paths (the callers pass MAX_READ_TOTAL_BYTES, read when
+    called), before anything past it is read."""
 
     def too_much(rel: str) -> PathError:
         return PathError("invalid", f"ReadFiles would answer more than {total} bytes in all (at {rel!r}); ask for fewer files at once")
