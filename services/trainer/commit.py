@@ -43,7 +43,7 @@ from meridian.v1 import trainer_pb2 as pb
 from meridian.v1 import weightsync_pb2
 from services.trainer import checkpoint as ckpt
 from services.trainer.consumer import GroupConsumer
-from services.trainer.learner_protocol import PolicyLearner
+from services.trainer.learner_protocol import LearnerBroken, PolicyLearner
 from services.weightsync import client as weightsync
 from services.weightsync.parts import PartEncoder, rank_encode_threads
 from services.weightsync.signing import Signer, load_signer
@@ -259,18 +259,42 @@ class Committer:
             p.history.append({"step": learner.step_count, "version": learner.version, "master_hash": await asyncio.to_thread(learner.master_hash)})
         values = {"loss": metrics.loss, "reward_mean": metrics.reward_mean, "grad_norm": metrics.grad_norm, "pass_rate": metrics.pass_rate}
         trace = telemetry.inject(span)
-        # Gathers (and, in parts, every rank's collectives) here, before the next step.
-        outgoing = await self._outgoing(learner.version, trace, values)
-        # The canary runs the learner's model: here, not beside the next step.
-        probe = await self._canary(outgoing)
-        # Without checkpoints a publish is the only durable record: it acks what it covers.
-        acks = self.consumer.unacked() if self._root() is None else None
-        await _finished(self._publishing)
-        self._publishing = asyncio.create_task(self._publish(learner.version, outgoing, probe, trace, values, metrics, acks))
+        prepared = await self._prepare(learner.version, trace, values)
+        if prepared is not None:
+            # Without checkpoints a publish is the only durable record: it acks what it covers.
+            acks = self.consumer.unacked() if self._root() is None else None
+            await _finished(self._publishing)
+            self._publishing = asyncio.create_task(self._publish(learner.version, *prepared, trace, values, metrics, acks))
+        # Counted either way: the step changed the weights, and a checkpoint must cover it.
         self._since_checkpoint += 1
         if self._root() is not None and self._since_checkpoint >= self.config.checkpoint_every:
             await self.checkpoint()
         metrics.commit_seconds = time.monotonic() - started
+
+    async def _prepare(self, version: int, trace: dict[str, str], values: dict[str, float]) -> tuple[Outgoing, weightsync_pb2.Canary] | None:
+        """What publishing ``version`` sends, and its canary; None when making them failed
+        (a rank's gather or the canary raised, the learner unchanged by it): logged, and the
+        version marked unpublished, so that the next step's publish or, with none coming,
+        the idle trainer (:meth:`_republish`) sends it. Raised out of the commit instead,
+        the step's version would be served by nothing until a later step, and a trainer at
+        the end of its data would serve the previous one for good."""
+        try:
+            # Gathers (and, in parts, every rank's collectives) here, before the next step.
+            outgoing = await self._outgoing(version, trace, values)
+            # The canary runs the learner's model: here, not beside the next step.
+            return outgoing, await self._canary(outgoing)
+        except (LearnerBroken, CommitRefused):
+            raise
+        except Exception:
+            log.exception("preparing version %d for publishing failed; it goes out with the next publish", version)
+            self._gave_up(version)
+            return None
+
+    def _gave_up(self, version: int) -> None:
+        """Marks ``version`` unpublished; an older version's publish failing later (it runs
+        in the background) must not hide a newer one that :meth:`_republish` would send."""
+        if self._unpublished is None or self._unpublished[0] <= version:
+            self._unpublished = (version, time.monotonic())
 
     async def _publish(
         self, version: int, outgoing: Outgoing, probe: weightsync_pb2.Canary, trace: dict[str, str], values: dict[str, float],
@@ -285,7 +309,7 @@ class Committer:
             # Weightsync unreachable for every retry: the next version goes out as a delta
             # on what it holds; without checkpoints these groups stay pending and replay.
             log.exception("version %d was not published", version)
-            self._unpublished = (version, time.monotonic())
+            self._gave_up(version)
             return
         if self._unpublished is not None and self._unpublished[0] <= version:
             self._unpublished = None
@@ -356,6 +380,8 @@ class Committer:
         so that a quiet trainer leaves nothing to replay; raises a refused publish."""
         if self._publishing is not None and self._publishing.done():
             self._publishing.result()
+        # None: no publish since the start (the first step's preparation may have failed).
+        if self._publishing is None or self._publishing.done():
             await self._republish()
         if self._since_checkpoint and time.monotonic() - self.last_step_at >= self.config.checkpoint_idle_s:
             await self.checkpoint()
@@ -370,11 +396,12 @@ class Committer:
             return
         self._unpublished = None
         log.info("publishing version %d again (its publish gave up)", version)
-        # Gathered here, in order with the steps, like a commit's (a collective in parts).
-        outgoing = await self._outgoing(version, {}, {})
-        probe = await self._canary(outgoing)
+        # Prepared here, in order with the steps, like a commit's (a collective in parts).
+        prepared = await self._prepare(version, {}, {})
+        if prepared is None:
+            return
         acks = self.consumer.unacked() if self._root() is None else None
-        self._publishing = asyncio.create_task(self._publish(version, outgoing, probe, {}, {}, pb.StepMetrics(), acks))
+        self._publishing = asyncio.create_task(self._publish(version, *prepared, {}, {}, pb.StepMetrics(), acks))
 
     async def flush(self) -> None:
         """Waits for the publish and the checkpoint in flight (ordered shutdown)."""

@@ -205,3 +205,51 @@ def test_an_idle_trainer_publishes_again_a_version_whose_publish_gave_up(tmp_pat
             assert t.committer._publishing is not None and t.committer._publishing.done()
 
     asyncio.run(body())
+
+
+class FailingOnceLearner(CountingLearner):
+    """Its weights cannot be taken once, at version ``fail_at`` (a rank's gather or a
+    canary that raised), and can again afterwards: the learner itself is unchanged."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+
+    def policy_weights(self) -> dict[str, RawTensor]:
+        if self.version == self.fail_at:
+            self.fail_at = -1
+            raise RuntimeError("gathering the weights failed on rank 1")
+        return super().policy_weights()
+
+
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints", "no-checkpoints"])
+def test_a_version_whose_preparation_failed_is_published_when_the_trainer_goes_idle(tmp_path: Path, checkpoints: bool) -> None:
+    """The last step's weights could not be taken for its publish: the commit does not
+    raise (the step is trained and counted for a checkpoint), and the idle trainer
+    publishes that version; without checkpoints that publish acks the step's group."""
+    import dataclasses
+
+    from meridian.tensors import weights_hash
+
+    async def body() -> None:
+        streams = MemoryStreams()
+        async with serving(WeightSyncService(WeightSyncConfig(role="origin", data_dir=str(tmp_path / "ws")))) as address:
+            t = Trainer(streams, address, tmp_path / "ckpt", FailingOnceLearner(fail_at=1), checkpoint_every=1)
+            if not checkpoints:
+                t.committer.config = dataclasses.replace(t.committer.config, checkpoint_dir="")
+            await t.transport.publish_group(_group("g1"))
+            await t.start()
+            await t.train_one()  # its version's weights cannot be taken: nothing sent
+            assert await weightsync.latest_version(address) == 0
+            if not checkpoints:
+                assert t.consumer.unacked()  # a publish acks them: none went out
+            t.committer.config = dataclasses.replace(t.committer.config, checkpoint_idle_s=0.0)
+            await t.committer.idle()
+            await t.committer.flush()
+            assert await weightsync.latest_version(address) == 1
+            assert (await weightsync.manifest(address, 1)).weights_hash == weights_hash(t.learner.policy_weights())
+            assert not t.consumer.unacked()  # acked by the publish, or by the checkpoint that covers the step
+            if checkpoints:
+                assert ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "ckpt"))[1]["step"] == 1  # type: ignore[arg-type]
+
+    asyncio.run(body())

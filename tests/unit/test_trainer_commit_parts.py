@@ -8,6 +8,7 @@ version with a stale part is never stored; a refusal stops the trainer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from meridian.trajectory_transport import InMemoryGroupTransport, MemoryStreams
 from meridian.v1 import common_pb2, trainer_pb2, weightsync_pb2
 from services.trainer.commit import PUBLISH_RETRY_S, REFUSALS, CommitConfig, CommitRefused, Committer, Progress
 from services.trainer.consumer import ConsumerConfig, GroupConsumer
-from services.trainer.learner_protocol import StepResult
+from services.trainer.learner_protocol import RankFailed, StepResult
 from services.trainer.shard_publish import PartSender, PreparedPart
 from services.weightsync import client as weightsync
 from services.weightsync import parts
@@ -238,5 +239,49 @@ def test_other_weights_under_a_held_version_stop_the_trainer(tmp_path: Path) -> 
                 await asyncio.to_thread(rank0.learner.sender.close)
             assert (await weightsync.manifest(address, 1)).weights_hash == weights_hash(weights_of(7))
             assert list(rank0.consumer.unacked()) == ["g0"]
+
+    asyncio.run(body())
+
+
+class FailsOnePreparation(TwoRanks):
+    """Preparing version ``fail_at``'s parts fails once on some rank, as every rank hears
+    in the agreement after it (:class:`RankFailed`); the learners are unchanged."""
+
+    def __init__(self, address: str, fail_at: int) -> None:
+        super().__init__(address)
+        self.fail_at = fail_at
+
+    def prepare_part(self, version: int, trace_context: dict[str, str], metrics: dict[str, float], signer: Signer | None, send: bool) -> PreparedPart:
+        if version == self.fail_at:
+            self.fail_at = -1
+            self.events.append(("failed", version))
+            raise RankFailed(f"preparing the parts of version {version} failed on rank 1: gather raised")
+        return super().prepare_part(version, trace_context, metrics, signer, send)
+
+
+def test_a_version_whose_parts_could_not_be_prepared_is_published_when_the_trainer_goes_idle(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with serving(_origin(tmp_path / "ws")) as address:
+            learner = FailsOnePreparation(address, fail_at=1)
+            rank0 = Rank0(address, learner)
+            try:
+                await rank0.transport.publish_group(_group("g0"))
+                await rank0.consumer.start()
+                await rank0.committer.sync_initial_version(False)
+                await rank0.consumer.poll(10, 0)
+                taken = rank0.consumer.take(1)
+                result = await asyncio.to_thread(learner.step, [list(g.trajectories) for _, g in taken])
+                rank0.consumer.trained_on(taken)
+                await rank0.committer.commit(trainer_pb2.StepMetrics(step=result.step, policy_version=learner.version), trace.INVALID_SPAN)
+                assert await weightsync.latest_version(address) == 0
+                rank0.committer.config = dataclasses.replace(rank0.committer.config, checkpoint_idle_s=0.0)
+                await rank0.committer.idle()  # prepares the parts again, as a collective, and sends them
+                await rank0.committer.flush()
+            finally:
+                await asyncio.to_thread(learner.sender.close)
+            assert await weightsync.latest_version(address) == 1
+            assert (await weightsync.manifest(address, 1)).weights_hash == weights_hash(weights_of(1))
+            assert await rank0.transport.pending() == 0, "the publish acks the step's group"
+            assert learner.events == [("prepare", 0), ("step", 1), ("failed", 1), ("prepare", 1)]
 
     asyncio.run(body())
