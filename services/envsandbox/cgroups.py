@@ -32,6 +32,10 @@ CPU_PERIOD_US = 100_000
 
 @dataclasses.dataclass(frozen=True)
 class CgroupLimits:
+    """One sandbox's cgroup limits. ``memory_bytes`` is the whole memory limit of the
+    cgroup: the sandbox's processes and the tmpfs pages and inodes they write, which the
+    kernel charges here too (the caller adds their room, see sandbox.tmpfs_charge)."""
+
     memory_bytes: int
     max_pids: int
     cpus: float

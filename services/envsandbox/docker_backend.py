@@ -1,7 +1,9 @@
 """The Docker backend: one container per sandbox through the Docker SDK.
 
 Each container: no network, read-only root, tmpfs workspace and /tmp (the disk cap),
-memory (no swap), pids and CPU limits, every capability dropped, no-new-privileges, the
+memory (no swap; the sandbox's memory plus the tmpfs mounts' room, which their pages
+take from the container's cgroup: see memory_limit), pids and CPU limits, every
+capability dropped, no-new-privileges, the
 seccomp policy of seccomp_policy.py (as a Docker profile), an unprivileged uid of its own
 from a pool (no per-uid kernel state shared between sandboxes), and a label naming this
 service instance. A restarted service removes every container labelled by an instance
@@ -39,7 +41,9 @@ from pathlib import Path
 from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import docker_stream, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import instance_name, process_start_time
-from services.envsandbox.sandbox import COPY_WALL_S, SANDBOX_UID, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain, tmpfs_inodes
+from services.envsandbox.sandbox import (
+    COPY_WALL_S, SANDBOX_UID, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain, tmpfs_charge, tmpfs_inodes,
+)
 
 UID_POOL = 4096
 
@@ -114,6 +118,20 @@ else:
 '''
 
 
+def tmp_bytes(limits: Limits) -> int:
+    """The size of a sandbox container's /tmp, a tmpfs beside its workspace's."""
+    return max(16 << 20, limits.disk_bytes // 4)
+
+
+def memory_limit(limits: Limits) -> int:
+    """A sandbox container's memory limit (and memory + swap limit: no swap): ``memory_bytes``
+    for its processes plus the room of its two tmpfs mounts. Their pages and inodes are
+    charged to the container's cgroup as the sandbox writes them, so without that room a
+    full disk left its commands no memory: they, and the file helper that serves
+    ReadFiles, WriteFiles and RunTests from inside the container, were OOM-killed."""
+    return limits.memory_bytes + tmpfs_charge(limits.disk_bytes) + tmpfs_charge(tmp_bytes(limits))
+
+
 def _instance_alive(name: str) -> bool:
     pid, _, start = name.partition("-")
     return pid.isdigit() and process_start_time(int(pid)) == start
@@ -179,7 +197,7 @@ class DockerBackend(Backend):
             self._client = None
 
     async def create(self, sandbox_id: str, limits: Limits) -> None:
-        tmp_bytes = max(16 << 20, limits.disk_bytes // 4)
+        tmp_size, memory = tmp_bytes(limits), memory_limit(limits)
         if not self._free_uids:
             raise ResourceExhausted(f"all {UID_POOL} sandbox uids are in use")
         uid = self._uid[sandbox_id] = self._free_uids.pop()
@@ -195,10 +213,10 @@ class DockerBackend(Backend):
                 read_only=True,
                 tmpfs={
                     "/workspace": f"size={limits.disk_bytes},nr_inodes={tmpfs_inodes(limits.disk_bytes)},mode=0755,uid={uid},gid={uid}",
-                    "/tmp": f"size={tmp_bytes},nr_inodes={tmpfs_inodes(tmp_bytes)},mode=1777",
+                    "/tmp": f"size={tmp_size},nr_inodes={tmpfs_inodes(tmp_size)},mode=1777",
                 },
-                mem_limit=limits.memory_bytes,
-                memswap_limit=limits.memory_bytes,
+                mem_limit=memory,
+                memswap_limit=memory,
                 pids_limit=limits.max_pids,
                 nano_cpus=int(limits.cpus * 1e9),
                 cap_drop=["ALL"],

@@ -42,7 +42,9 @@ from typing import TypeVar
 from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
-from services.envsandbox.sandbox import COPY_WALL_S, SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, pump_process, tmpfs_inodes
+from services.envsandbox.sandbox import (
+    COPY_WALL_S, SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, pump_process, tmpfs_charge, tmpfs_inodes,
+)
 from services.envsandbox.spawn import SpawnedProcess, spawn
 
 log = logging.getLogger(__name__)
@@ -184,7 +186,11 @@ class ProcessBackend(Backend):
         self._procs[sandbox_id] = []
         self._running[sandbox_id] = set()
         await self._helper_call("create", sandbox_id=sandbox_id, disk_bytes=limits.disk_bytes, inodes=inodes, uid=self._uid[sandbox_id])
-        procs = self._cgroups.create(sandbox_id, CgroupLimits(limits.memory_bytes, limits.max_pids, limits.cpus))
+        # The sandbox root tmpfs (workspace and /tmp) is charged to this cgroup as the
+        # sandbox fills it: its room comes on top of the memory, or a full disk would leave
+        # the sandbox's commands (the tests included) no memory at all.
+        memory = limits.memory_bytes + tmpfs_charge(limits.disk_bytes)
+        procs = self._cgroups.create(sandbox_id, CgroupLimits(memory, limits.max_pids, limits.cpus))
         self._procs[sandbox_id] = procs
 
     async def destroy(self, sandbox_id: str) -> None:
@@ -316,6 +322,7 @@ class ProcessBackend(Backend):
             t["unshare"], "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts", "--mount-proc",
             f"--root={self.mount_dir}/{sandbox_id}", f"--wd={workdir}", "--",
             LAUNCHER, "--uid", str(uid), "--gid", str(uid), "--hostname", "sandbox",
+            # Address space per process, not memory: a tmpfs file counts only while mapped.
             "--as", str(limits.memory_bytes * 2), "--cpu", str(cpu), "--fsize", str(limits.max_file_bytes), "--nofile", "1024",
             *[arg for key, value in env.items() for arg in ("--env", f"{key}={value}")],
             "--", *argv,

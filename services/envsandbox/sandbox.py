@@ -45,6 +45,26 @@ def tmpfs_inodes(size_bytes: int) -> int:
     return max(1024, size_bytes // (1 << 20) * INODES_PER_MIB)
 
 
+#: Kernel memory one tmpfs inode may take at most (its inode, dentry and name, or the user
+#: extended attributes tmpfs lets take an inode's room): measured on kernel 6.18, 1.5 KiB
+#: for files, folders and symlinks with 255-byte names, 1.2 KiB per inode's room of xattrs;
+#: the rest is margin for kernels whose inodes carry more (security modules).
+TMPFS_INODE_BYTES = 2048
+
+
+def tmpfs_charge(size_bytes: int) -> int:
+    """The most a sandbox tmpfs of ``size_bytes`` can charge to a memory cgroup when full:
+    its pages and its inodes' kernel memory.
+
+    Both are charged to the memory cgroup of the process that writes them and stay charged
+    while the files exist, so a backend sets its sandbox's memory limit to the sandbox's
+    ``memory_bytes`` plus this for every tmpfs the sandbox can write: a full disk then
+    leaves the sandbox's processes their whole ``memory_bytes`` (without it, filling the
+    disk got every later command of the sandbox, the tests and Docker's file helper
+    included, OOM-killed)."""
+    return size_bytes + tmpfs_inodes(size_bytes) * TMPFS_INODE_BYTES
+
+
 #: The longest one workspace copy of a Fork may take, on either backend (a workspace holds
 #: at most LimitCaps.disk_bytes).
 COPY_WALL_S = 300.0
@@ -67,6 +87,18 @@ HOST_SHORT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.E
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
+    """What one sandbox may use.
+
+    ``memory_bytes`` is the memory its processes may use together and ``disk_bytes`` the
+    size of its workspace and /tmp; neither eats the other. Files in a sandbox live in
+    memory (tmpfs) and the kernel charges them to the sandbox's memory cgroup, so each
+    backend sets that cgroup's limit to ``memory_bytes`` plus the most its tmpfs mounts
+    can hold (:func:`tmpfs_charge`): a full disk leaves the processes their
+    ``memory_bytes``, and a sandbox whose disk is not full may use up to that much more
+    memory. The Docker backend's /tmp is a tmpfs of its own beside the workspace
+    (``docker_backend.tmp_bytes``); the process backend's workspace and /tmp share one.
+    """
+
     memory_bytes: int = 512 * 1024 * 1024
     max_pids: int = 128
     cpus: float = 1.0
@@ -84,7 +116,10 @@ class Limits:
 @dataclasses.dataclass(frozen=True)
 class LimitCaps:
     """The most a client may ask for: limits, time-to-live and exec timeouts above these
-    answer INVALID_ARGUMENT, so one request cannot take the machine."""
+    answer INVALID_ARGUMENT, so one request cannot take the machine. A sandbox's memory
+    cgroup limit is its memory plus what its tmpfs mounts can hold (see :class:`Limits`),
+    so these caps bound it too: at most ``memory_bytes`` plus :func:`tmpfs_charge` of
+    ``disk_bytes`` (and, on Docker, of its /tmp)."""
 
     memory_bytes: int = 4 << 30
     max_pids: int = 1024

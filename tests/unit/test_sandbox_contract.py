@@ -1033,6 +1033,45 @@ def test_a_sandbox_that_fills_its_workspace_scores_0_not_an_error(env: tuple[Loo
 
     loop.run(main())
 
+
+def test_a_full_disk_leaves_the_sandbox_its_memory(env: tuple[Loop, SandboxManager]) -> None:
+    """memory_bytes is what a sandbox's processes may use and disk_bytes what its files may
+    take: one must not eat the other. Tmpfs pages (and a tmpfs's inodes) are charged to the
+    memory cgroup of whoever writes them, so a workspace and /tmp filled to their caps
+    (bytes and inodes) with a disk as large as the memory once took the whole memory
+    limit: the next command was OOM-killed, and on Docker the file helper too (ReadFiles
+    and RunTests answered UNAVAILABLE). With a full disk a command still gets its memory,
+    file operations work and the tests run and score."""
+    loop, m = env
+    task = TaskSuite.builtin().get("python/add")
+    limits = Limits(memory_bytes=64 << 20, max_pids=64, disk_bytes=64 << 20, wall_seconds=60)
+    fill = (
+        "cat /dev/zero > fill 2>/dev/null; cat /dev/zero > /tmp/fill 2>/dev/null;"
+        " i=0; while true 2>/dev/null > f$i; do i=$((i+1)); done;"
+        " i=0; while true 2>/dev/null > /tmp/f$i; do i=$((i+1)); done"
+    )
+    # 48 MiB of touched memory on top of the interpreter: most of the memory limit.
+    hold = "import os\nheld = b'x' * (48 << 20)\nprint(os.path.getsize('fill') >> 20, len(held) >> 20)\n"
+
+    async def main() -> None:
+        box = await m.create(task=task, files={p: c.encode() for p, c in task.reference.items()}, limits=limits)
+        sid = box.sandbox_id
+        try:
+            _, err, res = await sh(m, sid, fill, timeout_s=60)
+            assert res.signal == 0 and not res.oom_killed, (res, err)
+            out, err, res = await run(m, sid, ["python3", "-c", hold], timeout_s=60)
+            assert res.exit_code == 0 and not res.oom_killed, (res, err)
+            filled, held = (int(n) for n in out.split())
+            assert filled >= 48 and held == 48, out  # the workspace is (about) full, the memory held
+            assert (await m.read_files(sid, ["solution.py"]))["solution.py"] == task.reference["solution.py"].encode()
+            outcome, _, output = await m.run_tests(sid)
+            assert outcome.reward == 1.0, output
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
 @pytest.mark.parametrize("attack", list(MODE_ATTACKS))
 def test_run_tests_scores_whatever_modes_the_sandbox_left(env: tuple[Loop, SandboxManager], attack: str) -> None:
     """After the sandbox changed the modes of its own workspace (or tried to remove or
