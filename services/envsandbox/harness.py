@@ -123,7 +123,15 @@ _os._exit(0)
 
 
 def one_line(text: str) -> str:
-    return " ".join(str(text).split())[:300]
+    """``text`` as one printable line of at most 300 characters for the scored output.
+
+    Lone surrogates are escaped first. A child can report any string (an exception
+    message, a value's repr), and this process's stdout writes U+DC80..U+DCFF back as
+    raw bytes (surrogateescape): ``\\udcc2\\udc85`` would reach the service as the bytes
+    C2 85, which decode to NEL, a line break to ``str.splitlines()`` though not
+    whitespace to ``str.split()``, so one FAIL line could carry forged PASS lines."""
+    safe = str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+    return " ".join(safe.split())[:300]
 
 
 def default_same(got, want) -> bool:

@@ -157,7 +157,10 @@ main(_req.pop("nonce"))
 
 
 def one_line(text):
-    return " ".join(str(text).split())[:300]
+    # Lone surrogates escaped first: written back as raw bytes (surrogateescape), they
+    # could spell a line break such as NEL (C2 85) inside a FAIL line (see harness.one_line).
+    safe = str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+    return " ".join(safe.split())[:300]
 
 
 def run_in_child(test_id, files):

@@ -107,7 +107,10 @@ def score_output(reward_kind: str, output: str, exit_code: int) -> TestOutcome:
     cases: list[tuple[str, bool, str]] = []
     score: float | None = None
     total = 0
-    for line in output.splitlines():
+    # Lines end at "\n" only. str.splitlines() also breaks at NEL, U+2028, \x1c.. and
+    # others, which the tested code can get into the text of a FAIL line (a reported
+    # value or exception message); each would start a line the test command never wrote.
+    for line in output.split("\n"):
         line = line.strip()
         if m := _TOTAL_LINE.match(line):
             total = max(total, int(m.group(1)))
