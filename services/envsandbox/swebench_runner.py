@@ -18,8 +18,13 @@ its whole process group is killed.
 
 What this cannot stop: a test's verdict is decided inside C, where the test calls the
 code under test, so code written to find the runner's state in its own interpreter can
-forge that one test's verdict. Blind writes to inherited descriptors do not (no nonce),
-and nothing reaches P, other tests' children or the hidden files.
+forge the verdict of every test that imports it. That takes no knowledge of the task: a
+few lines at the top of a module the tests import, which walk the stack for the nonce,
+write a passing verdict on the runner's private copy of stdout and exit, score every
+sample instance 1. So can a value whose ``__eq__`` is always true, against tests that
+compare with ``==``. Blind writes to inherited descriptors do not (no nonce), and
+nothing reaches P or the hidden files; only tests that compare values outside C (as
+the built-in harness's checks do) would close this.
 """
 import ctypes
 import json
