@@ -5,8 +5,9 @@ memory (no swap; the sandbox's memory plus the tmpfs mounts' room, which their p
 take from the container's cgroup: see memory_limit), pids and CPU limits, every
 capability dropped, no-new-privileges, the
 seccomp policy of seccomp_policy.py (as a Docker profile), an unprivileged uid of its own
-from a pool (no per-uid kernel state shared between sandboxes), and a label naming this
-service instance. A restarted service removes every container labelled by an instance
+from a pool (no per-uid kernel state shared between sandboxes) for every command, another
+one (KEEPER_UID) for the container's init and keep-alive, which sandbox code can then
+neither trace, write nor signal, and a label naming this service instance. A restarted service removes every container labelled by an instance
 that no longer runs. When an exec ends (and before RunTests) every process in the
 container but its init is killed, and the sweep checks that none is left.
 
@@ -46,6 +47,9 @@ from services.envsandbox.sandbox import (
 )
 
 UID_POOL = 4096
+#: The uid of every container's init and keep-alive, which kill_all spares: never one of a
+#: sandbox's (SANDBOX_UID .. SANDBOX_UID + UID_POOL - 1). See DockerBackend.create.
+KEEPER_UID = SANDBOX_UID - 1
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +225,17 @@ class DockerBackend(Backend):
                 nano_cpus=int(limits.cpus * 1e9),
                 cap_drop=["ALL"],
                 security_opt=["no-new-privileges", f"seccomp={self._seccomp}"],
-                user=f"{uid}:{uid}",
+                # Not the sandbox's uid: the init and the keep-alive outlive kill_all, and
+                # under the sandbox's uid its commands could open their /proc/<pid>/mem
+                # read-write (nothing but a host-wide Yama setting forbids it), stop them,
+                # read their environ and set their limits, priority and affinity, so code
+                # planted in them could run beside RunTests' harness. A uid of their own
+                # puts them out of reach of every sandbox uid. Not root in the container:
+                # even with no capability, uid 0 is the host's root wherever it meets host
+                # objects, and they need no privilege at all. Making them non-dumpable would
+                # still leave them open to signals. Every exec names the sandbox's uid itself
+                # (_start_exec), so nothing else runs as this one.
+                user=f"{KEEPER_UID}:{KEEPER_UID}",
                 working_dir="/workspace",
                 labels={LABEL: self.instance, SANDBOX_LABEL: sandbox_id},
                 stop_signal="SIGKILL",

@@ -665,6 +665,118 @@ def test_a_survivor_cannot_rewrite_the_tests(env: tuple[Loop, SandboxManager]) -
     loop.run(main())
 
 
+# Every way a sandboxed command could take hold of a process it did not start, tried on
+# every such process it can see. On Docker those are the container's init and the
+# keep-alive that kill_all spares by design: whatever controls them outlives kill_all and
+# runs beside the tests RunTests starts. Each attempt is harmless where it succeeds (the
+# byte written into another process's memory is the one read there, a stopped process is
+# continued, limits and priorities are set to what they were).
+SURVIVOR_ATTACK = r"""
+import ctypes, json, os, resource, signal
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {"x86_64": {"ptrace": 101, "process_vm_writev": 311}, "aarch64": {"ptrace": 117, "process_vm_writev": 271}}[os.uname().machine]
+PTRACE_ATTACH, PTRACE_DETACH = 16, 17
+DENIED = (1, 13, 3)  # EPERM, EACCES, ESRCH
+
+
+class IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def writable_address(pid):
+    with open("/proc/%d/maps" % pid) as fh:
+        for line in fh:
+            span, perms = line.split()[:2]
+            if perms.startswith("rw"):
+                return int(span.split("-")[0], 16)
+    raise OSError("no writable mapping")
+
+
+def attempts(pid):
+    allowed = []
+    try:
+        fd = os.open("/proc/%d/mem" % pid, os.O_RDWR)
+    except OSError:
+        pass
+    else:
+        allowed.append("open /proc/pid/mem read-write")
+        try:
+            where = writable_address(pid)
+            os.pwrite(fd, os.pread(fd, 1, where), where)
+            allowed.append("write its memory")
+        except OSError:
+            pass
+        os.close(fd)
+    try:
+        os.kill(pid, 0)
+        allowed.append("signal it")
+        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGCONT)
+        allowed.append("SIGSTOP")
+    except OSError:
+        pass
+    if libc.syscall(NR["ptrace"], PTRACE_ATTACH, pid, 0, 0) == 0:
+        allowed.append("ptrace attach")
+        libc.syscall(NR["ptrace"], PTRACE_DETACH, pid, 0, 0)
+    byte = ctypes.create_string_buffer(1)
+    local, remote = IoVec(ctypes.addressof(byte), 1), IoVec(4096, 1)
+    if libc.syscall(NR["process_vm_writev"], pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != -1 or ctypes.get_errno() not in DENIED:
+        allowed.append("process_vm_writev")
+    for name, act in [
+        ("read /proc/pid/environ", lambda: open("/proc/%d/environ" % pid, "rb").read()),
+        ("write /proc/pid/oom_score_adj", lambda: open("/proc/%d/oom_score_adj" % pid, "r+").write(open("/proc/%d/oom_score_adj" % pid).read())),
+        ("set its limits", lambda: resource.prlimit(pid, resource.RLIMIT_NOFILE, resource.prlimit(pid, resource.RLIMIT_NOFILE))),
+        ("set its priority", lambda: os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, pid))),
+        ("set its CPU affinity", lambda: os.sched_setaffinity(pid, os.sched_getaffinity(pid))),
+    ]:
+        try:
+            act()
+            allowed.append(name)
+        except OSError:
+            pass
+    return allowed
+
+
+found = {}
+for entry in os.listdir("/proc"):
+    if entry.isdigit() and int(entry) != os.getpid():
+        pid = int(entry)
+        try:
+            comm = open("/proc/%d/comm" % pid).read().strip()
+        except OSError:
+            comm = "?"
+        found[pid] = {"comm": comm, "allowed": attempts(pid)}
+print(json.dumps(found))
+"""
+
+
+def test_sandbox_code_cannot_control_what_outlives_kill_all(pair) -> None:  # type: ignore[no-untyped-def]
+    """A command sees every process of its sandbox it did not start (on Docker, the
+    container's init and keep-alive, which kill_all spares) and can neither write their
+    memory, nor ptrace, signal or retune them: code planted there would otherwise outlive
+    kill_all and run beside RunTests' harness, rewriting the tests or the workspace."""
+    import json
+
+    loop, m, attacker, bystander = pair
+
+    def attack() -> dict[str, Any]:
+        out, err, res = loop.run(run(m, attacker, ["python3", "-c", SURVIVOR_ATTACK]))
+        assert res.exit_code == 0, out + err
+        return json.loads(out)
+
+    before = attack()
+    loop.run(m.backend.kill_all(attacker))
+    after = attack()
+    # What the command saw is what kill_all leaves: the targets are the survivors.
+    assert before.keys() == after.keys()
+    if m.backend.name == "docker":
+        assert "1" in before, before
+    controlled = {pid: seen for pid, seen in {**before, **after}.items() if seen["allowed"]}
+    assert not controlled, f"sandbox code controls processes that outlive kill_all: {controlled}"
+    loop.run(_healthy(m, bystander))
+
+
 HIDDEN_TEST_READER = (
     "import ast, glob, os\n"
     "def add(a, b):\n"
