@@ -41,13 +41,18 @@ PROMPTS = [
 ]
 
 
-async def _bare_vllm(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, concurrency: int, kv_gib: float) -> dict[str, float]:
+async def _bare_vllm(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, concurrency: int, kv_gib: float, cpus: str) -> dict[str, float]:
     """vLLM's own AsyncLLM in this process, no Meridian code on the path: throughput at
-    ``concurrency``, and one request's median TTFT and time per later token."""
+    ``concurrency``, and one request's median TTFT and time per later token. Its worker
+    is bound as the stack's rollout is (``cpus``, see --engine-cpus), or the two would
+    differ by their binding, not by Meridian."""
     import os
+
+    from services.rollout.engine import cpu_binding_env
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_gib))))
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.update(cpu_binding_env(cpus))
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -325,12 +330,12 @@ def main(argv: list[str]) -> int:
     prompt_ids = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]) for p in PROMPTS] * ns.repeat_prompts
     log = (lambda msg: None) if ns.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
 
+    config = stack_mod.StackConfig(run_dir=tempfile.mkdtemp(prefix="meridian-bench-rollout-"), model=str(model_dir), ports="auto")
     log("measuring bare vLLM ...")
-    bare = asyncio.run(_bare_vllm(str(model_dir), prompt_ids, ns.max_tokens, ns.concurrency, 1.0))
+    bare = asyncio.run(_bare_vllm(str(model_dir), prompt_ids, ns.max_tokens, ns.concurrency, 1.0, config.engine_cpus))
     targets = ["--slo-ttft-ms", f"{1000 * ns.slo_factor * bare['ttft_s']:.1f}", "--slo-itl-ms", f"{1000 * ns.slo_factor * bare['itl_s']:.1f}"]
     rollout_args = ["--weight-apply", ns.weight_apply, *targets, *shlex.split(ns.rollout_args)]
     log(f"starting the stack (rollout {' '.join(rollout_args)}) ...")
-    config = stack_mod.StackConfig(run_dir=tempfile.mkdtemp(prefix="meridian-bench-rollout-"), model=str(model_dir), ports="auto")
     stack = stack_mod.start(config, extra_args={"rollout": rollout_args})
     try:
         log(f"production latency: {ns.rounds} rounds of {ns.requests} requests with RL off, then on ...")

@@ -47,10 +47,14 @@ class StackConfig:
     link_mbit_s: float = opt(100.0, "bandwidth of each emulated inter-region link, Mbit/s per direction (0: unlimited)")
     link_latency_ms: float = opt(50.0, "one-way latency of each emulated inter-region link, ms")
     sign_versions: bool = opt(True, "the trainer signs every policy version with the credentials' signing key; the weightsync origin, relays and rollouts refuse versions it did not sign")
+    engine_cpus: str = opt("none", "every rollout's --engine-cpus: 'none' leaves their engines unbound, as every service of the stack shares this host (vLLM's 'auto' binds each engine to the same cores)")
 
     def __post_init__(self) -> None:
+        from services.rollout.engine import check_engine_cpus
+
         if self.ports not in ("fixed", "auto"):
             raise ValueError(f"ports must be fixed or auto, got {self.ports!r}")
+        check_engine_cpus(self.engine_cpus)
         parse_regions(self.regions)
         if self.link_mbit_s < 0 or self.link_latency_ms < 0:
             raise ValueError("link_mbit_s and link_latency_ms must be >= 0")
@@ -485,7 +489,7 @@ def start(config: StackConfig, extra_args: dict[str, list[str]] | None = None, e
         http_port = 0 if config.ports == "auto" else port("rollout_http")
         launch("rollout", [
             *common, "--weightsync", stack.addresses["weightsync"], "--envsandbox", stack.addresses["envsandbox"],
-            "--http-host", config.host, "--http-port", str(http_port), "--region", home,
+            "--http-host", config.host, "--http-port", str(http_port), "--region", home, "--engine-cpus", config.engine_cpus,
         ])
         serving(["trainer", "rollout"])
         # The HTTP API starts during the rollout's warm-up, so its line is there by now.
@@ -538,7 +542,9 @@ def start_remote_region(
     sandbox = launch("envsandbox", ["--root", str(stack.run_dir / regions.label("sandboxes", region))])
     relay = launch("weightsync", regions.relay_args(region, stack.addresses[link.label], stack.run_dir))
     wait_serving({n: stack.addresses[n] for n in (sandbox, relay)}, procs, stack.logs, config.ready_timeout_s)
-    rollout = launch("rollout", regions.rollout_args(region, config.model, stack.redis_url, stack.addresses[relay], stack.addresses[sandbox]))
+    rollout = launch("rollout", [
+        *regions.rollout_args(region, config.model, stack.redis_url, stack.addresses[relay], stack.addresses[sandbox]), "--engine-cpus", config.engine_cpus,
+    ])
     wait_serving({rollout: stack.addresses[rollout]}, procs, stack.logs, config.ready_timeout_s)
 
 

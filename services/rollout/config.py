@@ -7,6 +7,7 @@ import math
 from meridian import trajectory_transport as transport
 from meridian.config import opt
 from services.rollout.admission import AdmissionConfig
+from services.rollout.engine import check_engine_cpus
 
 #: Defaults of the request bounds, shared with the HTTP app's own defaults.
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
@@ -30,6 +31,7 @@ class RolloutConfig:
     max_model_len: int = opt(2048, "longest prompt + completion, tokens")
     kv_cache_gib: float = opt(1.0, "CPU KV cache size, GiB")
     seed: int = opt(0, "engine seed")
+    engine_cpus: str = opt("auto", "CPUs the engine's worker threads are bound to: 'auto' (vLLM's binding: one NUMA node's cores but one, for an engine with the host to itself), 'none' (unbound, for a host shared with other engines or services), or a CPU list such as '0-3,8'")
     update_policy: str = opt("finish", "requests in flight during a weight update: 'finish' on the old weights, or 'pause' and continue on the new")
     weight_apply: str = opt("delta", "how a version reaches the engine: 'delta' (changed elements, in place; 'full' when the engine's loader cannot be followed element-wise) or 'full' (every tensor through vLLM's reload)")
     canary_mean_tolerance: float = opt(0.15, "reject a version whose canary log-probs differ from the trainer's by more than this many nats per token on average")
@@ -77,6 +79,7 @@ class RolloutConfig:
             raise ValueError(f"sandbox_lease_s must be a finite number >= 0 (0: no lease), got {self.sandbox_lease_s}")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")
+        check_engine_cpus(self.engine_cpus)
         if self.weight_apply not in ("delta", "full"):
             raise ValueError(f"weight_apply must be delta or full, got {self.weight_apply!r}")
         if not (self.canary_mean_tolerance > 0 and self.canary_max_tolerance > 0):

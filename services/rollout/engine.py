@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import contextlib
 import logging
 import os
+import re
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -28,6 +30,33 @@ UPDATE_POLICIES = ("finish", "pause")
 
 #: VLLM_RPC_BASE_PATH as the user set it (None: each engine makes a folder of its own).
 _USER_RPC_PATH = os.environ.get("VLLM_RPC_BASE_PATH")
+
+#: The engine's CPU binding (``--engine-cpus``): vLLM's own choice, none, or a CPU list.
+_CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+
+
+def check_engine_cpus(cpus: str) -> str:
+    """``cpus`` if it is a valid ``--engine-cpus`` value ('auto', 'none', or a CPU list
+    such as '0-3,8'); ValueError naming it otherwise."""
+    if cpus in ("auto", "none") or _CPU_LIST.fullmatch(cpus):
+        return cpus
+    raise ValueError(f"engine_cpus must be 'auto', 'none' or a CPU list such as '0-3,8', got {cpus!r}")
+
+
+def cpu_binding_env(cpus: str) -> dict[str, str]:
+    """The environment that gives vLLM's CPU worker the binding ``cpus`` asks for (empty
+    for 'auto': vLLM's own, or what the user exported).
+
+    vLLM's CPU backend binds its worker's OpenMP threads, the worker's main thread among
+    them, to the cores of one NUMA node less one it keeps for the scheduler: core 0 alone
+    on a two-core host. Every engine on a host picks the same cores, so two rollouts on
+    one host (the local stack's regions, two compose regions) share one core while the
+    others idle, and a worker started beside a busy one crawls: here a tiny model's engine
+    started in 131 s unbound and had not started after 420 s bound, beside a running one."""
+    check_engine_cpus(cpus)
+    if cpus == "auto":
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind" if cpus == "none" else cpus}
 
 PRIORITY_PRODUCTION = 0
 PRIORITY_RL = 1
@@ -86,11 +115,29 @@ class PolicyEngine(Protocol):
     async def score(self, token_ids: list[int], priority: int = PRIORITY_PRODUCTION) -> list[float]: ...
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set only while vLLM starts its processes (which read it then), restored
+    after: left in the environment, an engine's socket folder would send later engines and
+    child processes to a removed folder, and its binding would bind them too."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class Engine:
     """vLLM behind a small async API; ``version`` is the policy version being served."""
 
     def __init__(
-        self, model_dir: Path, max_model_len: int, kv_cache_gib: float, seed: int, update_policy: str = "finish", admission: AdmissionConfig | None = None
+        self, model_dir: Path, max_model_len: int, kv_cache_gib: float, seed: int, update_policy: str = "finish", admission: AdmissionConfig | None = None,
+        cpus: str = "auto",
     ) -> None:
         if update_policy not in UPDATE_POLICIES:
             raise InvalidArgument(f"update policy must be one of {UPDATE_POLICIES}, got {update_policy!r}")
@@ -99,6 +146,7 @@ class Engine:
         self.kv_cache_gib = kv_cache_gib
         self.seed = seed
         self.update_policy = update_policy
+        self.cpus = check_engine_cpus(cpus)
         self.version = 0
         self._llm = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
@@ -133,20 +181,16 @@ class Engine:
             scheduling_policy="priority",
             worker_extension_cls="services.rollout.vllm_worker.WeightUpdateExtension",
         )
+        env = cpu_binding_env(self.cpus)
         # vLLM binds its processes' sockets as files in VLLM_RPC_BASE_PATH (the temp folder
         # by default) and never removes them: thousands were left after a day of tests. This
         # engine gets a folder of its own, removed at shutdown or, if it is killed, by the
         # next engine to start (see engine_ipc; a user's setting is kept).
-        # Set only while vLLM starts its processes (it picks the paths then): left in the
-        # environment, it would send later engines and child processes to a removed folder.
         if _USER_RPC_PATH is None:
             self._ipc = engine_ipc.create()
-            os.environ["VLLM_RPC_BASE_PATH"] = self._ipc.path
-        try:
+            env["VLLM_RPC_BASE_PATH"] = self._ipc.path
+        with _environment(env):
             self._llm = AsyncLLM.from_engine_args(args)
-        finally:
-            if _USER_RPC_PATH is None:
-                os.environ.pop("VLLM_RPC_BASE_PATH", None)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         await self._llm.update_weight_version(str(self.version))
 

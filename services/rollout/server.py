@@ -88,7 +88,10 @@ class RolloutService(pb_grpc.RolloutServicer):
 
     async def start(self) -> None:
         model_dir = await asyncio.to_thread(resolve_model, self.config.model)
-        self.engine = Engine(model_dir, self.config.max_model_len, self.config.kv_cache_gib, self.config.seed, self.config.update_policy, self.config.admission_config())
+        self.engine = Engine(
+            model_dir, self.config.max_model_len, self.config.kv_cache_gib, self.config.seed, self.config.update_policy, self.config.admission_config(),
+            self.config.engine_cpus,
+        )
         await self.engine.start()
         # Version 0 as loaded: the base the first delta decodes on (updated in place after).
         held = await asyncio.to_thread(load_checkpoint_weights, model_dir)

@@ -4,6 +4,8 @@ client, RL episodes landing in the stream, and proof that weight updates are rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -32,6 +34,39 @@ def _client(stack: stack_mod.Stack) -> openai.OpenAI:
 async def _call(address: str, method: str, request):  # type: ignore[no-untyped-def]
     async with open_channel(address) as channel:
         return await getattr(pb_grpc.RolloutStub(channel), method)(request)
+
+
+def _thread_cpus(pid: int) -> dict[int, set[int]]:
+    """The CPUs each thread of process ``pid`` may run on, as the kernel reports them."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended while we looked
+            (line,) = [x for x in (task / "status").read_text().splitlines() if x.startswith("Cpus_allowed_list:")]
+            out[int(task.name)] = _cpu_list(line.split(":", 1)[1].strip())
+    return out
+
+
+def _cpu_list(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def test_the_stacks_engine_threads_are_not_bound_to_the_cores_every_engine_picks(stack: stack_mod.Stack) -> None:
+    """The stack runs its rollouts with --engine-cpus none: every thread of the engine's
+    processes (vLLM's engine core and worker, the worker's OpenMP threads) may run on every
+    CPU the rollout may. vLLM's own binding pins the worker to one NUMA node's cores but
+    one (core 0 alone on two cores), the same cores for every engine on the host."""
+    rollout = stack.pids["rollout"]
+    allowed = os.sched_getaffinity(rollout)
+    if len(allowed) < 2:
+        pytest.skip("one CPU: no binding can narrow it")
+    members = [pid for pid in stack_mod.group_members(rollout) if pid != rollout]
+    assert members, "the engine's processes are in the rollout's process group"
+    bound = {pid: {tid: cpus for tid, cpus in _thread_cpus(pid).items() if cpus != allowed} for pid in members}
+    assert not any(bound.values()), f"engine threads bound to fewer CPUs than the rollout's {sorted(allowed)}: {bound}"
 
 
 def test_openai_chat_completion(stack: stack_mod.Stack) -> None:
