@@ -48,16 +48,17 @@ async def _bare_vllm(model_dir: str, prompt_ids: list[list[int]], max_tokens: in
     differ by their binding, not by Meridian."""
     import os
 
-    from services.rollout.engine import cpu_binding_env
+    from services.rollout.engine import cpu_binding_env, engine_environment
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_gib))))
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.update(cpu_binding_env(cpus))
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, dtype="bfloat16", max_model_len=2048, enforce_eager=True, disable_log_stats=True, seed=0))
+    # Set only while its processes start: the stack started later must not inherit it.
+    with engine_environment(cpu_binding_env(cpus)):
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, dtype="bfloat16", max_model_len=2048, enforce_eager=True, disable_log_stats=True, seed=0))
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
 
@@ -332,9 +333,12 @@ def main(argv: list[str]) -> int:
 
     config = stack_mod.StackConfig(run_dir=tempfile.mkdtemp(prefix="meridian-bench-rollout-"), model=str(model_dir), ports="auto")
     log("measuring bare vLLM ...")
-    bare = asyncio.run(_bare_vllm(str(model_dir), prompt_ids, ns.max_tokens, ns.concurrency, 1.0, config.engine_cpus))
+    extra = shlex.split(ns.rollout_args)
+    # The rollout's binding: the stack's, or the last --engine-cpus of --rollout-args (argparse's rule).
+    cpus = next((extra[i + 1] for i in range(len(extra) - 2, -1, -1) if extra[i] == "--engine-cpus"), config.engine_cpus)
+    bare = asyncio.run(_bare_vllm(str(model_dir), prompt_ids, ns.max_tokens, ns.concurrency, 1.0, cpus))
     targets = ["--slo-ttft-ms", f"{1000 * ns.slo_factor * bare['ttft_s']:.1f}", "--slo-itl-ms", f"{1000 * ns.slo_factor * bare['itl_s']:.1f}"]
-    rollout_args = ["--weight-apply", ns.weight_apply, *targets, *shlex.split(ns.rollout_args)]
+    rollout_args = ["--weight-apply", ns.weight_apply, *targets, *extra]
     log(f"starting the stack (rollout {' '.join(rollout_args)}) ...")
     stack = stack_mod.start(config, extra_args={"rollout": rollout_args})
     try:

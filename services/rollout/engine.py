@@ -5,8 +5,8 @@ procedure itself is :mod:`services.rollout.weight_updates`."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -31,14 +31,16 @@ UPDATE_POLICIES = ("finish", "pause")
 #: VLLM_RPC_BASE_PATH as the user set it (None: each engine makes a folder of its own).
 _USER_RPC_PATH = os.environ.get("VLLM_RPC_BASE_PATH")
 
-#: The engine's CPU binding (``--engine-cpus``): vLLM's own choice, none, or a CPU list.
+#: A CPU list as vLLM's VLLM_CPU_OMP_THREADS_BIND takes one: ids and ranges, comma-separated.
 _CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 
 def check_engine_cpus(cpus: str) -> str:
     """``cpus`` if it is a valid ``--engine-cpus`` value ('auto', 'none', or a CPU list
-    such as '0-3,8'); ValueError naming it otherwise."""
-    if cpus in ("auto", "none") or _CPU_LIST.fullmatch(cpus):
+    such as '0-3,8'); ValueError naming it otherwise (here, not when vLLM's worker starts)."""
+    if cpus in ("auto", "none"):
+        return cpus
+    if _CPU_LIST.fullmatch(cpus) and all(int(lo) <= int(hi) for lo, _, hi in (r.partition("-") for r in cpus.split(",")) if hi):
         return cpus
     raise ValueError(f"engine_cpus must be 'auto', 'none' or a CPU list such as '0-3,8', got {cpus!r}")
 
@@ -116,7 +118,7 @@ class PolicyEngine(Protocol):
 
 
 @contextlib.contextmanager
-def _environment(env: dict[str, str]) -> Iterator[None]:
+def engine_environment(env: dict[str, str]) -> Iterator[None]:
     """``env`` set only while vLLM starts its processes (which read it then), restored
     after: left in the environment, an engine's socket folder would send later engines and
     child processes to a removed folder, and its binding would bind them too."""
@@ -189,7 +191,7 @@ class Engine:
         if _USER_RPC_PATH is None:
             self._ipc = engine_ipc.create()
             env["VLLM_RPC_BASE_PATH"] = self._ipc.path
-        with _environment(env):
+        with engine_environment(env):
             self._llm = AsyncLLM.from_engine_args(args)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         await self._llm.update_weight_version(str(self.version))

@@ -17,7 +17,7 @@ def test_valid_values_are_taken_by_the_rollout_and_the_stack(cpus: str) -> None:
     assert StackConfig(engine_cpus=cpus).engine_cpus == cpus
 
 
-@pytest.mark.parametrize("cpus", ["", "all", "0-", "-3", "0,,1", "0 1", "nobind"])
+@pytest.mark.parametrize("cpus", ["", "all", "0-", "-3", "3-1", "0,,1", "0 1", "nobind"])
 def test_other_values_are_refused_by_name(cpus: str) -> None:
     for make in (RolloutConfig, StackConfig):
         with pytest.raises(ValueError, match="engine_cpus") as raised:
@@ -31,9 +31,9 @@ def test_each_value_asks_vllm_for_its_binding() -> None:
     assert engine.cpu_binding_env("2-5,7") == {"VLLM_CPU_OMP_THREADS_BIND": "2-5,7"}
 
 
-def test_the_environment_is_restored_after_the_engine_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_start_environment_is_set_then_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    with engine._environment({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_RPC_BASE_PATH": "/run/x"}):
+    with engine.engine_environment({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_RPC_BASE_PATH": "/run/x"}):
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and os.environ["VLLM_RPC_BASE_PATH"] == "/run/x"
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "VLLM_RPC_BASE_PATH" not in os.environ

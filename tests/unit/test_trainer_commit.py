@@ -253,3 +253,42 @@ def test_a_version_whose_preparation_failed_is_published_when_the_trainer_goes_i
                 assert ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "ckpt"))[1]["step"] == 1  # type: ignore[arg-type]
 
     asyncio.run(body())
+
+
+def test_an_older_publish_failing_later_does_not_hide_a_newer_unpublished_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version 1's publish is still retrying (weightsync down) when version 2's weights
+    cannot be taken; version 1's publish then gives up. The idle trainer must still send
+    version 2, the one it holds: the later failure of the older publish must not replace
+    the newer version as the one to send again."""
+    import dataclasses
+
+    from meridian.stack import free_port
+    from meridian.tensors import weights_hash
+    from services.trainer import commit
+
+    monkeypatch.setattr(commit, "PUBLISH_RETRY_S", (1.5,))  # long enough to still be retrying at version 2
+
+    async def body() -> None:
+        streams = MemoryStreams()
+        async with serving(WeightSyncService(WeightSyncConfig(role="origin", data_dir=str(tmp_path / "ws")))) as address:
+            t = Trainer(streams, address, tmp_path / "ckpt", FailingOnceLearner(fail_at=2), checkpoint_every=100)
+            for name in ("g1", "g2"):
+                await t.transport.publish_group(_group(name))
+            await t.start()
+            live = t.committer.config
+            t.committer.config = dataclasses.replace(live, weightsync=f"127.0.0.1:{free_port()}")  # down
+            for _ in range(2):  # no flush: version 1's publish is still retrying during version 2's commit
+                await t.consumer.poll(10, 0)
+                taken = t.consumer.take(1)
+                result = t.learner.step([list(g.trajectories) for _, g in taken])
+                t.consumer.trained_on(taken)
+                await t.committer.commit(trainer_pb2.StepMetrics(step=result.step, policy_version=t.learner.version), trace.INVALID_SPAN)
+            assert t.committer._publishing is not None and not t.committer._publishing.done(), "version 1's publish should still be retrying"
+            await t.committer.flush()  # version 1's publish gives up now, after version 2 was marked
+            t.committer.config = dataclasses.replace(live, checkpoint_idle_s=0.0)  # back up
+            await t.committer.idle()
+            await t.committer.flush()
+            assert await weightsync.latest_version(address) == 2
+            assert (await weightsync.manifest(address, 2)).weights_hash == weights_hash(t.learner.policy_weights())
+
+    asyncio.run(body())
