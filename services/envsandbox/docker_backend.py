@@ -1,6 +1,6 @@
 """The Docker backend: one container per sandbox through the Docker SDK.
 
-Each container: no network, read-only root, tmpfs workspace and /tmp (the disk cap),
+Each container: no network, read-only root, tmpfs workspace and /tmp (the disk cap) and /dev/shm,
 memory (no swap; the sandbox's memory plus the tmpfs mounts' room, which their pages
 take from the container's cgroup: see memory_limit), pids and CPU limits, every
 capability dropped, no-new-privileges, the
@@ -43,7 +43,7 @@ from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Una
 from services.envsandbox import docker_stream, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import instance_name, process_start_time
 from services.envsandbox.sandbox import (
-    COPY_WALL_S, SANDBOX_UID, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain, tmpfs_charge, tmpfs_inodes,
+    COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain, tmpfs_charge, tmpfs_inodes,
 )
 
 UID_POOL = 4096
@@ -129,11 +129,12 @@ def tmp_bytes(limits: Limits) -> int:
 
 def memory_limit(limits: Limits) -> int:
     """A sandbox container's memory limit (and memory + swap limit: no swap): ``memory_bytes``
-    for its processes plus the room of its two tmpfs mounts. Their pages and inodes are
-    charged to the container's cgroup as the sandbox writes them, so without that room a
-    full disk left its commands no memory: they, and the file helper that serves
-    ReadFiles, WriteFiles and RunTests from inside the container, were OOM-killed."""
-    return limits.memory_bytes + tmpfs_charge(limits.disk_bytes) + tmpfs_charge(tmp_bytes(limits))
+    for its processes plus the room of its three tmpfs mounts (workspace, /tmp, /dev/shm).
+    Their pages and inodes are charged to the container's cgroup as the sandbox writes
+    them, so without that room a full disk (or a full /dev/shm) left its commands no
+    memory: they, and the file helper that serves ReadFiles, WriteFiles and RunTests from
+    inside the container, were OOM-killed."""
+    return limits.memory_bytes + tmpfs_charge(limits.disk_bytes) + tmpfs_charge(tmp_bytes(limits)) + tmpfs_charge(SHM_BYTES)
 
 
 def _instance_alive(name: str) -> bool:
@@ -218,7 +219,16 @@ class DockerBackend(Backend):
                 tmpfs={
                     "/workspace": f"size={limits.disk_bytes},nr_inodes={tmpfs_inodes(limits.disk_bytes)},mode=0755,uid={uid},gid={uid}",
                     "/tmp": f"size={tmp_size},nr_inodes={tmpfs_inodes(tmp_size)},mode=1777",
+                    # Instead of Docker's own /dev/shm (64 MiB, no inode cap, outside the
+                    # memory limit's room): filled with bytes and empty files it took the
+                    # whole limit, and every later command and file operation was killed.
+                    "/dev/shm": f"size={SHM_BYTES},nr_inodes={tmpfs_inodes(SHM_BYTES)},mode=1777",
                 },
+                # The container keeps one IPC namespace for all its execs: without this a
+                # System V segment outlives the command that made it (and kill_all), its
+                # pages still charged to the container, so one exec could take the memory
+                # of every later one. With it a segment goes when no process holds it.
+                sysctls={"kernel.shm_rmid_forced": "1"},
                 mem_limit=memory,
                 memswap_limit=memory,
                 pids_limit=limits.max_pids,

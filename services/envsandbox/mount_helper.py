@@ -11,7 +11,9 @@ Standard library only.
 Each sandbox root ``<mount dir>/<id>`` is a size-capped tmpfs (the disk cap: workspace and
 /tmp live in it) holding read-only binds of the host's /usr, a minimal /etc (no shadow
 file; a passwd entry per sandbox uid), a /dev with null, zero, full, random and urandom
-only, and the launcher at ``/.meridian/sandbox-exec`` (read-only, owned by root).
+only, a /dev/shm (a small tmpfs of its own, writable by all, like Docker's: POSIX shared
+memory and semaphores, Python's multiprocessing locks among them, need it), and the
+launcher at ``/.meridian/sandbox-exec`` (read-only, owned by root).
 """
 from __future__ import annotations
 
@@ -85,6 +87,7 @@ class Helper:
 
     def _build_dev(self) -> None:
         os.mkdir(self.dev, 0o755)
+        os.mkdir(os.path.join(self.dev, "shm"), 0o755)  # each sandbox mounts its own tmpfs on it
         for name, (major, minor) in DEVICES.items():
             path = os.path.join(self.dev, name)
             os.mknod(path, 0o666 | 0o020000, os.makedev(major, minor))
@@ -93,7 +96,7 @@ class Helper:
         for i, name in enumerate(("stdin", "stdout", "stderr")):
             os.symlink(f"/proc/self/fd/{i}", os.path.join(self.dev, name))
 
-    def create(self, sandbox_id: str, disk_bytes: int, inodes: int, uid: int) -> dict:
+    def create(self, sandbox_id: str, disk_bytes: int, inodes: int, uid: int, shm_bytes: int, shm_inodes: int) -> dict:
         if uid not in self.uids:
             raise ValueError(f"uid {uid} is outside the sandbox uid range")
         root = os.path.join(self.dir, sandbox_id)
@@ -116,6 +119,7 @@ class Helper:
             bind_readonly(self.etc, os.path.join(root, "etc"))
             mount(self.dev, os.path.join(root, "dev"), None, MS_BIND)
             mount(None, os.path.join(root, "dev"), None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+            mount("shm", os.path.join(root, "dev", "shm"), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={shm_bytes},nr_inodes={shm_inodes},mode=1777")
             os.chmod(os.path.join(root, "tmp"), 0o1777)
             os.chown(os.path.join(root, "workspace"), uid, uid)
         except BaseException:

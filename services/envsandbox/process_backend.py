@@ -43,7 +43,7 @@ from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Una
 from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
 from services.envsandbox.sandbox import (
-    COPY_WALL_S, SANDBOX_UID, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, pump_process, tmpfs_charge, tmpfs_inodes,
+    COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, pump_process, tmpfs_charge, tmpfs_inodes,
 )
 from services.envsandbox.spawn import SpawnedProcess, spawn
 
@@ -185,11 +185,14 @@ class ProcessBackend(Backend):
         self._uid[sandbox_id] = self._free_uids.pop()
         self._procs[sandbox_id] = []
         self._running[sandbox_id] = set()
-        await self._helper_call("create", sandbox_id=sandbox_id, disk_bytes=limits.disk_bytes, inodes=inodes, uid=self._uid[sandbox_id])
-        # The sandbox root tmpfs (workspace and /tmp) is charged to this cgroup as the
-        # sandbox fills it: its room comes on top of the memory, or a full disk would leave
-        # the sandbox's commands (the tests included) no memory at all.
-        memory = limits.memory_bytes + tmpfs_charge(limits.disk_bytes)
+        await self._helper_call(
+            "create", sandbox_id=sandbox_id, disk_bytes=limits.disk_bytes, inodes=inodes, uid=self._uid[sandbox_id],
+            shm_bytes=SHM_BYTES, shm_inodes=tmpfs_inodes(SHM_BYTES),
+        )
+        # The sandbox root tmpfs (workspace and /tmp) and its /dev/shm are charged to this
+        # cgroup as the sandbox fills them: their room comes on top of the memory, or a full
+        # disk would leave the sandbox's commands (the tests included) no memory at all.
+        memory = limits.memory_bytes + tmpfs_charge(limits.disk_bytes) + tmpfs_charge(SHM_BYTES)
         procs = self._cgroups.create(sandbox_id, CgroupLimits(memory, limits.max_pids, limits.cpus))
         self._procs[sandbox_id] = procs
 

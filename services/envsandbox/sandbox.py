@@ -65,6 +65,13 @@ def tmpfs_charge(size_bytes: int) -> int:
     return size_bytes + tmpfs_inodes(size_bytes) * TMPFS_INODE_BYTES
 
 
+#: The size of a sandbox's /dev/shm, a tmpfs of its own on both backends (POSIX shared
+#: memory and semaphores: Python's multiprocessing locks live there). Its room, like every
+#: writable tmpfs's, comes on top of memory_bytes (tmpfs_charge): filled, it would otherwise
+#: leave the sandbox's commands and the service's helpers no memory.
+SHM_BYTES = 16 << 20
+
+
 #: The longest one workspace copy of a Fork may take, on either backend (a workspace holds
 #: at most LimitCaps.disk_bytes).
 COPY_WALL_S = 300.0
@@ -97,6 +104,7 @@ class Limits:
     ``memory_bytes``, and a sandbox whose disk is not full may use up to that much more
     memory. The Docker backend's /tmp is a tmpfs of its own beside the workspace
     (``docker_backend.tmp_bytes``); the process backend's workspace and /tmp share one.
+    Both backends' /dev/shm is one more (:data:`SHM_BYTES`), counted the same way.
     """
 
     memory_bytes: int = 512 * 1024 * 1024
@@ -119,7 +127,7 @@ class LimitCaps:
     answer INVALID_ARGUMENT, so one request cannot take the machine. A sandbox's memory
     cgroup limit is its memory plus what its tmpfs mounts can hold (see :class:`Limits`),
     so these caps bound it too: at most ``memory_bytes`` plus :func:`tmpfs_charge` of
-    ``disk_bytes`` (and, on Docker, of its /tmp)."""
+    ``disk_bytes`` and of :data:`SHM_BYTES` (and, on Docker, of its /tmp)."""
 
     memory_bytes: int = 4 << 30
     max_pids: int = 1024

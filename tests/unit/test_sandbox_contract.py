@@ -1184,6 +1184,64 @@ def test_a_full_disk_leaves_the_sandbox_its_memory(env: tuple[Loop, SandboxManag
     loop.run(main())
 
 
+#: Makes System V shared memory segments of 32 MiB, touching each (attached one at a time:
+#: the process backend caps address space), and leaves them behind: a GiB if nothing
+#: removes them, so the memory limit OOM-kills it on the way.
+SYSV_SEGMENTS = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+size = 32 << 20
+for _ in range(32):
+    shmid = libc.shmget(0, ctypes.c_size_t(size), 0o1600)
+    assert shmid >= 0, ctypes.get_errno()
+    addr = libc.shmat(shmid, None, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    ctypes.memset(addr, 1, size)
+    libc.shmdt(ctypes.c_void_p(addr))
+"""
+
+
+def test_shared_memory_works_and_never_takes_the_sandboxs_memory(env: tuple[Loop, SandboxManager]) -> None:
+    """/dev/shm is a small tmpfs of the sandbox's own on both backends (multiprocessing's
+    locks need it: the process backend once had none, and `multiprocessing.Lock()` failed),
+    and its room comes on top of the memory like the workspace's. Docker's default one (64
+    MiB, no inode cap) once took the whole memory limit when filled with bytes and empty
+    files, so the filler, the next command, the file helper and the tests were killed. A
+    System V segment left by a command dies with it (on Docker the container's IPC
+    namespace outlives every exec: a segment filled up to the memory limit stayed,
+    charged, and the next command's 48 MiB was OOM-killed)."""
+    loop, m = env
+    task = TaskSuite.builtin().get("python/add")
+    limits = Limits(memory_bytes=64 << 20, max_pids=64, disk_bytes=64 << 20, wall_seconds=60)
+    lock = "import multiprocessing as mp\nmp.Lock()\nprint('locked')\n"
+    fill = "cat /dev/zero > /dev/shm/fill 2>/dev/null; i=0; while true 2>/dev/null > /dev/shm/f$i; do i=$((i+1)); done"
+    hold = "import os\nheld = b'x' * (48 << 20)\nst = os.statvfs('/dev/shm')\nprint(st.f_bfree, st.f_ffree, len(held) >> 20)\n"
+
+    async def main() -> None:
+        box = await m.create(task=task, files={p: c.encode() for p, c in task.reference.items()}, limits=limits)
+        sid = box.sandbox_id
+        try:
+            out, err, res = await run(m, sid, ["python3", "-c", lock], timeout_s=60)
+            assert res.exit_code == 0 and out == b"locked\n", (res, err)
+            _, err, res = await sh(m, sid, fill, timeout_s=60)
+            assert res.signal == 0 and not res.oom_killed, (res, err)
+            _, err, res = await run(m, sid, ["python3", "-c", SYSV_SEGMENTS], timeout_s=60)
+            # Either OOM-killed on the way (a GiB in all), its segments as full as they got,
+            # or done, where a segment goes as soon as nothing holds it (Docker's sysctl).
+            assert not res.timed_out, (res, err)
+            out, err, res = await run(m, sid, ["python3", "-c", hold], timeout_s=60)
+            assert res.exit_code == 0 and not res.oom_killed, (res, err)
+            assert out.split() == [b"0", b"0", b"48"], out  # /dev/shm full (bytes and inodes), the memory held
+            assert (await m.read_files(sid, ["solution.py"]))["solution.py"] == task.reference["solution.py"].encode()
+            outcome, _, output = await m.run_tests(sid)
+            assert outcome.reward == 1.0, output
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
 @pytest.mark.parametrize("attack", list(MODE_ATTACKS))
 def test_run_tests_scores_whatever_modes_the_sandbox_left(env: tuple[Loop, SandboxManager], attack: str) -> None:
     """After the sandbox changed the modes of its own workspace (or tried to remove or
