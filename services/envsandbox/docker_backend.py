@@ -1,15 +1,16 @@
 """The Docker backend: one container per sandbox through the Docker SDK.
 
-Each container: no network, read-only root, tmpfs workspace and /tmp (the disk cap) and /dev/shm,
-memory (no swap; the sandbox's memory plus the tmpfs mounts' room, which their pages
-take from the container's cgroup: see memory_limit), pids and CPU limits, every
-capability dropped, no-new-privileges, the
-seccomp policy of seccomp_policy.py (as a Docker profile), an unprivileged uid of its own
-from a pool (no per-uid kernel state shared between sandboxes) for every command, another
-one (KEEPER_UID) for the container's init and keep-alive, which sandbox code can then
-neither trace, write nor signal, and a label naming this service instance. A restarted service removes every container labelled by an instance
-that no longer runs. When an exec ends (and before RunTests) every process in the
-container but its init is killed, and the sweep checks that none is left.
+Each container: no network, read-only root, tmpfs workspace and /tmp (the disk cap) and
+/dev/shm, memory (no swap; the sandbox's memory plus the tmpfs mounts' room, which their
+pages take from the container's cgroup: see memory_limit), pids and CPU limits, every
+capability dropped, no-new-privileges, the seccomp policy of seccomp_policy.py (as a
+Docker profile), an unprivileged uid of its own from a pool (no per-uid kernel state
+shared between sandboxes) for every command, another one (KEEPER_UID, the same for every
+container on the host) for the container's init and keep-alive, which sandbox code can
+then neither trace, write nor signal, and a label naming this service instance. A
+restarted service removes every container labelled by an instance that no longer runs.
+When an exec ends (and before RunTests) every process in the container but its init and
+keep-alive is killed, and the sweep checks that none is left.
 
 The workspace is a tmpfs, which ``docker cp`` cannot reach, so file operations run
 ``workspace_files`` inside the container (python3 is in the image) over an exec's stdin,
@@ -381,7 +382,8 @@ class DockerBackend(Backend):
         """Ends an exec :meth:`_start_exec` started: kills its processes when asked (after
         closing its stdin and waiting up to ``grace_s`` for it to end by itself), closes its
         socket, and, when no other exec runs in the sandbox, sweeps every process of it but
-        the container's init (as in the process backend, nothing an exec started outlives it)."""
+        the container's init and keep-alive (as in the process backend, nothing an exec
+        started outlives it)."""
         if kill and grace_s > 0:
             with contextlib.suppress(OSError):
                 raw.shutdown(socket.SHUT_WR)
@@ -478,7 +480,7 @@ class DockerBackend(Backend):
         )
 
     def _sweep(self, sandbox_id: str) -> bool:
-        """Kills every process of the container but its init; True once none is left."""
+        """Kills every process of the container but its init and keep-alive; True once none is left."""
         keep = self._keep.get(sandbox_id)
         if not keep:
             return True

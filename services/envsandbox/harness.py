@@ -127,9 +127,11 @@ def one_line(text: str) -> str:
 
     Lone surrogates are escaped first. A child can report any string (an exception
     message, a value's repr), and this process's stdout writes U+DC80..U+DCFF back as
-    raw bytes (surrogateescape): ``\\udcc2\\udc85`` would reach the service as the bytes
-    C2 85, which decode to NEL, a line break to ``str.splitlines()`` though not
-    whitespace to ``str.split()``, so one FAIL line could carry forged PASS lines."""
+    raw bytes (surrogateescape): ``\\udcc2\\udc85``, two lone surrogates that are no
+    whitespace to ``str.split()`` here, would reach the service as the bytes C2 85,
+    which it decodes to NEL, a line break to ``str.splitlines()``, so one FAIL line
+    could carry forged PASS lines. (A real NEL is whitespace to ``str.split()`` and is
+    folded into a space here.)"""
     safe = str(text).encode("utf-8", "backslashreplace").decode("utf-8")
     return " ".join(safe.split())[:300]
 

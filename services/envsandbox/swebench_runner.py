@@ -23,8 +23,9 @@ few lines at the top of a module the tests import, which walk the stack for the 
 write a passing verdict on the runner's private copy of stdout and exit, score every
 sample instance 1. So can a value whose ``__eq__`` is always true, against tests that
 compare with ``==``. Blind writes to inherited descriptors do not (no nonce), and
-nothing reaches P or the hidden files; only tests that compare values outside C (as
-the built-in harness's checks do) would close this.
+nothing reaches P's memory. The hidden files are not out of reach: C holds every one of
+them in the same interpreter as the code under test, which can read them. Only tests
+that compare values outside C (as the built-in harness's checks do) would close this.
 """
 import ctypes
 import json
@@ -54,6 +55,8 @@ FILES = _req["files"]
 
 
 def one_line(text):
+    # No surrogate escaping needed here: C's line is json.dumps output (ASCII, a lone
+    # surrogate written as \\udcXX), and P's one_line escapes the reason it prints.
     return " ".join(str(text).split())[:300]
 
 
