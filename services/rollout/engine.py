@@ -60,6 +60,7 @@ def cpu_binding_env(cpus: str) -> dict[str, str]:
         return {}
     return {"VLLM_CPU_OMP_THREADS_BIND": "nobind" if cpus == "none" else cpus}
 
+
 PRIORITY_PRODUCTION = 0
 PRIORITY_RL = 1
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import shutil
 import socket
@@ -625,6 +626,29 @@ def _alive_stamps(loop: Loop, m: SandboxManager, sid: str) -> tuple[bytes, bytes
     return first, second
 
 
+def test_no_descriptor_the_service_inherited_reaches_a_command(env: tuple[Loop, SandboxManager]) -> None:
+    """A descriptor the service inherited without close-on-exec (from whatever started it:
+    a supervisor's socket, a pipe) is not open in a sandboxed command: the command has
+    stdin, stdout and stderr only (the process backend's launcher closes the rest)."""
+    loop, m = env
+    read_end, write_end = os.pipe()
+    leaked = 200
+    os.dup2(write_end, leaked)  # inheritable, as a descriptor from the service's parent would be
+    try:
+        box = loop.run(m.create())
+        try:
+            script = "import json, os; print(json.dumps(sorted(int(fd) for fd in os.listdir('/proc/self/fd') if os.path.exists(f'/proc/self/fd/{fd}'))))"
+            out, err, res = loop.run(run(m, box.sandbox_id, ["python3", "-c", script]))
+            assert res.exit_code == 0, (res, err)
+            # 0, 1, 2, and the folder listdir opened (it is closed by the time exists() runs).
+            assert json.loads(out) == [0, 1, 2], out
+        finally:
+            loop.run(m.close(box.sandbox_id))
+    finally:
+        for fd in (read_end, write_end, leaked):
+            os.close(fd)
+
+
 def test_nothing_outlives_its_exec(pair) -> None:  # type: ignore[no-untyped-def]
     """A process that leaves its session (setsid) is gone when the exec returns: after a
     normal exit and after a timeout alike."""
@@ -1150,6 +1174,15 @@ def test_a_sandbox_that_fills_its_workspace_scores_0_not_an_error(env: tuple[Loo
     loop.run(main())
 
 
+async def _reads_and_scores_its_reference(m: SandboxManager, sid: str, task: Any) -> None:
+    """The sandbox, holding ``task``'s reference solution, still serves ReadFiles (the file
+    as written) and RunTests (a full reward): nothing it did took the file helper's or the
+    tests' memory."""
+    assert (await m.read_files(sid, ["solution.py"]))["solution.py"] == task.reference["solution.py"].encode()
+    outcome, _, output = await m.run_tests(sid)
+    assert outcome.reward == 1.0, output
+
+
 def test_a_full_disk_leaves_the_sandbox_its_memory(env: tuple[Loop, SandboxManager]) -> None:
     """memory_bytes is what a sandbox's processes may use and disk_bytes what its files may
     take: one must not eat the other. Tmpfs pages (and a tmpfs's inodes) are charged to the
@@ -1179,9 +1212,7 @@ def test_a_full_disk_leaves_the_sandbox_its_memory(env: tuple[Loop, SandboxManag
             assert res.exit_code == 0 and not res.oom_killed, (res, err)
             filled, held = (int(n) for n in out.split())
             assert filled >= 48 and held == 48, out  # the workspace is (about) full, the memory held
-            assert (await m.read_files(sid, ["solution.py"]))["solution.py"] == task.reference["solution.py"].encode()
-            outcome, _, output = await m.run_tests(sid)
-            assert outcome.reward == 1.0, output
+            await _reads_and_scores_its_reference(m, sid, task)
         finally:
             await m.close(sid)
 
@@ -1237,9 +1268,7 @@ def test_shared_memory_works_and_never_takes_the_sandboxs_memory(env: tuple[Loop
             out, err, res = await run(m, sid, ["python3", "-c", hold], timeout_s=60)
             assert res.exit_code == 0 and not res.oom_killed, (res, err)
             assert out.split() == [b"0", b"0", b"48"], out  # /dev/shm full (bytes and inodes), the memory held
-            assert (await m.read_files(sid, ["solution.py"]))["solution.py"] == task.reference["solution.py"].encode()
-            outcome, _, output = await m.run_tests(sid)
-            assert outcome.reward == 1.0, output
+            await _reads_and_scores_its_reference(m, sid, task)
         finally:
             await m.close(sid)
 

@@ -5,7 +5,10 @@
  * turns itself into the sandboxed command, in this order:
  *
  *   1. read the seccomp program (classic BPF, built by seccomp_policy.py) from fd 3
- *      and close that fd, so nothing of it is left for the command;
+ *      and close that fd, so nothing of it is left for the command; then close every
+ *      other descriptor but stdin, stdout and stderr: the service's own are close-on-exec,
+ *      but one it inherited without that flag (from whatever started it) would otherwise
+ *      reach every sandboxed command, a pipe or socket of the host's;
  *   2. name the host: sethostname("sandbox") in the new UTS namespace;
  *   3. resource limits (address space, CPU seconds, file size, open files, no core);
  *   4. empty the capability bounding set and the ambient set while still root;
@@ -142,6 +145,19 @@ static unsigned short read_filter(int fd) {
     return (unsigned short)(got / sizeof(struct sock_filter));
 }
 
+/* Closes every descriptor from 3 up. close_range(2) where the kernel has it (5.9 and
+   later); otherwise one close per number the open-file limit allows, which on such a
+   kernel is what bounds the numbers a descriptor can have. */
+static void close_inherited(void) {
+#ifdef SYS_close_range
+    if (syscall(SYS_close_range, 3U, ~0U, 0) == 0) return;
+    if (errno != ENOSYS) die("close_range");
+#endif
+    struct rlimit r;
+    if (getrlimit(RLIMIT_NOFILE, &r) != 0) die("getrlimit(RLIMIT_NOFILE)");
+    for (rlim_t fd = 3; fd < r.rlim_cur && fd < (rlim_t)1 << 30; fd++) close((int)fd);
+}
+
 static rlim_t number(const char *text, const char *what) {
     char *end = NULL;
     errno = 0;
@@ -184,8 +200,9 @@ int main(int argc, char **argv) {
     if (i >= argc) usage("no command after --");
     if (uid == 0 || gid == 0) usage("--uid and --gid must name an unprivileged user");
 
-    /* 1. the seccomp program */
+    /* 1. the seccomp program, then no descriptor but 0, 1 and 2 */
     struct sock_fprog prog = {read_filter(3), filter};
+    close_inherited();
 
     /* 2. a host name of our own (the UTS namespace is the sandbox's) */
     if (sethostname(hostname, strlen(hostname)) != 0) die("sethostname");
