@@ -47,7 +47,7 @@ class StackConfig:
     link_mbit_s: float = opt(100.0, "bandwidth of each emulated inter-region link, Mbit/s per direction (0: unlimited)")
     link_latency_ms: float = opt(50.0, "one-way latency of each emulated inter-region link, ms")
     sign_versions: bool = opt(True, "the trainer signs every policy version with the credentials' signing key; the weightsync origin, relays and rollouts refuse versions it did not sign")
-    engine_cpus: str = opt("none", "every rollout's --engine-cpus: 'none' leaves their engines unbound, as every service of the stack shares this host (vLLM's 'auto' binds each engine to the same cores)")
+    engine_cpus: str = opt("auto", "every rollout's --engine-cpus: 'auto' (vLLM's binding), 'none' (unbound) or a CPU list")
 
     def __post_init__(self) -> None:
         from services.rollout.engine import check_engine_cpus

@@ -50,11 +50,10 @@ def cpu_binding_env(cpus: str) -> dict[str, str]:
     for 'auto': vLLM's own, or what the user exported).
 
     vLLM's CPU backend binds its worker's OpenMP threads, the worker's main thread among
-    them, to the cores of one NUMA node less one it keeps for the scheduler: core 0 alone
-    on a two-core host. Every engine on a host picks the same cores, so two rollouts on
-    one host (the local stack's regions, two compose regions) share one core while the
-    others idle, and a worker started beside a busy one crawls: here a tiny model's engine
-    started in 131 s unbound and had not started after 420 s bound, beside a running one."""
+    them, to the cores of one NUMA node less one it keeps for the scheduler (core 0 alone
+    on a two-core host), the same cores for every engine on a host: engines sharing a
+    host need lists of their own to stay apart. Unbound, a worker runs one OpenMP thread
+    per core the process may use, whatever else runs there."""
     check_engine_cpus(cpus)
     if cpus == "auto":
         return {}

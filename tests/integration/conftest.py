@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, otlp: Otlp
     keys = run_dir / "caller-classes.json"
     keys.write_text(json.dumps(CALLER_KEYS))
     # A large step size so one update visibly moves the tiny model's outputs.
-    extra = {"trainer": ["--lr", "1e-2", "--max-grad-norm", "0"], "rollout": ["--caller-classes", str(keys)]}
+    # The rollout's engine on the last CPU this process may use, which vLLM's own binding
+    # (the first cores) never picks alone: test_rollout checks the worker is bound there.
+    last_cpu = str(max(os.sched_getaffinity(0)))
+    extra = {"trainer": ["--lr", "1e-2", "--max-grad-norm", "0"], "rollout": ["--caller-classes", str(keys), "--engine-cpus", last_cpu]}
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     with started_stack(config, extra, env) as running:
         yield running

@@ -54,19 +54,22 @@ def _cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def test_the_stacks_engine_threads_are_not_bound_to_the_cores_every_engine_picks(stack: stack_mod.Stack) -> None:
-    """The stack runs its rollouts with --engine-cpus none: every thread of the engine's
-    processes (vLLM's engine core and worker, the worker's OpenMP threads) may run on every
-    CPU the rollout may. vLLM's own binding pins the worker to one NUMA node's cores but
-    one (core 0 alone on two cores), the same cores for every engine on the host."""
+def test_the_engine_runs_on_the_cpus_its_rollout_was_given(stack: stack_mod.Stack) -> None:
+    """The shared stack gives its rollout --engine-cpus <last CPU> (tests/integration/conftest.py).
+    Read from the kernel: the engine's worker has every thread on that CPU, and no thread
+    of the engine's processes is bound anywhere else (the others are unbound). vLLM's own
+    binding would put the worker on the first cores."""
     rollout = stack.pids["rollout"]
     allowed = os.sched_getaffinity(rollout)
+    argv = stack.argv["rollout"]
+    wanted = _cpu_list(argv[len(argv) - 1 - argv[::-1].index("--engine-cpus") + 1])
     if len(allowed) < 2:
-        pytest.skip("one CPU: no binding can narrow it")
-    members = [pid for pid in stack_mod.group_members(rollout) if pid != rollout]
-    assert members, "the engine's processes are in the rollout's process group"
-    bound = {pid: {tid: cpus for tid, cpus in _thread_cpus(pid).items() if cpus != allowed} for pid in members}
-    assert not any(bound.values()), f"engine threads bound to fewer CPUs than the rollout's {sorted(allowed)}: {bound}"
+        pytest.skip("one CPU: every binding is the same")
+    threads = {pid: _thread_cpus(pid) for pid in stack_mod.group_members(rollout) if pid != rollout}
+    workers = [pid for pid, cpus in threads.items() if cpus and all(c <= wanted for c in cpus.values())]
+    assert workers, f"no engine process runs on {sorted(wanted)} alone: {threads}"
+    elsewhere = {pid: {tid: c for tid, c in cpus.items() if not c <= wanted and c != allowed} for pid, cpus in threads.items()}
+    assert not any(elsewhere.values()), f"engine threads bound outside {sorted(wanted)}: {elsewhere}"
 
 
 def test_openai_chat_completion(stack: stack_mod.Stack) -> None:
