@@ -31,7 +31,7 @@ class RolloutConfig:
     max_model_len: int = opt(2048, "longest prompt + completion, tokens")
     kv_cache_gib: float = opt(1.0, "CPU KV cache size, GiB")
     seed: int = opt(0, "engine seed")
-    engine_cpus: str = opt("auto", "CPUs the engine's worker threads are bound to: 'auto' (vLLM's binding: one NUMA node's cores but one, for an engine with the host to itself), 'none' (unbound, for a host shared with other engines or services), or a CPU list such as '0-3,8'")
+    engine_cpus: str = opt("auto", "CPUs the engine's worker threads are bound to: 'auto' (vLLM's binding: one NUMA node's cores but one, the same for every engine on a host), 'none' (unbound: one OpenMP thread per CPU this process may use), or a CPU list such as '0-3,8' (engines sharing a host: a list of their own each)")
     update_policy: str = opt("finish", "requests in flight during a weight update: 'finish' on the old weights, or 'pause' and continue on the new")
     weight_apply: str = opt("delta", "how a version reaches the engine: 'delta' (changed elements, in place; 'full' when the engine's loader cannot be followed element-wise) or 'full' (every tensor through vLLM's reload)")
     canary_mean_tolerance: float = opt(0.15, "reject a version whose canary log-probs differ from the trainer's by more than this many nats per token on average")
