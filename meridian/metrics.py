@@ -102,6 +102,7 @@ TRAINER_STALE = _spec("meridian_trainer_stale_samples_total", "counter", "sample
 TRAINER_FLAT = _spec("meridian_trainer_dropped_groups_total", "counter", "groups skipped because all their rewards were equal")
 TRAINER_DEAD = _spec("meridian_trainer_dead_lettered_total", "counter", "stream entries moved to the dead-letter stream (malformed, untrainable, or a batch whose step kept failing)")
 TRAINER_SKIPPED = _spec("meridian_trainer_skipped_steps_total", "counter", "steps whose optimizer update was skipped for a non-finite loss or gradient norm")
+TRAINER_GAVE_UP = _spec("meridian_trainer_publishes_given_up_total", "counter", "publishes that gave up (the weights could not be prepared, or weightsync was unreachable for every retry); the version is sent again later")
 TRAINER_DUPLICATES = _spec("meridian_trainer_duplicates_skipped_total", "counter", "deliveries of a group already trained on or held")
 TRAINER_STEP_SECONDS = _spec(
     "meridian_trainer_step_seconds", "histogram", "time per training step, by phase (learn: the learner's step; commit: the loop's wait for weights, canary and checkpoint copy; publish: the background publish)",
@@ -375,6 +376,7 @@ def trainer_values(status: Any, stream_entries: int, stream_pending: int) -> lis
         value(TRAINER_STALE, status.downweighted_stale_total, action="downweighted"),
         value(TRAINER_FLAT, status.dropped_groups_total),
         value(TRAINER_SKIPPED, status.skipped_steps_total),
+        value(TRAINER_GAVE_UP, status.publishes_given_up_total),
         value(TRAINER_DEAD, status.dead_lettered),
         value(TRAINER_DUPLICATES, status.duplicates_skipped),
         value(TRAINER_CHECKPOINT, status.checkpoint_step),

@@ -72,7 +72,7 @@ class StepMetrics(_message.Message):
     def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., trajectories: _Optional[int] = ..., groups: _Optional[int] = ..., step_seconds: _Optional[float] = ..., grad_norm: _Optional[float] = ..., dropped_stale: _Optional[int] = ..., downweighted_stale: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., pass_rate: _Optional[float] = ..., policy_lag_mean: _Optional[float] = ..., policy_lag_max: _Optional[int] = ..., published: _Optional[bool] = ..., weightsync_raw_bytes: _Optional[int] = ..., weightsync_encoded_bytes: _Optional[int] = ..., lr: _Optional[float] = ..., stepped: _Optional[bool] = ..., tis_weight_mean: _Optional[float] = ..., kl: _Optional[float] = ..., peak_rss_mb: _Optional[float] = ..., commit_seconds: _Optional[float] = ..., publish_seconds: _Optional[float] = ..., trajectories_by_region: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("step", "policy_version", "trajectories_consumed", "trajectories_pending", "recent_steps", "model", "dropped_stale_total", "downweighted_stale_total", "dead_lettered", "duplicates_skipped", "claimed", "checkpoint_step", "resumed_from_step", "dropped_groups_total", "skipped_steps_total")
+    __slots__ = ("step", "policy_version", "trajectories_consumed", "trajectories_pending", "recent_steps", "model", "dropped_stale_total", "downweighted_stale_total", "dead_lettered", "duplicates_skipped", "claimed", "checkpoint_step", "resumed_from_step", "dropped_groups_total", "skipped_steps_total", "publishes_given_up_total")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_CONSUMED_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class TrainerStatus(_message.Message):
     RESUMED_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     DROPPED_GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHES_GIVEN_UP_TOTAL_FIELD_NUMBER: _ClassVar[int]
     step: int
     policy_version: int
     trajectories_consumed: int
@@ -103,4 +104,5 @@ class TrainerStatus(_message.Message):
     resumed_from_step: int
     dropped_groups_total: int
     skipped_steps_total: int
-    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., trajectories_consumed: _Optional[int] = ..., trajectories_pending: _Optional[int] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., model: _Optional[str] = ..., dropped_stale_total: _Optional[int] = ..., downweighted_stale_total: _Optional[int] = ..., dead_lettered: _Optional[int] = ..., duplicates_skipped: _Optional[int] = ..., claimed: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resumed_from_step: _Optional[int] = ..., dropped_groups_total: _Optional[int] = ..., skipped_steps_total: _Optional[int] = ...) -> None: ...
+    publishes_given_up_total: int
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., trajectories_consumed: _Optional[int] = ..., trajectories_pending: _Optional[int] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., model: _Optional[str] = ..., dropped_stale_total: _Optional[int] = ..., downweighted_stale_total: _Optional[int] = ..., dead_lettered: _Optional[int] = ..., duplicates_skipped: _Optional[int] = ..., claimed: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., resumed_from_step: _Optional[int] = ..., dropped_groups_total: _Optional[int] = ..., skipped_steps_total: _Optional[int] = ..., publishes_given_up_total: _Optional[int] = ...) -> None: ...

@@ -292,7 +292,9 @@ class Committer:
 
     def _gave_up(self, version: int) -> None:
         """Marks ``version`` unpublished; an older version's publish failing later (it runs
-        in the background) must not hide a newer one that :meth:`_republish` would send."""
+        in the background) must not hide a newer one that :meth:`_republish` would send.
+        Counted: a failure that repeats shows only as a served version lagging the trainer's."""
+        self.progress.counters["publishes_given_up"] += 1
         if self._unpublished is None or self._unpublished[0] <= version:
             self._unpublished = (version, time.monotonic())
 

@@ -121,4 +121,5 @@ class TrainerService(pb_grpc.TrainerServicer):
             resumed_from_step=p.resumed_from_step,
             dropped_groups_total=c["dropped_groups"],
             skipped_steps_total=c["skipped_steps"],
+            publishes_given_up_total=c["publishes_given_up"],
         )

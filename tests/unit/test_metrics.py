@@ -269,8 +269,9 @@ def test_trainer_values_and_step_times() -> None:
     # The loss gauge is the last step that trained: a later one with nothing to train
     # (or a skipped one) reports loss 0 and leaves it.
     steps = [trainer_pb2.StepMetrics(step=1, loss=0.7, stepped=True), trainer_pb2.StepMetrics(step=2, loss=0.0, stepped=False)]
-    gauges = {v.spec.name: v.value for v in metrics.trainer_values(trainer_pb2.TrainerStatus(recent_steps=steps, skipped_steps_total=3), 0, 0)}
+    gauges = {v.spec.name: v.value for v in metrics.trainer_values(trainer_pb2.TrainerStatus(recent_steps=steps, skipped_steps_total=3, publishes_given_up_total=2), 0, 0)}
     assert gauges["meridian_trainer_loss"] == 0.7 and gauges["meridian_trainer_skipped_steps_total"] == 3
+    assert gauges["meridian_trainer_publishes_given_up_total"] == 2
 
     async def main() -> None:
         m = metrics.ServiceMetrics("trainer")
@@ -352,7 +353,7 @@ def test_status_protos_still_have_the_fields_the_mappings_read() -> None:
                                      "slo_attainment", "policy_version", "latest_published_version", "episodes_completed", "rl_trajectories_published",
                                      "updates_applied", "updates_rejected", "last_apply_ms"]),
         (trainer_pb2.TrainerStatus, ["step", "policy_version", "trajectories_consumed", "trajectories_pending", "dropped_stale_total",
-                                     "downweighted_stale_total", "dropped_groups_total", "skipped_steps_total", "dead_lettered", "duplicates_skipped", "checkpoint_step", "recent_steps"]),
+                                     "downweighted_stale_total", "dropped_groups_total", "skipped_steps_total", "publishes_given_up_total", "dead_lettered", "duplicates_skipped", "checkpoint_step", "recent_steps"]),
         (trainer_pb2.StepMetrics, ["step", "step_seconds", "commit_seconds", "publish_seconds", "published", "reward_mean", "pass_rate", "loss",
                                    "policy_lag_mean", "policy_lag_max"]),
         (weightsync_pb2.WeightSyncStatus, ["latest_version", "stored_bytes", "chunk_bytes_sent", "chunks_sent", "upstream_bytes", "upstream_versions", "chunk_fetches"]),

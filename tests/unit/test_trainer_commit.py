@@ -241,6 +241,7 @@ def test_a_version_whose_preparation_failed_is_published_when_the_trainer_goes_i
             await t.start()
             await t.train_one()  # its version's weights cannot be taken: nothing sent
             assert await weightsync.latest_version(address) == 0
+            assert t.progress.counters["publishes_given_up"] == 1  # what Status and the metrics report
             if not checkpoints:
                 assert t.consumer.unacked()  # a publish acks them: none went out
             t.committer.config = dataclasses.replace(t.committer.config, checkpoint_idle_s=0.0)
@@ -285,6 +286,7 @@ def test_an_older_publish_failing_later_does_not_hide_a_newer_unpublished_versio
                 await t.committer.commit(trainer_pb2.StepMetrics(step=result.step, policy_version=t.learner.version), trace.INVALID_SPAN)
             assert t.committer._publishing is not None and not t.committer._publishing.done(), "version 1's publish should still be retrying"
             await t.committer.flush()  # version 1's publish gives up now, after version 2 was marked
+            assert t.progress.counters["publishes_given_up"] == 2
             t.committer.config = dataclasses.replace(live, checkpoint_idle_s=0.0)  # back up
             await t.committer.idle()
             await t.committer.flush()
