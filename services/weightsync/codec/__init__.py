@@ -152,9 +152,18 @@ def encode_keyframe_chunk(new: np.ndarray, dtype: str, start: int, count: int, *
 
 _NO_INT = np.empty(0, np.int64)
 _NO_BOOL = np.empty(0, np.bool_)
-_NO_U8 = np.empty(0, np.uint8)
-_NO_COUNTS = np.zeros(256, np.int64)
 _NO_BITS = {name: np.empty(0, t) for name, t in DTYPES.items()}  # no context's bits
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+# "No index", read-only like every real index's arrays (see _make_index): numba compiles
+# one kernel per argument type, read-only flag included, and the format-3 decoder is the
+# slowest of them to compile (about 10 s per dtype from an empty cache).
+_NO_INDEX = (_read_only(np.empty(0, np.int64)), _read_only(np.empty(0, np.uint8)), _read_only(np.zeros(256, np.int64)))
 
 
 def _checked_context(context: ChunkChanges | None, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -728,7 +737,7 @@ def _decode_delta3(hdr: ChunkHeader, body: memoryview, out: np.ndarray, old: np.
     lo, hi = hdr.start, hdr.start + hdr.count
     has_ctx, ctx_pos, ctx_old, ctx_new = _decoder_context(hdr, context)
     if index is None:
-        has_idx, ipos, icls, icounts, ih, ifp, it = False, _NO_INT, _NO_U8, _NO_COUNTS, np.uint64(0), 0, 0
+        has_idx, (ipos, icls, icounts), ih, ifp, it = False, _NO_INDEX, np.uint64(0), 0, 0
     else:
         _check_index(index, hdr.dtype, lo, hdr.count)
         has_idx, ipos, icls, icounts = True, index.positions, index.classes, index.class_counts
