@@ -76,6 +76,10 @@ SHM_BYTES = 16 << 20
 #: at most LimitCaps.disk_bytes).
 COPY_WALL_S = 300.0
 
+#: How often RunTests kills the processes of its sandbox again while an exec that began
+#: before it is still at work (see SandboxManager._settle).
+SETTLE_POLL_S = 0.05
+
 #: Bounds on one exec request (Linux takes at most 128 KiB per argument or variable).
 MAX_ARG_BYTES = 64 * 1024
 MAX_ARGV_ENTRIES = 4096
@@ -187,10 +191,46 @@ class Sandbox:
     lease_s: float = 0.0
     renewed: float = 0.0  # the manager's clock (monotonic) at the last call or renewal
     in_use: int = 0  # calls running on it: a lease never lapses under one (a long test run)
+    #: RunTests runs on it: every call that could run code in it, change its files or read
+    #: or copy them (the hidden tests may be among them) is refused until RunTests returns.
+    testing: bool = False
+    #: Calls at work on it that RunTests must see end before its tests start: file
+    #: operations, a Fork's copies of it, and execs while the manager waits on the backend
+    #: (an exec whose process may not have started yet); ``execs`` counts those execs.
+    work: int = 0
+    execs: int = 0
+    #: Set while ``work`` is 0.
+    settled: asyncio.Event = dataclasses.field(default_factory=asyncio.Event, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.settled.set()
 
     def lease_lapsed(self, now: float) -> bool:
         """Whether the lease ran out by ``now`` (the manager's clock)."""
         return self.lease_s > 0 and self.in_use == 0 and now - self.renewed > self.lease_s
+
+    def refuse_while_testing(self) -> None:
+        """FAILED_PRECONDITION while RunTests runs on this sandbox."""
+        if self.testing:
+            raise FailedPrecondition(f"sandbox {self.sandbox_id}: its tests are running (RunTests); try again once they have returned")
+
+    def begin_work(self, is_exec: bool = False) -> None:
+        """A call begins work RunTests must wait for (refused while RunTests runs): checked
+        and counted in one step, with no await between."""
+        self.refuse_while_testing()
+        self.resume_work(is_exec)
+
+    def resume_work(self, is_exec: bool = False) -> None:
+        """Counts work again, without the check: an exec whose process already started."""
+        self.work += 1
+        self.execs += is_exec
+        self.settled.clear()
+
+    def end_work(self, is_exec: bool = False) -> None:
+        self.work -= 1
+        self.execs -= is_exec
+        if not self.work:
+            self.settled.set()
 
 
 class Backend(abc.ABC):
@@ -460,6 +500,17 @@ class SandboxManager:
             box.in_use -= 1
             box.renewed = self.clock()
 
+    @contextlib.contextmanager
+    def _working(self, box: Sandbox) -> Iterator[None]:
+        """A call works on ``box``'s files: refused while its tests run, and RunTests waits
+        for it to end before the tests start."""
+        box.begin_work()
+        try:
+            with self._using(box):
+                yield
+        finally:
+            box.end_work()
+
     def renew(self, sandbox_ids: Iterable[str]) -> list[str]:
         """Renews the leases of ``sandbox_ids``; returns those that are no live sandbox."""
         now = self.clock()
@@ -473,7 +524,11 @@ class SandboxManager:
         return gone
 
     async def close(self, sandbox_id: str) -> None:
-        """Kills whatever still runs in the sandbox and removes all its resources."""
+        """Kills whatever still runs in the sandbox and removes all its resources.
+
+        Also while RunTests runs on it: Close does not wait for the tests (they may take
+        the task's whole wall time, and the reaper closes expired sandboxes this way); the
+        RunTests call then answers NOT_FOUND."""
         await self._remove(self.get(sandbox_id))
 
     async def _remove(self, box: Sandbox) -> None:
@@ -508,6 +563,7 @@ class SandboxManager:
         if count <= 0 or count > MAX_FORK:
             raise InvalidArgument(f"fork count must be in 1..{MAX_FORK}, got {count}")
         src = self.get(sandbox_id)
+        src.refuse_while_testing()
         if len(self._boxes) + count > self.max_sandboxes:
             raise ResourceExhausted(f"forking {count} would exceed the live sandbox limit ({self.max_sandboxes})")
         ttl = max(1.0, src.expires - time.time())
@@ -523,7 +579,7 @@ class SandboxManager:
                 raise
             return box
 
-        with self._using(src):
+        with self._working(src):
             results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
@@ -552,18 +608,19 @@ class SandboxManager:
 
     async def write_files(self, sandbox_id: str, files: dict[str, bytes]) -> None:
         box = self.get(sandbox_id)
-        with self._using(box):
+        with self._working(box):
             await self._write(box, files)
 
     async def read_files(self, sandbox_id: str, paths: list[str]) -> dict[str, bytes]:
         box = self.get(sandbox_id)
+        box.refuse_while_testing()
         for rel in paths:
             try:
                 workspace_files.split_relative(rel)
             except workspace_files.PathError as exc:
                 raise path_error(exc) from None
         try:
-            with self._using(box):
+            with self._working(box):
                 return await self.backend.read_files(sandbox_id, paths, box.limits.max_output_bytes)
         except workspace_files.PathError as exc:
             raise path_error(exc) from None
@@ -581,6 +638,7 @@ class SandboxManager:
     ) -> AsyncIterator[ExecItem]:
         """Runs ``argv``; yields ``("stdout"|"stderr", bytes)`` chunks, then an ExecResult."""
         box = self.get(sandbox_id)
+        box.refuse_while_testing()
         full_env = sandbox_env(env)
         check_argv(argv, full_env)
         if cwd:
@@ -591,27 +649,84 @@ class SandboxManager:
         if not (math.isfinite(timeout_s) and timeout_s >= 0):
             raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {timeout_s}")
         wall = min(timeout_s, box.limits.wall_seconds) if timeout_s > 0 else box.limits.wall_seconds
-        with self._using(box):
-            if cwd:
-                # The same rule on every backend: never through a symlink the sandbox planted.
-                try:
-                    await self.backend.check_folder(sandbox_id, cwd)
-                except workspace_files.PathError as exc:
-                    raise InvalidArgument(f"cwd {cwd!r} is not a folder in the sandbox: {exc}") from None
-            async for item in self.backend.exec(sandbox_id, argv, stdin, full_env, cwd, wall, box.limits):
-                yield item
+        async for item in self._exec(box, argv, stdin, full_env, cwd, wall, counted=True):
+            yield item
+
+    async def _exec(
+        self, box: Sandbox, argv: list[str], stdin: bytes, env: dict[str, str], cwd: str, wall: float, counted: bool
+    ) -> AsyncIterator[ExecItem]:
+        """The backend's exec on ``box``. ``counted`` (every exec but RunTests' own): the
+        exec is refused while RunTests runs, and counts as work RunTests waits for while
+        the manager waits on the backend, from before the first await (its process may not
+        have started yet) to each item: the backend yields one only once the command runs
+        in the sandbox (output) or has ended (its result), so while that item is with the
+        caller (who may be slow to take the next) the command is where RunTests' kill_all
+        reaches it, and RunTests need not wait for the caller."""
+        at_work = False
+        if counted:
+            box.begin_work(is_exec=True)
+            at_work = True
+        try:
+            with self._using(box):
+                if cwd:
+                    # The same rule on every backend: never through a symlink the sandbox planted.
+                    try:
+                        await self.backend.check_folder(box.sandbox_id, cwd)
+                    except workspace_files.PathError as exc:
+                        raise InvalidArgument(f"cwd {cwd!r} is not a folder in the sandbox: {exc}") from None
+                async for item in self.backend.exec(box.sandbox_id, argv, stdin, env, cwd, wall, box.limits):
+                    if at_work:
+                        box.end_work(is_exec=True)
+                        at_work = False
+                    yield item
+                    if counted:
+                        box.resume_work(is_exec=True)
+                        at_work = True
+        finally:
+            if at_work:
+                box.end_work(is_exec=True)
+
+    async def _settle(self, box: Sandbox) -> None:
+        """Waits until no other call works on ``box`` (RunTests has set ``box.testing``, so
+        none can begin): file operations and a Fork's copies are waited for, and while an
+        exec is still at work every process of the sandbox is killed, again and again, so
+        that one whose process started after a kill ends too."""
+        while box.work:
+            if box.execs:
+                await self.backend.kill_all(box.sandbox_id)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(box.settled.wait(), SETTLE_POLL_S)
 
     async def run_tests(self, sandbox_id: str) -> tuple[TestOutcome, ExecResult, bytes]:
         """Runs the task's hidden tests and scores the test command's standard output.
 
-        Every process the solution left running is killed first, so nothing of it can
-        touch what the tests read or write; built-in tasks run the trusted harness from
-        memory with their tests on stdin (see harness.py and :func:`tests_invocation`)."""
+        The sandbox is the tests' alone while they run: Exec, WriteFiles, ReadFiles, Fork
+        and RunTests on it are refused (FAILED_PRECONDITION), calls already at work on it
+        are waited for and their commands killed (:meth:`_settle`), and every process the
+        solution left running is killed, so nothing of it can touch what the tests read or
+        write; built-in tasks run the trusted harness from memory with their tests on stdin
+        (see harness.py and :func:`tests_invocation`). Close still closes it (see :meth:`close`)."""
         box = self.get(sandbox_id)
         if box.task is None:
             raise FailedPrecondition(f"sandbox {sandbox_id} was not created from a task")
-        task = box.task
+        box.refuse_while_testing()
+        box.testing = True
+        try:
+            answer = await self._run_tests(box, box.task)
+        except Exception:
+            if self._boxes.get(sandbox_id) is not box:
+                raise NotFound(f"sandbox {sandbox_id} was closed while its tests ran") from None
+            raise
+        finally:
+            box.testing = False
+        if self._boxes.get(sandbox_id) is not box:
+            raise NotFound(f"sandbox {sandbox_id} was closed while its tests ran")
+        return answer
+
+    async def _run_tests(self, box: Sandbox, task: Task) -> tuple[TestOutcome, ExecResult, bytes]:
+        sandbox_id = box.sandbox_id
         with self._using(box):
+            await self._settle(box)
             await self.backend.kill_all(sandbox_id)
             argv, stdin, hidden = tests_invocation(task)
             await self.backend.remove(sandbox_id, TESTS_DIR)
@@ -624,12 +739,19 @@ class SandboxManager:
                 await self.backend.remove(sandbox_id, TESTS_DIR)
                 return _no_room_for_tests(str(exc))
             try:
-                stdout, stderr, result = await collect(self.exec(sandbox_id, argv, stdin=stdin, timeout_s=task.limits.wall_seconds))
+                stdout, stderr, result = await collect(self._harness(box, argv, stdin, task.limits.wall_seconds))
             finally:
                 await self.backend.kill_all(sandbox_id)
                 await self.backend.remove(sandbox_id, TESTS_DIR)
         outcome = score_output(task.reward, stdout.decode(errors="replace"), result.exit_code)
         return outcome, result, stdout + stderr
+
+    def _harness(self, box: Sandbox, argv: list[str], stdin: bytes, timeout_s: float) -> AsyncIterator[ExecItem]:
+        """RunTests' own exec of the test command: checked as any exec's, never refused."""
+        full_env = sandbox_env(None)
+        check_argv(argv, full_env)
+        wall = min(timeout_s, box.limits.wall_seconds) if timeout_s > 0 else box.limits.wall_seconds
+        return self._exec(box, argv, stdin, full_env, "", wall, counted=False)
 
 
 

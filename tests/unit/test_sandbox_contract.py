@@ -13,15 +13,21 @@ import os
 import shutil
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from meridian.errors import InvalidArgument, NotFound, ResourceExhausted
+from meridian.v1 import envsandbox_pb2 as es
+from meridian.v1 import envsandbox_pb2_grpc as es_grpc
+from services.envsandbox.config import EnvSandboxConfig
 from services.envsandbox.sandbox import Backend, ExecResult, Limits, SandboxManager, collect
-from services.envsandbox.tasks import TaskSuite
+from services.envsandbox.server import EnvSandboxService
+from services.envsandbox.tasks import Task, TaskSuite
+from tests.unit.test_grpc_services import expect_code
 
 BACKENDS = ["process", pytest.param("docker", marks=pytest.mark.docker)]
 SECRET_ENV = "MERIDIAN_TEST_SERVICE_SECRET"
@@ -223,6 +229,145 @@ def test_swebench_tests_run_and_resist_forgery(env: tuple[Loop, SandboxManager])
             assert await reward({"kvstore/store.py": SWE_FORGE + task.files["kvstore/store.py"]}) == 0.0
         finally:
             await m.close(sid)
+
+    loop.run(main())
+
+
+# ------------------------------------------------------------------ RunTests owns its sandbox
+
+
+def _shell_task(task_id: str, script: str) -> Task:
+    """A task whose hidden test is the shell script ``script``, run from .tests/ (all_pass)."""
+    name = task_id.rsplit("/", 1)[-1] + ".sh"
+    return Task(
+        id=task_id, kind="terminal", split="train", instruction="nothing to do", files={}, answer_path="answer.txt",
+        tests={name: script}, test_command=["sh", f".tests/{name}"], reward="all_pass", reference={},
+    )
+
+
+#: Tests that take a while: the sandbox is theirs for about three seconds.
+SLOW_TASK = _shell_task("custom/slow", "sleep 3; echo 'PASS slow'\n")
+#: Tests that fail when anything but them writes ``forged`` while they run.
+ALONE_TASK = _shell_task(
+    "custom/alone",
+    "rm -f forged\ni=0\nwhile [ $i -lt 10 ]; do\n  sleep 0.05\n"
+    "  if [ -e forged ]; then echo 'FAIL alone: a process runs beside the tests'; exit 0; fi\n"
+    "  i=$((i+1))\ndone\necho 'PASS alone'\n",
+)
+
+
+class _Served(EnvSandboxService):
+    """The gRPC service over the module's manager (whose backend the module fixture starts
+    and stops: this service's start and stop leave it alone), offering ``tasks``."""
+
+    def __init__(self, manager: SandboxManager, tasks: list[Task], root: Path) -> None:
+        super().__init__(EnvSandboxConfig(root=str(root)))
+        self.sandboxes = manager
+        self.suite = TaskSuite(tasks)
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+async def _grpc_exec(stub: es_grpc.EnvSandboxStub, request: es.ExecRequest) -> es.ExecResult:
+    result = None
+    async for chunk in stub.Exec(request):
+        if chunk.WhichOneof("payload") == "result":
+            result = chunk.result
+    assert result is not None
+    return result
+
+
+def test_run_tests_owns_its_sandbox_while_it_runs(env: tuple[Loop, SandboxManager], grpc_serving: Any, tmp_path: Path) -> None:
+    """While RunTests runs, every call that could run code in its sandbox, change its files
+    or read or copy them (the hidden tests are there) answers FAILED_PRECONDITION naming the
+    sandbox, and none of them has any effect; once it returned they work again. Close does
+    not wait for the tests: it closes the sandbox, and RunTests answers NOT_FOUND."""
+    loop, m = env
+
+    async def main() -> None:
+        async with grpc_serving(_Served(m, [SLOW_TASK], tmp_path)) as address, grpc.aio.insecure_channel(address) as channel:
+            stub = es_grpc.EnvSandboxStub(channel)
+            sid = (await stub.Create(es.CreateRequest(task_id=SLOW_TASK.id, files=[es.File(path="a.txt", content=b"before")]))).sandbox_id
+            tests: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            try:
+                tests = asyncio.ensure_future(stub.RunTests(es.RunTestsRequest(sandbox_id=sid)))
+                await asyncio.sleep(1.0)
+                refused: dict[str, Callable[[], Awaitable[Any]]] = {
+                    "Exec": lambda: _grpc_exec(stub, es.ExecRequest(sandbox_id=sid, argv=["sh", "-c", "echo exec > a.txt"])),
+                    "WriteFiles": lambda: stub.WriteFiles(es.WriteFilesRequest(sandbox_id=sid, files=[es.File(path="a.txt", content=b"written")])),
+                    "ReadFiles": lambda: stub.ReadFiles(es.ReadFilesRequest(sandbox_id=sid, paths=[".tests/slow.sh"])),
+                    "Fork": lambda: stub.Fork(es.ForkRequest(sandbox_id=sid, count=1)),
+                    "RunTests": lambda: stub.RunTests(es.RunTestsRequest(sandbox_id=sid)),
+                }
+                for name, call in refused.items():
+                    details = await expect_code(grpc.StatusCode.FAILED_PRECONDITION, call())
+                    assert sid in details and "tests are running" in details, (name, details)
+                assert not tests.done(), "the tests ended before every call was tried"
+                assert list((await stub.Renew(es.RenewRequest(sandbox_ids=[sid]))).gone) == []
+                assert sid in [b.sandbox_id for b in (await stub.List(es.ListRequest())).sandboxes]
+                answer = await tests
+                assert answer.reward == 1.0, answer.output
+                assert len((await stub.List(es.ListRequest())).sandboxes) == len(m.list()), "a refused Fork made a sandbox"
+
+                # Nothing of the refused calls happened, and they all work again.
+                reply = await stub.ReadFiles(es.ReadFilesRequest(sandbox_id=sid, paths=["a.txt"]))
+                assert reply.files[0].content == b"before"
+                await stub.WriteFiles(es.WriteFilesRequest(sandbox_id=sid, files=[es.File(path="a.txt", content=b"written")]))
+                result = await _grpc_exec(stub, es.ExecRequest(sandbox_id=sid, argv=["sh", "-c", "test \"$(cat a.txt)\" = written"]))
+                assert result.exit_code == 0 and result.signal == 0
+                copies = (await stub.Fork(es.ForkRequest(sandbox_id=sid, count=1))).sandboxes
+                await stub.Close(es.CloseRequest(sandbox_id=copies[0].sandbox_id))
+
+                # Close during the tests closes at once; RunTests then answers NOT_FOUND.
+                tests = asyncio.ensure_future(stub.RunTests(es.RunTestsRequest(sandbox_id=sid)))
+                await asyncio.sleep(1.0)
+                assert not tests.done()
+                await asyncio.wait_for(stub.Close(es.CloseRequest(sandbox_id=sid)), 2.5)
+                details = await expect_code(grpc.StatusCode.NOT_FOUND, tests)
+                assert sid in details and "closed while its tests ran" in details, details
+                assert sid not in [b.sandbox_id for b in (await stub.List(es.ListRequest())).sandboxes]
+                assert await m.backend.leftovers() == []
+            finally:
+                tests.cancel()
+                if sid in [b.sandbox_id for b in m.list()]:
+                    await m.close(sid)
+
+    loop.run(main())
+
+
+def test_an_exec_racing_run_tests_never_runs_beside_the_tests(env: tuple[Loop, SandboxManager], grpc_serving: Any, tmp_path: Path) -> None:
+    """An Exec sent just before RunTests (it passed its checks, its process may not have
+    started when RunTests kills the sandbox's processes) never runs beside the tests: a
+    command that keeps writing the file the tests watch for, sent at offsets around
+    RunTests' start, is refused or killed, and the tests always see nothing."""
+    loop, m = env
+    forge = ["sh", "-c", "while :; do : > forged; sleep 0.005; done"]
+
+    async def main() -> None:
+        async with grpc_serving(_Served(m, [ALONE_TASK], tmp_path)) as address, grpc.aio.insecure_channel(address) as channel:
+            stub = es_grpc.EnvSandboxStub(channel)
+            sid = (await stub.Create(es.CreateRequest(task_id=ALONE_TASK.id))).sandbox_id
+            racer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            try:
+                for delay in (0.0, 0.001, 0.002, 0.003, 0.005, 0.008, 0.012, 0.016, 0.024, 0.032, 0.05):
+                    racer = asyncio.ensure_future(_grpc_exec(stub, es.ExecRequest(sandbox_id=sid, argv=forge, timeout_seconds=8)))
+                    await asyncio.sleep(delay)
+                    answer = await stub.RunTests(es.RunTestsRequest(sandbox_id=sid))
+                    assert answer.reward == 1.0, (delay, answer.output)
+                    try:
+                        result = await racer
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
+                    else:
+                        # Killed (on Docker one killed while its exec starts ends 126), never run out.
+                        assert not result.timed_out and (result.signal or result.exit_code), (delay, result)
+            finally:
+                racer.cancel()
+                await m.close(sid)
 
     loop.run(main())
 
@@ -1147,7 +1292,6 @@ def test_a_sandbox_that_fills_its_workspace_scores_0_not_an_error(env: tuple[Loo
     """A full workspace cannot take the hidden tests of a task whose test command reads
     them from disk: RunTests scores 0 (an error would drop the episode, and its failure,
     from its group). A task whose tests run from memory scores as it should."""
-    from services.envsandbox.tasks import Task
 
     loop, m = env
     on_disk = Task(
