@@ -190,27 +190,16 @@ class Cgroups:
             "cpu": [("cpu.cfs_period_us", str(CPU_PERIOD_US)), ("cpu.cfs_quota_us", quota)],
         }[controller]
 
-    def oom_killed(self, sandbox_id: str) -> bool:
-        """Whether the kernel's OOM killer has acted in the sandbox's memory cgroup."""
+    def oom_kills(self, sandbox_id: str) -> int:
+        """How many processes the kernel's OOM killer has killed in the sandbox's memory
+        cgroup so far (its ``oom_kill`` counter; 0 where the kernel has none). An exec
+        compares it before and after: one that rose while the command ran, with the
+        command killed by SIGKILL, says the memory limit ended it."""
         if self.version == 2:
-            events = self.bases[""] / self.instance / sandbox_id / "memory.events"
-            try:
-                for line in events.read_text().splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        return int(value) > 0
-            except OSError:
-                return False
-            return False
-        try:
-            text = (self.bases["memory"] / self.instance / sandbox_id / "memory.oom_control").read_text()
-        except OSError:
-            return False
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value) > 0
-        return False
+            path = self.bases[""] / self.instance / sandbox_id / "memory.events"
+        else:
+            path = self.bases["memory"] / self.instance / sandbox_id / "memory.oom_control"
+        return oom_kill_count(path)
 
     def _all_bases(self) -> list[Path]:
         return [*self.bases.values(), *([self.kill_base] if self.kill_base is not None and self.kill_base not in self.bases.values() else [])]
@@ -239,6 +228,20 @@ class Cgroups:
     def live_sandboxes(self) -> list[str]:
         base = next(iter(self.bases.values())) / self.instance
         return sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+
+
+def oom_kill_count(path: Path) -> int:
+    """The ``oom_kill`` line of a memory cgroup's ``memory.events`` (v2) or
+    ``memory.oom_control`` (v1); 0 when the file or the line is missing."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return 0
 
 
 def _populated(folder: Path) -> bool:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import docker_stream, seccomp_policy, workspace_files
-from services.envsandbox.cgroups import instance_name, process_start_time
+from services.envsandbox.cgroups import instance_name, oom_kill_count, process_start_time
 from services.envsandbox.sandbox import (
     COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain, tmpfs_charge, tmpfs_inodes,
 )
@@ -408,6 +408,7 @@ class DockerBackend(Backend):
         self, sandbox_id: str, argv: list[str], stdin: bytes, env: dict[str, str], cwd: str, wall_s: float, max_output: int
     ) -> AsyncIterator[ExecItem]:
         start = time.monotonic()
+        oom_before = self._oom_kills(sandbox_id)
         exec_id, raw = await self._start_exec(sandbox_id, argv, env, cwd)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
@@ -470,6 +471,9 @@ class DockerBackend(Backend):
         code = info.get("ExitCode")
         code = -1 if code is None else int(code)
         killed = timed_out or code > 128
+        # Killed by SIGKILL while the container's OOM counter rose: the memory limit's OOM
+        # killer (Docker reports an exec's death by signal N as exit 128 + N).
+        oom = code == 128 + signal.SIGKILL and not timed_out and self._oom_kills(sandbox_id) > oom_before
         yield ExecResult(
             exit_code=-1 if killed and code > 128 else code,
             signal=code - 128 if code > 128 else (signal.SIGKILL if timed_out else 0),
@@ -477,7 +481,15 @@ class DockerBackend(Backend):
             stdout_truncated=truncated["stdout"],
             stderr_truncated=truncated["stderr"],
             wall_seconds=time.monotonic() - start,
+            oom_killed=oom,
         )
+
+    def _oom_kills(self, sandbox_id: str) -> int:
+        """How many processes the OOM killer has killed in the container's memory cgroup
+        (its ``oom_kill`` counter; 0 where it cannot be read)."""
+        keep = self._keep.get(sandbox_id)
+        path = _oom_kill_file(min(keep)) if keep else None
+        return 0 if path is None else oom_kill_count(path)
 
     def _sweep(self, sandbox_id: str) -> bool:
         """Kills every process of the container but its init and keep-alive; True once none is left."""
@@ -591,20 +603,36 @@ def _check_copy(src_id: str, relayed: docker_stream.Relayed) -> None:
         raise copy_error(src_id, exc)
 
 
-def _cgroup_procs_file(pid: int) -> Path | None:
-    """The cgroup.procs file of ``pid``'s pids cgroup (v1) or unified cgroup (v2)."""
+def _cgroup_folder(pid: int, controller: str) -> tuple[Path, int] | None:
+    """The folder of ``pid``'s ``controller`` cgroup (v1) or unified cgroup (v2), and
+    the cgroup version it is of."""
     try:
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         _, names, path = line.split(":", 2)
-        if "pids" in names.split(","):
-            return Path("/sys/fs/cgroup/pids") / path.lstrip("/") / "cgroup.procs"
+        if controller in names.split(","):
+            return Path("/sys/fs/cgroup") / controller / path.lstrip("/"), 1
     for line in lines:
         if line.startswith("0::"):
-            return Path("/sys/fs/cgroup") / line[3:].lstrip("/") / "cgroup.procs"
+            return Path("/sys/fs/cgroup") / line[3:].lstrip("/"), 2
     return None
+
+
+def _cgroup_procs_file(pid: int) -> Path | None:
+    """The cgroup.procs file of ``pid``'s pids cgroup (v1) or unified cgroup (v2)."""
+    found = _cgroup_folder(pid, "pids")
+    return None if found is None else found[0] / "cgroup.procs"
+
+
+def _oom_kill_file(pid: int) -> Path | None:
+    """The file of ``pid``'s memory cgroup that counts its OOM kills (``oom_kill``)."""
+    found = _cgroup_folder(pid, "memory")
+    if found is None:
+        return None
+    folder, version = found
+    return folder / ("memory.oom_control" if version == 1 else "memory.events")
 
 
 def _descendants(pid: int) -> list[int]:

@@ -6,12 +6,17 @@ this multi-threaded server), all of them started with a fixed environment:
 
 ``setpriv --pdeathsig KILL`` (dies with the service) → ``sh`` (joins the sandbox's limit
 cgroups and the exec's own cgroup with a builtin ``echo``) → ``nsenter --mount=<helper
-ns>`` (where the sandbox roots are mounted) → ``unshare --pid --fork --kill-child --mount
---net --ipc --uts --mount-proc --root=<sandbox root> --wd=/workspace`` (fresh namespaces;
-the network one has only a downed loopback) → ``/.meridian/sandbox-exec`` (launcher/:
-host name, rlimits, every capability dropped, the sandbox's own uid, no_new_privs, the
-seccomp filter of seccomp_policy.py, and the caller's environment, in that order) → the
-command.
+ns>`` (where the sandbox roots are mounted) → ``unshare --pid --mount --net --ipc --uts
+--root=<sandbox root> --wd=/workspace`` (fresh namespaces, no fork; the network one has only
+a downed loopback) → ``/.meridian/sandbox-exec`` (launcher/: it forks; the child, process 1
+of the new pid namespace, mounts its /proc and sets the host name, rlimits, every
+capability dropped, the sandbox's own uid, no_new_privs, the seccomp filter of
+seccomp_policy.py, and the caller's environment, in that order, then execs the command;
+the parent, outside the namespace, waits for it and ends as it ended, so the chain's status
+is the command's, a death by SIGKILL included).
+
+A command killed by SIGKILL while the sandbox's memory cgroup counted an OOM kill
+(``oom_kill``, read before and after) is reported as OOM-killed.
 
 Each live sandbox has a uid of its own from a pool, so no per-uid kernel state (keyrings,
 RLIMIT_NPROC, signal permissions) is shared between sandboxes. Each exec has a cgroup of
@@ -322,7 +327,7 @@ class ProcessBackend(Backend):
             t["setpriv"], "--pdeathsig", "KILL", "--",
             t["sh"], "-c", JOIN_CGROUPS, "sh", str(len(joins)), *joins,
             t["nsenter"], f"--mount=/proc/{self._helper.pid}/ns/mnt", "--",
-            t["unshare"], "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts", "--mount-proc",
+            t["unshare"], "--pid", "--mount", "--net", "--ipc", "--uts",
             f"--root={self.mount_dir}/{sandbox_id}", f"--wd={workdir}", "--",
             LAUNCHER, "--uid", str(uid), "--gid", str(uid), "--hostname", "sandbox",
             # Address space per process, not memory: a tmpfs file counts only while mapped.
@@ -338,6 +343,7 @@ class ProcessBackend(Backend):
         assert self._cgroups is not None
         start = time.monotonic()
         group = self._cgroups.exec_group(sandbox_id)
+        oom_before = self._cgroups.oom_kills(sandbox_id)
         policy = os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             proc = await spawn(self.command(sandbox_id, argv, env, cwd, limits, group), env=ROOT_ENV, pass_fds={SECCOMP_FD: policy})
@@ -365,7 +371,10 @@ class ProcessBackend(Backend):
                 raise Unavailable(f"sandbox {sandbox_id}: {exc}") from None
         assert done is not None
         code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
-        oom = self._cgroups.oom_killed(sandbox_id) if code == -signal.SIGKILL and not done.timed_out else False
+        # Killed by SIGKILL while the sandbox's OOM counter rose: the memory limit's OOM
+        # killer (a command that exits by itself, maybe after a child of its was killed
+        # for memory, is never reported as OOM-killed).
+        oom = code == -signal.SIGKILL and not done.timed_out and self._cgroups.oom_kills(sandbox_id) > oom_before
         if code == 125 and not done.timed_out:
             log.warning("sandbox %s: the exec chain failed before the command started", sandbox_id)
         yield ExecResult(
@@ -411,7 +420,8 @@ def _make_cgroups() -> Cgroups:
 
 
 def _kill(proc: SpawnedProcess) -> None:
-    """SIGKILL to the chain's process group; ``unshare --kill-child`` takes the namespace down."""
+    """SIGKILL to the chain's process group: the launcher and its child, the namespace's
+    process 1, whose death takes the namespace down."""
     if proc.returncode is None:
         for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), lambda: os.kill(proc.pid, signal.SIGKILL)):
             with contextlib.suppress(ProcessLookupError, PermissionError):

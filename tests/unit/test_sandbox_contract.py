@@ -1327,6 +1327,52 @@ async def _reads_and_scores_its_reference(m: SandboxManager, sid: str, task: Any
     assert outcome.reward == 1.0, output
 
 
+#: Touches memory a MiB at a time until something stops it: under OOM_LIMITS the memory
+#: limit's OOM killer, well before the process backend's address-space limit (twice the
+#: memory) would make it a MemoryError.
+ALLOCATE = "a = []\nwhile True:\n    a.append(b'x' * (1 << 20))\n"
+OOM_LIMITS = Limits(memory_bytes=64 << 20, max_pids=64, disk_bytes=4 << 20, wall_seconds=20, cpu_seconds=1)
+
+
+def test_oom_kills_are_reported_as_what_they_are(env: tuple[Loop, SandboxManager]) -> None:
+    """A command the memory limit's OOM killer ends is reported as killed by signal 9 with
+    oom_killed, and its stderr holds nothing but its own (the process backend answered exit
+    1 with unshare's "sigprocmask unblock failed", Docker never set oom_killed). Not
+    OOM-killed, after that OOM kill in the same sandbox: a command whose child the OOM
+    killer ended but that went on, one that exits 1, one killed by a SIGKILL that is not
+    the OOM killer's, and one killed for its time."""
+    loop, m = env
+
+    async def main() -> None:
+        sid = (await m.create(limits=OOM_LIMITS)).sandbox_id
+        try:
+            _, err, res = await run(m, sid, ["python3", "-c", ALLOCATE], timeout_s=20)
+            assert (res.exit_code, res.signal, res.oom_killed, res.timed_out) == (-1, 9, True, False), (res, err)
+            assert err == b"", err
+
+            out, err, res = await sh(m, sid, 'python3 -c "$ALLOCATE"; echo child=$?', env={"ALLOCATE": ALLOCATE}, timeout_s=20)
+            assert out == b"child=137\n" and (res.exit_code, res.signal, res.oom_killed) == (0, 0, False), (res, out, err)
+
+            _, err, res = await sh(m, sid, "exit 1")
+            assert (res.exit_code, res.signal, res.oom_killed) == (1, 0, False), (res, err)
+
+            if m.backend.name == "docker":
+                _, err, res = await sh(m, sid, "kill -9 $$")
+            else:
+                # The command is its pid namespace's process 1, which nothing in the sandbox
+                # can signal: the kernel's SIGKILL at the CPU time limit's hard limit.
+                _, err, res = await sh(m, sid, "while :; do :; done", timeout_s=20)
+            assert (res.exit_code, res.signal, res.oom_killed, res.timed_out) == (-1, 9, False, False), (res, err)
+            assert err == b"", err
+
+            _, err, res = await run(m, sid, ["sleep", "30"], timeout_s=1)
+            assert (res.signal, res.oom_killed, res.timed_out) == (9, False, True), (res, err)
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
 def test_a_full_disk_leaves_the_sandbox_its_memory(env: tuple[Loop, SandboxManager]) -> None:
     """memory_bytes is what a sandbox's processes may use and disk_bytes what its files may
     take: one must not eat the other. Tmpfs pages (and a tmpfs's inodes) are charged to the

@@ -1,26 +1,37 @@
 /*
  * sandbox-exec: the last, privileged step of the process backend's exec chain.
  *
- * It runs as root inside the sandbox's fresh namespaces (after `unshare --root`) and
- * turns itself into the sandboxed command, in this order:
+ * It runs as root inside the sandbox's fresh namespaces (after `unshare --root`, which
+ * made a pid namespace without forking: this process stays outside it, and its first
+ * child is the namespace's process 1), starts the sandboxed command as that child and
+ * waits for it, in this order:
  *
  *   1. read the seccomp program (classic BPF, built by seccomp_policy.py) from fd 3
  *      and close that fd, so nothing of it is left for the command; then close every
  *      other descriptor but stdin, stdout and stderr: the service's own are close-on-exec,
  *      but one it inherited without that flag (from whatever started it) would otherwise
  *      reach every sandboxed command, a pipe or socket of the host's;
- *   2. name the host: sethostname("sandbox") in the new UTS namespace;
- *   3. resource limits (address space, CPU seconds, file size, open files, no core);
- *   4. empty the capability bounding set and the ambient set while still root;
- *   5. drop supplementary groups, then the gid, then the uid (real, effective, saved):
+ *   2. fork. The parent (outside the pid namespace, where nothing of the sandbox can see
+ *      or signal it) waits for the child and ends the way it ended: the same exit code,
+ *      or killed by the same signal. The service reads the chain's status from it, and
+ *      nothing else can report the command's death by a signal: the namespace's process
+ *      1 cannot signal itself, and `unshare --fork`, which waited for it before, turned
+ *      a child killed by SIGKILL (the memory limit's OOM killer, the CPU time limit)
+ *      into exit 1 and "sigprocmask unblock failed" on stderr (util-linux 2.38).
+ *      The child, the namespace's process 1 and the command to be, dies with the parent
+ *      (the parent-death signal) and mounts a /proc of its pid namespace;
+ *   3. name the host: sethostname("sandbox") in the new UTS namespace;
+ *   4. resource limits (address space, CPU seconds, file size, open files, no core);
+ *   5. empty the capability bounding set and the ambient set while still root;
+ *   6. drop supplementary groups, then the gid, then the uid (real, effective, saved):
  *      with every uid non-zero the kernel clears the permitted and effective sets;
  *      then arm the parent-death signal again (SIGKILL): the uid change cleared the one
- *      `unshare --kill-child` set, and without it the command outlived a killed service
- *      (the seccomp filter keeps the command from clearing it);
- *   6. clear the inheritable set too, and set no_new_privs (setuid binaries and file
+ *      step 2 set, and without it the command outlived a killed service (the seccomp
+ *      filter keeps the command from clearing it); a parent already gone ends it here;
+ *   7. clear the inheritable set too, and set no_new_privs (setuid binaries and file
  *      capabilities cannot give anything back; seccomp needs it unprivileged);
- *   7. install the seccomp filter -- last, so the steps above are not filtered;
- *   8. replace the environment with exactly the one the service passed (--env), and
+ *   8. install the seccomp filter -- last, so the steps above are not filtered;
+ *   9. replace the environment with exactly the one the service passed (--env), and
  *      exec the command (PATH from that environment).
  *
  * Any failure exits 125 before the command runs: the service reports it.
@@ -35,13 +46,17 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <grp.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <signal.h>
+#include <fcntl.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define FAIL 125
@@ -171,6 +186,30 @@ static void limit(int resource, rlim_t soft, rlim_t hard, const char *what) {
     if (setrlimit(resource, &r) != 0) die(what);
 }
 
+/* The parent's part (step 2): waits for the child and ends as it ended. */
+static int wait_and_relay(pid_t child) {
+    int status;
+    while (waitpid(child, &status, 0) < 0)
+        if (errno != EINTR) die("waitpid");
+    if (WIFEXITED(status)) _exit(WEXITSTATUS(status));
+    int sig = WIFSIGNALED(status) ? WTERMSIG(status) : SIGKILL;
+    /* No core file of this root process, whatever the signal. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (sig != SIGKILL && sig != SIGSTOP) signal(sig, SIG_DFL);
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, sig);
+    sigprocmask(SIG_UNBLOCK, &set, NULL);
+    kill(getpid(), sig);
+    _exit(128 + sig); /* a signal whose default is to go on: its number, as a shell reports it */
+}
+
+/* Whether the parent has ended (the read end of `alive` reports a hang-up). */
+static int parent_gone(int alive) {
+    struct pollfd p = {alive, POLLIN, 0};
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR));
+}
+
 int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "--syscall-numbers") == 0) return print_numbers(argc - 2, argv + 2);
 
@@ -204,41 +243,59 @@ int main(int argc, char **argv) {
     struct sock_fprog prog = {read_filter(3), filter};
     close_inherited();
 
-    /* 2. a host name of our own (the UTS namespace is the sandbox's) */
+    /* 2. the parent waits and relays; the child is the pid namespace's process 1 */
+    int alive[2];
+    if (pipe2(alive, O_CLOEXEC) != 0) die("pipe2");
+    pid_t child = fork();
+    if (child < 0) die("fork");
+    if (child > 0) {
+        /* The write end of `alive` stays open until this process ends, however it ends:
+           a child that armed its parent-death signal too late sees the pipe hung up. */
+        close(alive[0]);
+        return wait_and_relay(child);
+    }
+    close(alive[1]);
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) die("PR_SET_PDEATHSIG");
+    if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) die("mounting /proc");
+
+    /* 3. a host name of our own (the UTS namespace is the sandbox's) */
     if (sethostname(hostname, strlen(hostname)) != 0) die("sethostname");
 
-    /* 3. resource limits */
+    /* 4. resource limits */
     if (as) limit(RLIMIT_AS, as, as, "RLIMIT_AS");
     if (cpu) limit(RLIMIT_CPU, cpu, cpu + 1, "RLIMIT_CPU");
     if (fsize) limit(RLIMIT_FSIZE, fsize, fsize, "RLIMIT_FSIZE");
     limit(RLIMIT_NOFILE, nofile, nofile, "RLIMIT_NOFILE");
     limit(RLIMIT_CORE, 0, 0, "RLIMIT_CORE");
 
-    /* 4. no capability can come back: bounding and ambient sets emptied as root */
+    /* 5. no capability can come back: bounding and ambient sets emptied as root */
     for (int cap = 0; cap <= CAP_LAST_CAP; cap++)
         if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL) die("PR_CAPBSET_DROP");
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 && errno != EINVAL) die("PR_CAP_AMBIENT");
 
-    /* 5. the unprivileged identity: groups, gid, uid (all three of each) */
+    /* 6. the unprivileged identity: groups, gid, uid (all three of each) */
     if (setgroups(0, NULL) != 0) die("setgroups");
     if (setresgid(gid, gid, gid) != 0) die("setresgid");
     if (setresuid(uid, uid, uid) != 0) die("setresuid");
-    /* prctl(2): a credential change clears the parent-death signal; unshare (this
-       process's parent) dies with the service, and this process is the namespace's
-       init, whose death takes every process of the sandbox's exec with it. */
+    /* prctl(2): a credential change clears the parent-death signal; the parent dies with
+       the service, and this process is the namespace's init, whose death takes every
+       process of the sandbox's exec with it. A parent that ended before the signal was
+       armed (again) would not send it: then end here. */
     if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) die("PR_SET_PDEATHSIG");
+    if (parent_gone(alive[0])) usage("the parent ended before the command started");
+    close(alive[0]);
 
-    /* 6. no inheritable capabilities, no new privileges */
+    /* 7. no inheritable capabilities, no new privileges */
     struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
     struct __user_cap_data_struct data[2];
     memset(data, 0, sizeof(data));
     if (syscall(SYS_capset, &header, data) != 0) die("capset");
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) die("PR_SET_NO_NEW_PRIVS");
 
-    /* 7. the seccomp filter */
+    /* 8. the seccomp filter */
     if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0) != 0) die("PR_SET_SECCOMP");
 
-    /* 8. exactly the service's environment, then the command */
+    /* 9. exactly the service's environment, then the command */
     if (clearenv() != 0) die("clearenv");
     for (int k = 0; k < nenv; k++)
         if (putenv(env[k]) != 0) die("putenv");
