@@ -213,53 +213,70 @@ async def run_group(
     leases = leases or LeaseKeeper(sandboxes, 0.0)
     base = await sandboxes.Create(sbx.CreateRequest(task_id=task.id, client_request_id=f"{group_id}-base", lease_seconds=leases.lease_s), timeout=SANDBOX_CALL_S)
     leases.hold([base.sandbox_id])
+    # Forks no episode has closed yet. A group cancelled (a sibling group failed, the caller
+    # went away) before its episodes start runs none of their cleanup: its forks are closed
+    # here instead, or the lease keeper would renew them until their time-to-live.
+    unclosed: set[str] = set()
     try:
-        forks = await sandboxes.Fork(sbx.ForkRequest(sandbox_id=base.sandbox_id, count=group_size), timeout=SANDBOX_CALL_S)
-        leases.hold([box.sandbox_id for box in forks.sandboxes])
-    finally:
         try:
-            await sandboxes.Close(sbx.CloseRequest(sandbox_id=base.sandbox_id), timeout=SANDBOX_CALL_S)
-        except grpc.aio.AioRpcError as exc:
-            # The forks exist and each episode closes its own; the base expires on
-            # envsandbox's side (its lease, else its TTL). Raising here would leak every fork.
-            log.warning("closing base sandbox %s failed (%s); it expires on its own", base.sandbox_id, exc.code().name)
+            forks = await sandboxes.Fork(sbx.ForkRequest(sandbox_id=base.sandbox_id, count=group_size), timeout=SANDBOX_CALL_S)
+            unclosed.update(box.sandbox_id for box in forks.sandboxes)
+            leases.hold(unclosed)
         finally:
-            leases.release([base.sandbox_id])
+            # The forks exist and are closed whatever happens; the base expires on
+            # envsandbox's side if this fails (its lease, else its TTL).
+            await _close(sandboxes, leases, base.sandbox_id)
 
-    async def episode(index: int, sandbox_id: str) -> common_pb2.Trajectory:
-        started = time.time()
-        seed = None if sampling.seed is None else sampling.seed + index
-        with tracer.start_as_current_span("rollout.episode") as span:
-            span.set_attribute("meridian.task_id", task.id)
-            span.set_attribute("meridian.group_id", group_id)
-            try:
-                res = await run_episode(engine, sandboxes, sandbox_id, task, prompt_ids, dataclasses.replace(sampling, seed=seed), limits)
-            finally:
+        async def episode(index: int, sandbox_id: str) -> common_pb2.Trajectory:
+            started = time.time()
+            seed = None if sampling.seed is None else sampling.seed + index
+            with tracer.start_as_current_span("rollout.episode") as span:
+                span.set_attribute("meridian.task_id", task.id)
+                span.set_attribute("meridian.group_id", group_id)
                 try:
-                    await sandboxes.Close(sbx.CloseRequest(sandbox_id=sandbox_id), timeout=SANDBOX_CALL_S)
+                    res = await run_episode(engine, sandboxes, sandbox_id, task, prompt_ids, dataclasses.replace(sampling, seed=seed), limits)
                 finally:
-                    leases.release([sandbox_id])
-            span.set_attribute("meridian.reward", res.reward)
-            span.set_attribute("meridian.turns", res.turns)
-            return common_pb2.Trajectory(
-                trajectory_id=uuid.uuid4().hex,
-                task_id=task.id,
-                group_id=group_id,
-                group_size=group_size,
-                prompt_token_ids=prompt_ids,
-                completion_token_ids=res.ledger.token_ids,
-                logprobs=res.ledger.logprobs,
-                loss_mask=res.ledger.loss_mask,
-                policy_versions=res.ledger.policy_versions,
-                reward=res.reward,
-                truncated=res.finish_reason in ("length", "token_limit", "turn_limit", "timeout"),
-                finish_reason=res.finish_reason,
-                timings=common_pb2.Timings(generate_s=res.generate_s, sandbox_s=res.sandbox_s, total_s=time.time() - started, created_unix=started),
-                trace_context=telemetry.inject(span),
-                model=model,
-            )
+                    unclosed.discard(sandbox_id)
+                    try:
+                        await sandboxes.Close(sbx.CloseRequest(sandbox_id=sandbox_id), timeout=SANDBOX_CALL_S)
+                    finally:
+                        leases.release([sandbox_id])
+                span.set_attribute("meridian.reward", res.reward)
+                span.set_attribute("meridian.turns", res.turns)
+                return common_pb2.Trajectory(
+                    trajectory_id=uuid.uuid4().hex,
+                    task_id=task.id,
+                    group_id=group_id,
+                    group_size=group_size,
+                    prompt_token_ids=prompt_ids,
+                    completion_token_ids=res.ledger.token_ids,
+                    logprobs=res.ledger.logprobs,
+                    loss_mask=res.ledger.loss_mask,
+                    policy_versions=res.ledger.policy_versions,
+                    reward=res.reward,
+                    truncated=res.finish_reason in ("length", "token_limit", "turn_limit", "timeout"),
+                    finish_reason=res.finish_reason,
+                    timings=common_pb2.Timings(generate_s=res.generate_s, sandbox_s=res.sandbox_s, total_s=time.time() - started, created_unix=started),
+                    trace_context=telemetry.inject(span),
+                    model=model,
+                )
 
-    return await gather_or_cancel([episode(i, box.sandbox_id) for i, box in enumerate(forks.sandboxes)])
+        return await gather_or_cancel([episode(i, box.sandbox_id) for i, box in enumerate(forks.sandboxes)])
+    finally:
+        if unclosed:
+            await asyncio.gather(*(_close(sandboxes, leases, sid) for sid in sorted(unclosed)))
+
+
+async def _close(sandboxes: sbx_grpc.EnvSandboxStub, leases: LeaseKeeper, sandbox_id: str) -> None:
+    """Closes a sandbox of the group and stops renewing it; a failure is logged, not
+    raised (raised, it would skip the group's other closes), and the sandbox is left to
+    its lease, else its time-to-live."""
+    try:
+        await sandboxes.Close(sbx.CloseRequest(sandbox_id=sandbox_id), timeout=SANDBOX_CALL_S)
+    except grpc.aio.AioRpcError as exc:
+        log.warning("closing sandbox %s failed (%s); it expires on its own", sandbox_id, exc.code().name)
+    finally:
+        leases.release([sandbox_id])
 
 
 async def gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
