@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -25,6 +26,8 @@ from services.rollout.config import DEFAULT_HTTP_MAX_BODY_BYTES, DEFAULT_MAX_PRO
 from services.rollout.engine import MAX_TEMPERATURE, PolicyEngine, Sampling
 from services.rollout.openai_logprobs import chat_logprobs, completion_logprobs, token_texts
 from services.rollout.prompt_limits import is_text, text_bytes, tokenize_off_loop, too_long
+
+log = logging.getLogger(__name__)
 
 MAX_STOP = 16
 #: Seeds are 63-bit (what every layer below carries as a signed 64-bit integer); choice i of
@@ -301,7 +304,8 @@ def chat_prompt_ids(engine: PolicyEngine, messages: Any) -> list[int]:
     turn; see :mod:`services.rollout.chat_template`)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
-    clean = [{"role": m["role"], "content": message_text(m, i)} for i, m in enumerate(messages)]
+    texts = [message_text(m, i) for i, m in enumerate(messages)]  # checks each is an object with a role
+    clean = [{"role": m["role"], "content": text} for m, text in zip(messages, texts)]
     assert engine.tokenizer is not None
     try:
         return chat_ids(engine.tokenizer, clean)
@@ -394,6 +398,14 @@ def create_app(
         if body.get("model") not in (None, model_name):
             raise UnknownModel(f"model {body.get('model')!r} is not served here (serving {model_name!r})")
         return body
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the caller's error: logged with a reference the caller can quote, and
+        # answered in the API's own error shape, as gRPC's error boundary answers INTERNAL.
+        ref = uuid.uuid4().hex[:12]
+        log.error("unhandled error in the OpenAI-compatible API (ref=%s)", ref, exc_info=exc)
+        return error(500, f"internal error (ref={ref}); see the service log", "server_error")
 
     @app.exception_handler(RequestError)
     async def bad_request(_: Request, exc: RequestError) -> JSONResponse:

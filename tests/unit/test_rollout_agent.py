@@ -119,6 +119,31 @@ def test_the_http_api_answers_400_not_500_for_bodies_no_text_or_parser_takes() -
             assert http.get(route, headers=key).status_code == 404, route
 
 
+def test_a_chat_message_that_is_not_an_object_is_400_and_a_bug_is_a_500_in_the_apis_shape() -> None:
+    """A message that is a string (found by tests/integration/test_rollout_fuzz.py) used to
+    raise past the checks and answer a plain-text 500; it is the caller's error (400).
+    Whatever does escape a route (here an engine without a tokenizer) answers 500 with the
+    API's error object and a reference to the log, not Starlette's plain text."""
+    from fastapi.testclient import TestClient
+
+    from services.rollout.callers import CallerClasses
+    from services.rollout.openai_api import create_app
+
+    class Engine:
+        tokenizer = None
+
+    app = create_app(Engine(), "m", 2048, 64, CallerClasses({"k": "production"}, "deny"))  # type: ignore[arg-type]
+    key = {"authorization": "Bearer k"}
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for messages in (["hi"], [{"role": "user", "content": "hi"}, 7], [None]):
+            reply = http.post("/v1/chat/completions", json={"messages": messages}, headers=key)
+            assert reply.status_code == 400 and "needs a role" in reply.json()["error"]["message"], (messages, reply.text)
+        reply = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, headers=key)
+        assert reply.status_code == 500, reply.text
+        err = reply.json()["error"]
+        assert err["type"] == "server_error" and err["message"].startswith("internal error (ref="), err
+
+
 def test_openai_sampling_defaults_and_passthrough() -> None:
     s = parse_sampling({"temperature": 0, "stop": "END", "seed": 7, "max_tokens": 12}, 2048, 64)
     assert (s.temperature, s.stop, s.seed, s.max_tokens) == (0.0, ("END",), 7, 12)
@@ -292,3 +317,55 @@ def test_a_failed_episode_cancels_its_siblings_and_every_fork_is_closed() -> Non
     assert asyncio.run(scenario()) == ["f0", "f1"]
     assert held_while_running and all(held == {"f0", "f1"} for held in held_while_running)
     assert keeper.held == frozenset()
+
+
+def test_a_group_cancelled_before_its_episodes_start_closes_its_forks() -> None:
+    """A group is cancelled (a sibling group failed, or the caller went away) after its
+    Fork answered but before its episodes ran, here while it closes the base sandbox:
+    no episode runs, so none closes its fork; the group must, and must stop renewing
+    them, or the lease keeper would keep them alive until their time-to-live."""
+    import asyncio
+
+    from services.envsandbox.client import LeaseKeeper
+    from services.rollout import episodes
+    from services.rollout.engine import Sampling
+
+    closing_base = asyncio.Event()
+
+    class Boxes(sbx_grpc.EnvSandboxServicer):
+        def __init__(self) -> None:
+            self.closed: list[str] = []
+
+        async def Create(self, request: sbx.CreateRequest, context: object) -> sbx.SandboxInfo:
+            return sbx.SandboxInfo(sandbox_id="base", task_id=request.task_id)
+
+        async def Fork(self, request: sbx.ForkRequest, context: object) -> sbx.ForkResponse:
+            return sbx.ForkResponse(sandboxes=[sbx.SandboxInfo(sandbox_id=f"f{i}") for i in range(request.count)])
+
+        async def Close(self, request: sbx.CloseRequest, context: object) -> sbx.CloseResponse:
+            if request.sandbox_id == "base":
+                closing_base.set()
+                await asyncio.Event().wait()  # slow: the group is cancelled meanwhile
+            self.closed.append(request.sandbox_id)
+            return sbx.CloseResponse()
+
+    class Engine:
+        tokenizer = StandInTokenizer()
+
+        async def generate(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("no episode may start in a cancelled group")
+            yield
+
+    async def scenario() -> tuple[list[str], frozenset[str]]:
+        servicer = Boxes()
+        async with envsandbox_serving(servicer) as stub:
+            keeper = LeaseKeeper(stub, 30.0)
+            group = asyncio.create_task(episodes.run_group(Engine(), stub, TASK, 2, Sampling(), "m", leases=keeper))  # type: ignore[arg-type]
+            await asyncio.wait_for(closing_base.wait(), 10)
+            group.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(group, 10)
+            return sorted(servicer.closed), keeper.held
+
+    closed, held = asyncio.run(scenario())
+    assert closed == ["f0", "f1"] and held == frozenset()
