@@ -261,8 +261,7 @@ class Committer:
         trace = telemetry.inject(span)
         prepared = await self._prepare(learner.version, trace, values)
         if prepared is not None:
-            # Without checkpoints a publish is the only durable record: it acks what it covers.
-            acks = self.consumer.unacked() if self._root() is None else None
+            acks = self._publish_acks()
             await _finished(self._publishing)
             self._publishing = asyncio.create_task(self._publish(learner.version, *prepared, trace, values, metrics, acks))
         # Counted either way: the step changed the weights, and a checkpoint must cover it.
@@ -289,6 +288,11 @@ class Committer:
             log.exception("preparing version %d for publishing failed; it goes out with the next publish", version)
             self._gave_up(version)
             return None
+
+    def _publish_acks(self) -> dict[str, str] | None:
+        """What a publish acks once it is stored: without checkpoints a publish is the only
+        durable record, so the groups unacked now; with them, nothing (a checkpoint acks)."""
+        return self.consumer.unacked() if self._root() is None else None
 
     def _gave_up(self, version: int) -> None:
         """Marks ``version`` unpublished; an older version's publish failing later (it runs
@@ -402,8 +406,7 @@ class Committer:
         prepared = await self._prepare(version, {}, {})
         if prepared is None:
             return
-        acks = self.consumer.unacked() if self._root() is None else None
-        self._publishing = asyncio.create_task(self._publish(version, *prepared, {}, {}, pb.StepMetrics(), acks))
+        self._publishing = asyncio.create_task(self._publish(version, *prepared, {}, {}, pb.StepMetrics(), self._publish_acks()))
 
     async def flush(self) -> None:
         """Waits for the publish and the checkpoint in flight (ordered shutdown)."""
