@@ -161,6 +161,16 @@ class Fuzzer:
             self._set(msg, field, depth)
 
 
+def requests_for(valid: Message, count: int, hints: Mapping[str, Sequence[Any]] | None = None) -> list[tuple[int, Message]]:
+    """``count`` seeded requests of ``valid``'s type: even seeds whole random messages,
+    odd ones ``valid`` with one to three fields changed."""
+    out = []
+    for seed in range(count):
+        fuzzer = Fuzzer(seed=seed, hints=hints)
+        out.append((seed, fuzzer.mutate(valid, changes=1 + seed % 3) if seed % 2 else fuzzer.message(type(valid))))
+    return out
+
+
 def _try(set_value: Any) -> None:
     """Sets a value, skipping one protobuf refuses (a float beyond float32, say)."""
     try:

@@ -19,7 +19,7 @@ from meridian.v1 import envsandbox_pb2 as es
 from meridian.v1 import envsandbox_pb2_grpc as es_grpc
 from meridian.v1 import rollout_pb2 as pb
 from meridian.v1 import rollout_pb2_grpc as pb_grpc
-from tests.grpc_fuzz import Finding, Fuzzer, fuzz, report
+from tests.grpc_fuzz import Finding, fuzz, report, requests_for
 from tests.integration.conftest import CALLER_KEYS
 
 pytestmark = [pytest.mark.stack, pytest.mark.engine]
@@ -69,13 +69,10 @@ def test_rollout_answers_every_random_request_and_keeps_serving(stack: stack_mod
 
             findings: list[Finding] = []
             for method, seed_request in valid.items():
-                requests = []
-                for i in range(REQUESTS_PER_METHOD):
-                    fuzzer = Fuzzer(seed=i, hints=HINTS)
-                    request = fuzzer.mutate(seed_request, changes=1 + i % 3) if i % 2 else fuzzer.message(type(seed_request))
+                requests = requests_for(seed_request, REQUESTS_PER_METHOD, HINTS)
+                for _, request in requests:
                     if method == "RunEpisodes":
                         request.publish = False
-                    requests.append((i, request))
                 rpc = getattr(stub, method)
                 await fuzz(f"Rollout.{method}", lambda r, rpc=rpc: rpc(r, timeout=CALL_TIMEOUT_S), requests, probe, findings, probe_timeout_s=PROBE_TIMEOUT_S)
             assert not findings, report(findings)

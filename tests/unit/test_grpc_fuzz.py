@@ -25,7 +25,7 @@ from services.weightsync import client
 from services.weightsync.client import WeightSubscriber
 from services.weightsync.config import WeightSyncConfig
 from services.weightsync.server import WeightSyncService
-from tests.grpc_fuzz import Finding, Fuzzer, fuzz, report
+from tests.grpc_fuzz import Finding, Fuzzer, fuzz, report, requests_for
 
 REQUESTS_PER_METHOD = 60
 CALL_TIMEOUT_S = 20.0  # a handler that takes longer on a request this small has stalled
@@ -73,10 +73,7 @@ def test_envsandbox_answers_every_random_request_and_keeps_what_it_held(tmp_path
 
             findings: list[Finding] = []
             for method, seed_request in valid.items():
-                requests = []
-                for i in range(REQUESTS_PER_METHOD):
-                    fuzzer = Fuzzer(seed=i, hints=hints)
-                    requests.append((i, fuzzer.mutate(seed_request, changes=1 + i % 3) if i % 2 else fuzzer.message(type(seed_request))))
+                requests = requests_for(seed_request, REQUESTS_PER_METHOD, hints)
                 rpc = getattr(stub, method)
                 await fuzz(f"EnvSandbox.{method}", lambda r, rpc=rpc: rpc(r, timeout=CALL_TIMEOUT_S), requests, probe, findings)
             assert not findings, report(findings)
@@ -148,13 +145,10 @@ def test_weightsync_answers_every_random_request_and_keeps_its_versions(tmp_path
                 "Subscribe": ws.SubscribeRequest(from_version=0),
             }
             for method, seed_request in unary.items():
-                requests = []
-                for i in range(REQUESTS_PER_METHOD):
-                    fuzzer = Fuzzer(seed=i, hints=hints)
-                    request = fuzzer.mutate(seed_request, changes=1 + i % 3) if i % 2 else fuzzer.message(type(seed_request))
+                requests = requests_for(seed_request, REQUESTS_PER_METHOD, hints)
+                for _, request in requests:
                     if method == "Subscribe":
                         request.follow = False  # a following stream stays open by design
-                    requests.append((i, request))
                 rpc = getattr(stub, method)
                 await fuzz(f"WeightSync.{method}", lambda r, rpc=rpc: rpc(r, timeout=CALL_TIMEOUT_S), requests, probe, findings)
 
