@@ -138,6 +138,23 @@ async def _run_tool(sandboxes: sbx_grpc.EnvSandboxStub, sandbox_id: str, call: T
     return ""
 
 
+#: Answers to the answer's write that the sandbox's own state explains (a folder or no
+#: room where the answer goes): the policy's doing, so its tests run on what is there.
+_POLICY_MADE = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+async def _write_answer(sandboxes: sbx_grpc.EnvSandboxStub, sandbox_id: str, path: str, answer: bytes) -> None:
+    """Writes a plain-text answer where the task's tests look for it. A write the policy
+    made fail is logged and the episode scored without it: raised, it would fail the whole
+    group, which is dropped, and a policy could escape the score of any task it fails."""
+    try:
+        await sandboxes.WriteFiles(sbx.WriteFilesRequest(sandbox_id=sandbox_id, files=[sbx.File(path=path, content=answer)]), timeout=SANDBOX_CALL_S)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() not in _POLICY_MADE:
+            raise
+        log.info("sandbox %s: the answer was not written to %s (%s: %s); the tests run without it", sandbox_id, path, exc.code().name, exc.details())
+
+
 @dataclasses.dataclass
 class EpisodeResult:
     ledger: Ledger
@@ -186,8 +203,7 @@ async def run_episode(
         ledger.add_observation(observation_ids(engine, template, format_observation(observation), ended))
     t2 = time.perf_counter()
     if not wrote_files and parse_tool_call(last_text) is None:
-        answer = extract_answer(last_text).encode()
-        await sandboxes.WriteFiles(sbx.WriteFilesRequest(sandbox_id=sandbox_id, files=[sbx.File(path=task.answer_path, content=answer)]), timeout=SANDBOX_CALL_S)
+        await _write_answer(sandboxes, sandbox_id, task.answer_path, extract_answer(last_text).encode())
     # The tests run under the task's own wall limit on envsandbox's side, unknown here: the
     # episode's budget bounds them instead.
     result = await sandboxes.RunTests(sbx.RunTestsRequest(sandbox_id=sandbox_id), timeout=max(limits.wall_s, SANDBOX_CALL_S))

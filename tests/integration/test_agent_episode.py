@@ -121,3 +121,29 @@ def test_tool_output_cannot_forge_turns_in_the_policys_context(tmp_path: Path, t
     markers = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
     template_only = observation_ids(policy, observation_template(policy), "", False)  # type: ignore[arg-type]
     assert sum(t in markers for t in observation) == sum(t in markers for t in template_only) > 0
+
+
+#: A policy that makes its plain-text answer unwritable with a command, then answers
+#: (correctly): a folder where the answer goes, or a full workspace; and a symlink there,
+#: which the write replaces (never follows). Case -> (command, the reward it must get).
+SPOILED_ANSWERS = {
+    "folder": ("mkdir solution.py", 0.0),
+    "full": ("rm -f solution.py; for i in 1 2 3 4; do cat /dev/zero > fill$i; done; true", 0.0),
+    "symlink": ("rm -f solution.py; ln -s /etc/passwd solution.py", 1.0),
+}
+
+
+@pytest.mark.parametrize("how", sorted(SPOILED_ANSWERS))
+def test_a_policy_that_spoils_its_answers_write_is_scored_not_an_error(tmp_path: Path, tiny_model: Path, how: str) -> None:
+    """An error here fails the episode's whole group, which is then dropped: a policy that
+    could do that on purpose would never be scored on the tasks it fails (an optimiser
+    finds such a way out). The episode ends with its tests run on what is there: no
+    answer, reward 0."""
+    command, reward = SPOILED_ANSWERS[how]
+    script = [
+        f'<tool_call>{{"name": "bash", "arguments": {{"command": "{command}"}}}}</tool_call>',
+        "def add(a, b):\n    return a + b\n",
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    _, result = _episode(tmp_path, ScriptedPolicy(tokenizer, script))
+    assert result.turns == 2 and result.reward == reward
