@@ -10,7 +10,9 @@ container on the host) for the container's init and keep-alive, which sandbox co
 then neither trace, write nor signal, and a label naming this service instance. A
 restarted service removes every container labelled by an instance that no longer runs.
 When an exec ends (and before RunTests) every process in the container but its init and
-keep-alive is killed, and the sweep checks that none is left.
+keep-alive is killed, and the sweep checks that none is left. Every command starts through
+CPU_LIMIT_MAIN, which gives it (and only it and its descendants) the process backend's
+CPU time limit.
 
 The workspace is a tmpfs, which ``docker cp`` cannot reach, so file operations run
 ``workspace_files`` inside the container (python3 is in the image) over an exec's stdin,
@@ -44,7 +46,8 @@ from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Una
 from services.envsandbox import docker_stream, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import instance_name, oom_kill_count, process_start_time
 from services.envsandbox.sandbox import (
-    COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain, tmpfs_charge, tmpfs_inodes,
+    COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, cpu_limit_seconds, drain, tmpfs_charge,
+    tmpfs_inodes,
 )
 
 UID_POOL = 4096
@@ -122,6 +125,44 @@ else:
     _sys.stdout.write(_json.dumps(_out))
 '''
 
+#: Every command an Exec or RunTests runs starts as this, in the container as the sandbox's
+#: user (argv[1]: the CPU limit in seconds, then the command): it sets RLIMIT_CPU, soft and
+#: hard (sandbox.cpu_limit_seconds), and execs the command in its own process, so the limit
+#: is the command's and its descendants' alone. Docker has no per-exec limits, and a
+#: container-wide one (HostConfig.Ulimits, which every exec inherits) would also count
+#: against the container's init, which reaps every orphan (a sandbox making orphans in a
+#: loop spent 70 ms of its CPU per 3000) and whose death ends the container, and against
+#: the file helpers, whose CPU grows with the files they move (a Fork copies up to
+#: disk_bytes). The command gets what the exec got and nothing of Python's: the
+#: environment as it came (/proc/self/environ: Python itself adds LC_CTYPE where LANG is
+#: C), SIGPIPE and SIGXFSZ back to their defaults (Python ignores them, and an ignored
+#: signal stays ignored across exec). The interpreter's start (about 10 ms of CPU) counts
+#: towards the limit. A command that cannot be run ends 127 (not found) or 126 with the
+#: process backend's launcher's message. Another process of the same sandbox could write
+#: this one's memory before the limit is set, and gain nothing by it: every new process
+#: starts a count of its own anyway.
+CPU_LIMIT_MAIN = r'''
+import errno, os, resource, signal, sys
+try:
+    _seconds = int(sys.argv[1])
+    _hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    if _hard != resource.RLIM_INFINITY:
+        _seconds = min(_seconds, _hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (_seconds, _seconds))
+    for _sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(_sig, signal.SIG_DFL)
+    with open("/proc/self/environ", "rb") as _fh:
+        _env = dict(_e.partition(b"=")[::2] for _e in _fh.read().split(b"\0") if _e)
+except BaseException as _exc:
+    os.write(2, f"sandbox-exec: {_exc!r}\n".encode())
+    os._exit(125)
+try:
+    os.execvpe(sys.argv[2], sys.argv[2:], _env)
+except OSError as _exc:
+    os.write(2, f"sandbox-exec: {sys.argv[2]}: {os.strerror(_exc.errno or 0)}\n".encode(errors="surrogateescape"))
+    os._exit(127 if _exc.errno == errno.ENOENT else 126)
+'''
+
 
 def tmp_bytes(limits: Limits) -> int:
     """The size of a sandbox container's /tmp, a tmpfs beside its workspace's."""
@@ -162,6 +203,8 @@ class DockerBackend(Backend):
         self._free_uids = list(range(SANDBOX_UID + UID_POOL - 1, SANDBOX_UID - 1, -1))
         self._uid: dict[str, int] = {}
         self._seccomp = seccomp_policy.docker_profile()
+        #: The image's python3, found once in a fresh container (see _find_python).
+        self._python = ""
 
     # ------------------------------------------------------------ lifecycle
 
@@ -262,6 +305,8 @@ class DockerBackend(Backend):
                     break
                 time.sleep(0.005)
             self._keep[sandbox_id] = keep
+            if not self._python:
+                self._python = _find_python(container, uid)
             return container.id
 
         self._containers[sandbox_id] = ""
@@ -402,7 +447,9 @@ class DockerBackend(Backend):
     def exec(
         self, sandbox_id: str, argv: list[str], stdin: bytes, env: dict[str, str], cwd: str, wall_s: float, limits: Limits
     ) -> AsyncIterator[ExecItem]:
-        return self._exec(sandbox_id, argv, stdin, env, cwd, wall_s, limits.max_output_bytes)
+        # By its path: the caller's PATH must not choose what sets the limit.
+        wrapped = [self._python, "-I", "-S", "-c", CPU_LIMIT_MAIN, str(cpu_limit_seconds(limits)), *argv]
+        return self._exec(sandbox_id, wrapped, stdin, env, cwd, wall_s, limits.max_output_bytes)
 
     async def _exec(
         self, sandbox_id: str, argv: list[str], stdin: bytes, env: dict[str, str], cwd: str, wall_s: float, max_output: int
@@ -582,6 +629,16 @@ async def _relay_to_the_end(sender: socket.socket, receiver: socket.socket, dead
     if error is not None:
         raise error
     return done.result()
+
+
+def _find_python(container, uid: int) -> str:  # type: ignore[no-untyped-def]
+    """The path of the image's python3 (on the image's PATH, as the file helpers find it),
+    asked in a container no sandbox code has run in yet; the root is read-only, so it stays."""
+    code, out = container.exec_run(["/bin/busybox", "which", "python3"], user=f"{uid}:{uid}")
+    path = out.decode(errors="replace").strip()
+    if code != 0 or not path.startswith("/"):
+        raise FailedPrecondition(f"the sandbox image {container.image.tags or container.image.id} has no python3 on its PATH: {path[-200:]}")
+    return path
 
 
 def _check_copy(src_id: str, relayed: docker_stream.Relayed) -> None:

@@ -9,7 +9,8 @@ cgroups and the exec's own cgroup with a builtin ``echo``) → ``nsenter --mount
 ns>`` (where the sandbox roots are mounted) → ``unshare --pid --mount --net --ipc --uts
 --root=<sandbox root> --wd=/workspace`` (fresh namespaces, no fork; the network one has only
 a downed loopback) → ``/.meridian/sandbox-exec`` (launcher/: it forks; the child, process 1
-of the new pid namespace, mounts its /proc and sets the host name, rlimits, every
+of the new pid namespace, mounts its /proc and sets the host name, rlimits (the CPU
+one: :func:`~services.envsandbox.sandbox.cpu_limit_seconds`), every
 capability dropped, the sandbox's own uid, no_new_privs, the seccomp filter of
 seccomp_policy.py, and the caller's environment, in that order, then execs the command;
 the parent, outside the namespace, waits for it and ends as it ended, so the chain's status
@@ -48,7 +49,8 @@ from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Una
 from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
 from services.envsandbox.sandbox import (
-    COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, pump_process, tmpfs_charge, tmpfs_inodes,
+    COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, cpu_limit_seconds, pump_process, tmpfs_charge,
+    tmpfs_inodes,
 )
 from services.envsandbox.spawn import SpawnedProcess, spawn
 
@@ -319,7 +321,7 @@ class ProcessBackend(Backend):
         """The full exec chain for ``argv`` in the sandbox (see the module docstring)."""
         assert self._helper is not None
         joins = [*self._procs[sandbox_id], *([str(group / "cgroup.procs")] if group is not None else [])]
-        cpu = max(1, int(limits.cpu_seconds))
+        cpu = cpu_limit_seconds(limits)
         uid = self._uid[sandbox_id]
         t = self._tools
         workdir = "/workspace/" + "/".join(workspace_files.split_relative(cwd)) if cwd else "/workspace"

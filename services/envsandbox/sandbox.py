@@ -125,6 +125,21 @@ class Limits:
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v and v > 0})
 
 
+def cpu_limit_seconds(limits: Limits) -> int:
+    """The RLIMIT_CPU of every process an exec starts, on both backends: ``cpu_seconds``
+    rounded down, at least 1, as both the soft and the hard limit. RLIMIT_CPU counts per
+    process (its threads together, not its children), so each process of the exec's tree
+    is killed by SIGKILL once it has used that much CPU time itself; sandbox code, with no
+    capability, cannot raise it. Soft and hard are one: with a soft limit below the hard
+    one the kernel sends SIGXCPU at the soft limit, but never to a pid namespace's process
+    1 (the process backend's command), which ran on to the hard limit and died by SIGKILL
+    while the same command on Docker died by SIGXCPU a second earlier. Now a CPU-limit kill
+    is signal 9, neither timed out nor OOM-killed, on both backends, whichever process of
+    the tree it ends. What bounds a sandbox's CPU as a whole is ``cpus`` over the exec's
+    wall time: every new process starts its own count."""
+    return max(1, int(limits.cpu_seconds))
+
+
 @dataclasses.dataclass(frozen=True)
 class LimitCaps:
     """The most a client may ask for: limits, time-to-live and exec timeouts above these

@@ -1360,13 +1360,99 @@ def test_oom_kills_are_reported_as_what_they_are(env: tuple[Loop, SandboxManager
                 _, err, res = await sh(m, sid, "kill -9 $$")
             else:
                 # The command is its pid namespace's process 1, which nothing in the sandbox
-                # can signal: the kernel's SIGKILL at the CPU time limit's hard limit.
+                # can signal: the kernel's SIGKILL at the CPU time limit.
                 _, err, res = await sh(m, sid, "while :; do :; done", timeout_s=20)
             assert (res.exit_code, res.signal, res.oom_killed, res.timed_out) == (-1, 9, False, False), (res, err)
             assert err == b"", err
 
             _, err, res = await run(m, sid, ["sleep", "30"], timeout_s=1)
             assert (res.signal, res.oom_killed, res.timed_out) == (9, False, True), (res, err)
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
+CPU_LIMITS = Limits(memory_bytes=128 << 20, max_pids=64, disk_bytes=8 << 20, wall_seconds=30, cpu_seconds=1)
+BUSY = "while True: pass"
+
+
+def test_the_cpu_time_limit_kills_each_process_that_spends_it(env: tuple[Loop, SandboxManager]) -> None:
+    """cpu_seconds is every process's RLIMIT_CPU, soft and hard, on both backends: a busy
+    command is killed by SIGKILL after a second of CPU with a wall limit of 30 (Docker
+    applied no CPU limit at all, and the process backend's command, its pid namespace's
+    process 1, which the kernel never sends SIGXCPU, ran to the hard limit a second later
+    while its children died by SIGXCPU), reported as neither timed out nor OOM-killed; so
+    is a busy child of a command that goes on, one that tried to raise the limit, and one
+    whose PATH leads to a python3 of the sandbox's; a command that sleeps past it is not; the sandbox works on. On Docker the container's
+    init and keep-alive have no CPU limit (one set on the container would be theirs too,
+    and the init's death ends the container)."""
+    loop, m = env
+    refuse = (
+        "import resource\ntry:\n    resource.setrlimit(resource.RLIMIT_CPU, (resource.RLIM_INFINITY,) * 2)\n"
+        "except (ValueError, OSError):\n    print('refused', flush=True)\n" + BUSY
+    )
+
+    async def main() -> None:
+        sid = (await m.create(limits=CPU_LIMITS, files={"keep.txt": b"kept"})).sandbox_id
+        try:
+            out, err, res = await run(m, sid, ["python3", "-c", "import resource; print(resource.getrlimit(resource.RLIMIT_CPU))"])
+            assert out == b"(1, 1)\n" and res.exit_code == 0, (out, err, res)
+
+            for argv in (["python3", "-c", BUSY], ["sh", "-c", "while :; do :; done"], ["python3", "-c", refuse]):
+                out, err, res = await run(m, sid, argv, timeout_s=30)
+                assert (res.exit_code, res.signal, res.timed_out, res.oom_killed) == (-1, 9, False, False), (argv, res, err)
+                assert res.wall_seconds < 10, (argv, res)
+                assert out == (b"refused\n" if argv[-1] == refuse else b""), (argv, out, err)
+
+            # Whatever sets the limit is not found on the caller's PATH.
+            await sh(m, sid, "mkdir bin && printf '#!/bin/sh\\nwhile :; do :; done\\n' > bin/python3 && chmod 755 bin/python3")
+            _, err, res = await sh(m, sid, "while :; do :; done", env={"PATH": "/workspace/bin:/usr/bin:/bin"}, timeout_s=30)
+            assert (res.exit_code, res.signal, res.timed_out) == (-1, 9, False) and res.wall_seconds < 10, (res, err)
+
+            out, err, res = await sh(m, sid, 'python3 -c "$BUSY"; echo status=$?', env={"BUSY": BUSY}, timeout_s=30)
+            assert out == b"status=137\n" and (res.exit_code, res.signal, res.oom_killed) == (0, 0, False), (out, err, res)
+
+            out, err, res = await sh(m, sid, "sleep 3; echo slept", timeout_s=30)
+            assert out == b"slept\n" and (res.exit_code, res.signal, res.timed_out) == (0, 0, False), (out, err, res)
+
+            if m.backend.name == "docker":
+                out, err, res = await sh(m, sid, 'for d in /proc/[0-9]*; do [ "$(stat -c %u $d)" = "$(id -u)" ] || grep "Max cpu time" $d/limits; done')
+                lines = out.decode().splitlines()
+                assert len(lines) == 2 and all(line.split()[3:5] == ["unlimited", "unlimited"] for line in lines), (out, err)
+
+            out, _, res = await run(m, sid, ["cat", "keep.txt"])
+            assert out == b"kept" and res.exit_code == 0
+            await m.write_files(sid, {"after.txt": b"after"})
+            assert (await m.read_files(sid, ["after.txt"])) == {"after.txt": b"after"}
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
+def test_a_command_gets_its_environment_and_signal_dispositions_as_asked(env: tuple[Loop, SandboxManager]) -> None:
+    """What sets the CPU limit before the command (Docker's is a Python process) leaves no
+    trace in it: the environment exactly as asked (a name no shell keeps, and no LC_CTYPE,
+    which Python adds to its own where LANG is C), SIGPIPE and SIGXFSZ not ignored (Python
+    ignores both, and exec keeps them ignored), and a command that is not there ends 127
+    with the same message on both backends."""
+    loop, m = env
+
+    async def main() -> None:
+        sid = (await m.create()).sandbox_id
+        try:
+            out, err, res = await run(m, sid, ["env"], env={"LANG": "C", "ODD-NAME": "x y"})
+            lines = out.decode().splitlines()
+            assert res.exit_code == 0 and "ODD-NAME=x y" in lines and "LANG=C" in lines, (out, err)
+            assert not [line for line in lines if line.startswith(("LC_", "PYTHON")) and line != "PYTHONDONTWRITEBYTECODE=1"], out
+
+            out, err, res = await run(m, sid, ["grep", "^SigIgn", "/proc/self/status"])
+            ignored = int(out.split()[1], 16)
+            assert res.exit_code == 0 and not ignored & (1 << (13 - 1) | 1 << (25 - 1)), (out, err)  # SIGPIPE, SIGXFSZ
+
+            out, err, res = await run(m, sid, ["no-such-command", "x"])
+            assert (res.exit_code, res.signal) == (127, 0) and b"no-such-command: No such file or directory" in err, (out, err, res)
         finally:
             await m.close(sid)
 

@@ -21,7 +21,11 @@
  *      The child, the namespace's process 1 and the command to be, dies with the parent
  *      (the parent-death signal) and mounts a /proc of its pid namespace;
  *   3. name the host: sethostname("sandbox") in the new UTS namespace;
- *   4. resource limits (address space, CPU seconds, file size, open files, no core);
+ *   4. resource limits (address space, CPU seconds, file size, open files, no core).
+ *      The CPU limit is soft and hard at once: the kernel never sends SIGXCPU (a soft
+ *      limit's signal) to a pid namespace's process 1, so the command ran on to the
+ *      hard limit while its children died by SIGXCPU at the soft one; with one limit
+ *      every process of the exec dies by SIGKILL at --cpu seconds, as on Docker;
  *   5. empty the capability bounding set and the ambient set while still root;
  *   6. drop supplementary groups, then the gid, then the uid (real, effective, saved):
  *      with every uid non-zero the kernel clears the permitted and effective sets;
@@ -263,7 +267,7 @@ int main(int argc, char **argv) {
 
     /* 4. resource limits */
     if (as) limit(RLIMIT_AS, as, as, "RLIMIT_AS");
-    if (cpu) limit(RLIMIT_CPU, cpu, cpu + 1, "RLIMIT_CPU");
+    if (cpu) limit(RLIMIT_CPU, cpu, cpu, "RLIMIT_CPU");
     if (fsize) limit(RLIMIT_FSIZE, fsize, fsize, "RLIMIT_FSIZE");
     limit(RLIMIT_NOFILE, nofile, nofile, "RLIMIT_NOFILE");
     limit(RLIMIT_CORE, 0, 0, "RLIMIT_CORE");
