@@ -161,8 +161,12 @@ OUTLIVE = (
 def test_a_sandboxed_command_dies_with_a_sigkilled_service(tmp_path: Path, pick_port: Any) -> None:
     """The service is SIGKILLed while an exec runs (its caller still waiting, so nothing
     cancelled it first): the command dies at once, even one that tried to clear its
-    parent-death signal, not when (or if) a restarted service cleans up. It survived
-    before: the launcher's uid change cleared the signal `unshare --kill-child` set."""
+    parent-death signal (the seccomp filter refuses it), not when (or if) a restarted
+    service cleans up. The chain dies with the service (``setpriv --pdeathsig KILL``), and
+    the launcher, which forks and waits, is the command's parent: the command (its pid
+    namespace's process 1) arms its own parent-death signal again after the uid change,
+    which clears it. It survived when the signal was armed only before that change (then
+    by ``unshare --kill-child``, which waited for it then)."""
     port = pick_port()
     address = f"127.0.0.1:{port}"
     marker = f"outlive-{os.getpid()}"
