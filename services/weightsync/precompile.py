@@ -1,8 +1,8 @@
 """Compiles the numba kernels of weightsync's codec and receivers into numba's on-disk cache.
 
 Compiling them all from nothing takes over a minute on one core (84 s here), and numba
-does it lazily: the first publish, the first subscriber's first
-delta, or the first test to touch them would pay it, past their deadlines. `make install`
+does it lazily: the first publish, the first subscriber's first delta, or the first test to
+touch them would pay it, past their deadlines. `make install`
 runs this once (``python -m services.weightsync.precompile``), so services and tests start
 from the cache (about a second to load); the test session runs it again first, which costs
 that second when the cache is there and the minute, outside any test's timeout, when not.
@@ -168,8 +168,8 @@ def precompile(workers: int = 1) -> float:
 
 def main() -> int:
     """``python -m services.weightsync.precompile``: fills numba's cache, says how long it took."""
-    workers = len(os.sched_getaffinity(0))
-    print(f"weightsync kernels compiled in {precompile(workers):.1f} s ({min(workers, len(_WORD_SIZES))} process(es) first)", file=sys.stderr)
+    cores = len(os.sched_getaffinity(0))
+    print(f"weightsync kernels compiled in {precompile(cores):.1f} s ({cores} core(s))", file=sys.stderr)
     return 0
 
 
