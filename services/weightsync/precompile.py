@@ -2,9 +2,9 @@
 
 Compiling them all from nothing takes over a minute on one core (84 s here), and numba
 does it lazily: the first publish, the first subscriber's first delta, or the first test
-to touch them would pay it, past their deadlines. `make install` runs this once (``python
--m services.weightsync.precompile``), so services and tests start from the cache (about a
-second to load); the test session runs it again first, which costs that second when the
+to touch them would pay it, past their deadlines. `make install` runs this once
+(``python -m services.weightsync.precompile``), so services and tests start from the cache
+(about a second to load); the test session runs it again first, which costs that second when the
 cache is there and the minute, outside any test's timeout, when not.
 
 It drives the public paths on tiny tensors of every dtype: each format's encoder with and
