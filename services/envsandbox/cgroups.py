@@ -195,11 +195,7 @@ class Cgroups:
         cgroup so far (its ``oom_kill`` counter; 0 where the kernel has none). An exec
         compares it before and after: one that rose while the command ran, with the
         command killed by SIGKILL, says the memory limit ended it."""
-        if self.version == 2:
-            path = self.bases[""] / self.instance / sandbox_id / "memory.events"
-        else:
-            path = self.bases["memory"] / self.instance / sandbox_id / "memory.oom_control"
-        return oom_kill_count(path)
+        return oom_kill_count(self.bases["" if self.version == 2 else "memory"] / self.instance / sandbox_id, self.version)
 
     def _all_bases(self) -> list[Path]:
         return [*self.bases.values(), *([self.kill_base] if self.kill_base is not None and self.kill_base not in self.bases.values() else [])]
@@ -230,11 +226,11 @@ class Cgroups:
         return sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
 
 
-def oom_kill_count(path: Path) -> int:
-    """The ``oom_kill`` line of a memory cgroup's ``memory.events`` (v2) or
-    ``memory.oom_control`` (v1); 0 when the file or the line is missing."""
+def oom_kill_count(folder: Path, version: int) -> int:
+    """The ``oom_kill`` line of the memory cgroup ``folder``'s ``memory.events`` (cgroup
+    ``version`` 2) or ``memory.oom_control`` (1); 0 when the file or the line is missing."""
     try:
-        text = path.read_text()
+        text = (folder / ("memory.events" if version == 2 else "memory.oom_control")).read_text()
     except OSError:
         return 0
     for line in text.splitlines():

@@ -535,8 +535,8 @@ class DockerBackend(Backend):
         """How many processes the OOM killer has killed in the container's memory cgroup
         (its ``oom_kill`` counter; 0 where it cannot be read)."""
         keep = self._keep.get(sandbox_id)
-        path = _oom_kill_file(min(keep)) if keep else None
-        return 0 if path is None else oom_kill_count(path)
+        found = _cgroup_folder(min(keep), "memory") if keep else None
+        return 0 if found is None else oom_kill_count(*found)
 
     def _sweep(self, sandbox_id: str) -> bool:
         """Kills every process of the container but its init and keep-alive; True once none is left."""
@@ -681,15 +681,6 @@ def _cgroup_procs_file(pid: int) -> Path | None:
     """The cgroup.procs file of ``pid``'s pids cgroup (v1) or unified cgroup (v2)."""
     found = _cgroup_folder(pid, "pids")
     return None if found is None else found[0] / "cgroup.procs"
-
-
-def _oom_kill_file(pid: int) -> Path | None:
-    """The file of ``pid``'s memory cgroup that counts its OOM kills (``oom_kill``)."""
-    found = _cgroup_folder(pid, "memory")
-    if found is None:
-        return None
-    folder, version = found
-    return folder / ("memory.oom_control" if version == 1 else "memory.events")
 
 
 def _descendants(pid: int) -> list[int]:

@@ -120,6 +120,10 @@ class Limits:
     max_file_bytes: int = 64 * 1024 * 1024
     disk_bytes: int = 128 * 1024 * 1024
 
+    def exec_wall(self, timeout_s: float) -> float:
+        """An exec's wall limit: its own ``timeout_s`` (0: none) within ``wall_seconds``."""
+        return min(timeout_s, self.wall_seconds) if timeout_s > 0 else self.wall_seconds
+
     def merged(self, **overrides: float | int) -> "Limits":
         """These limits with every positive override applied."""
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v and v > 0})
@@ -663,8 +667,7 @@ class SandboxManager:
                 raise path_error(exc) from None
         if not (math.isfinite(timeout_s) and timeout_s >= 0):
             raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {timeout_s}")
-        wall = min(timeout_s, box.limits.wall_seconds) if timeout_s > 0 else box.limits.wall_seconds
-        async for item in self._exec(box, argv, stdin, full_env, cwd, wall, counted=True):
+        async for item in self._exec(box, argv, stdin, full_env, cwd, box.limits.exec_wall(timeout_s), counted=True):
             yield item
 
     async def _exec(
@@ -765,8 +768,7 @@ class SandboxManager:
         """RunTests' own exec of the test command: checked as any exec's, never refused."""
         full_env = sandbox_env(None)
         check_argv(argv, full_env)
-        wall = min(timeout_s, box.limits.wall_seconds) if timeout_s > 0 else box.limits.wall_seconds
-        return self._exec(box, argv, stdin, full_env, "", wall, counted=False)
+        return self._exec(box, argv, stdin, full_env, "", box.limits.exec_wall(timeout_s), counted=False)
 
 
 
