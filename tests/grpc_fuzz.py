@@ -144,16 +144,14 @@ class Fuzzer:
         field = self.rng.choice(fields)
         set_here = [f for f, _ in msg.ListFields()]
         # Into a set sub-message half the time, so deep fields change too.
-        if field in set_here and field.type == FieldDescriptor.TYPE_MESSAGE and depth < self.max_depth and self.rng.random() < 0.5:
+        if (
+            field in set_here and field.type == FieldDescriptor.TYPE_MESSAGE and depth < self.max_depth and self.rng.random() < 0.5
+            and not field.message_type.GetOptions().map_entry
+        ):
             value = getattr(msg, field.name)
-            if field.message_type.GetOptions().map_entry:
-                pass
-            elif field.is_repeated:
-                if len(value):
-                    self._change_one(self.rng.choice(list(value)), depth + 1)
-                    return
-            else:
-                self._change_one(value, depth + 1)
+            inner = (self.rng.choice(list(value)) if len(value) else None) if field.is_repeated else value
+            if inner is not None:
+                self._change_one(inner, depth + 1)
                 return
         if self.rng.random() < 0.2:
             msg.ClearField(field.name)
