@@ -42,6 +42,11 @@ class PackedLayout:
     targets: torch.Tensor  # [E] the token it predicts
     prefix: int  # shared positions
 
+    def to(self, device: torch.device) -> PackedLayout:
+        """The same layout with every tensor on ``device`` (no copy where they are)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
+
 
 def common_prefix(input_ids: torch.Tensor, lengths: torch.Tensor) -> int:
     """Length of the longest token prefix every row shares (within each row's length)."""
@@ -76,11 +81,17 @@ def plan_packs(input_ids: torch.Tensor, lengths: torch.Tensor, max_rows: int, ma
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor) -> PackedLayout:
-    """The packed layout of a right-padded batch ([B, T] ids and mask, [B, T-1] targets).
+    """The packed layout of a right-padded batch ([B, T] ids and mask, [B, T-1] targets),
+    on the batch's device.
 
     Entries are the (row, position) pairs where ``target_mask`` is non-zero: only they
-    get a log-prob.
+    get a log-prob. The layout is built on the CPU: it is a few small index tensors per
+    row, and on a GPU each would be a kernel launch of its own.
     """
+    return _layout(input_ids.cpu(), attention_mask.cpu(), target_mask.cpu()).to(input_ids.device)
+
+
+def _layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor) -> PackedLayout:
     lengths = attention_mask.sum(dim=1)
     prefix = common_prefix(input_ids, lengths)
     pieces, positions, owners = [input_ids[0, :prefix]], [torch.arange(prefix)], [torch.full((prefix,), -1)]
@@ -106,15 +117,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: tor
     packed = torch.where(cols < prefix, cols, starts_t[rows] + (cols - prefix)) if rows.numel() else cols
     keep, source = torch.unique(packed, sorted=True, return_inverse=True)
     return PackedLayout(
-        input_ids=ids.to(input_ids.device),
-        position_ids=pos.unsqueeze(0).to(input_ids.device),
-        attention=attention.to(input_ids.device),
-        keep=keep.to(input_ids.device),
-        rows=rows,
-        cols=cols,
-        source=source.to(input_ids.device),
-        targets=input_ids[rows, cols + 1],
-        prefix=prefix,
+        input_ids=ids, position_ids=pos.unsqueeze(0), attention=attention, keep=keep, rows=rows, cols=cols, source=source,
+        targets=input_ids[rows, cols + 1], prefix=prefix,
     )
 
 
