@@ -13,6 +13,8 @@ DATA_PARALLEL = ("ddp", "fsdp")
 ATTENTION = ("sdpa", "eager")
 #: How per-token loss terms are aggregated (see services.trainer.loss).
 AGGREGATIONS = ("token-mean", "seq-mean", "dr-grpo")
+#: Where the learner computes (see services.trainer.learner.resolve_device).
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def cpu_set(text: str) -> set[int]:
@@ -71,6 +73,7 @@ class TrainerConfig:
     dedupe_window: int = opt(1_000_000, "trained group ids remembered (in checkpoints) to drop redeliveries")
     data_parallel: str = opt("ddp", "under torchrun: ddp (every rank a full replica) or fsdp (FSDP2: parameters, gradients and optimiser state sharded over the ranks)")
     collective_timeout_s: float = opt(600.0, "under torchrun: seconds a rank waits for the others in a collective (of a step, a publish, a checkpoint read) and in the agreement after each phase; a rank failed or stuck mid-collective then makes every rank exit with the error within about twice this (no rank hangs), and a restart resumes from the checkpoint")
+    device: str = opt("auto", "where the learner computes: auto (cuda where torch sees a GPU, else cpu), cpu or cuda; under torchrun each rank takes the GPU of its LOCAL_RANK and the ranks talk over NCCL (gloo on the CPU)")
     threads: int = opt(1, "torch CPU threads")
     cpus: str = opt("", "CPU ids the trainer process runs on, e.g. '1' or '2-7,12' (empty: wherever the OS puts it); keeps it off the cores an inference engine pins its threads to")
     seed: int = opt(0, "torch seed")
@@ -98,6 +101,8 @@ class TrainerConfig:
             raise ValueError("tis_cap, kl_coef and warmup_steps must be >= 0")
         if self.publish_every <= 0 or self.checkpoint_every <= 0 or self.keep_checkpoints <= 0 or self.dedupe_window <= 0:
             raise ValueError("publish_every, checkpoint_every, keep_checkpoints and dedupe_window must be positive")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.pack_max_tokens <= 0:

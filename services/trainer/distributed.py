@@ -84,19 +84,23 @@ def command_group() -> Any:
     return _commands
 
 
-def _init(collective_timeout_s: float) -> tuple[int, int, str]:
-    """Joins the process group torchrun describes; returns (rank, world, device). Its
-    collectives (the steps', FSDP's, a publish's) time out after ``collective_timeout_s``,
-    so a rank a failed rank left waiting in one fails instead of hanging."""
+def _init(config: TrainerConfig) -> tuple[int, int, str]:
+    """Joins the process group torchrun describes, over NCCL where this rank computes on a
+    GPU (``config.device``: the one of its LOCAL_RANK), gloo on the CPU; returns (rank,
+    world, device). Its collectives (the steps', FSDP's, a publish's) time out after
+    ``collective_timeout_s``, so a rank a failed rank left waiting in one fails instead
+    of hanging."""
     import torch
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=collective_timeout_s))
+    from services.trainer.learner import resolve_device
+
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = f"cuda:{local}" if cuda else "cpu"
-    if cuda:
+    device = resolve_device(config.device, local)
+    on_gpu = device != "cpu"
+    if on_gpu:
         torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(seconds=config.collective_timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -391,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     from meridian.model_store import resolve_model
     from services.trainer.learner import Learner
 
-    rank, world, device = _init(config.collective_timeout_s)
+    rank, world, device = _init(config)
     try:
         learner = Learner(resolve_model(config.model), config, device=device)
         if ns.replay:

@@ -229,6 +229,16 @@ def _collectives_issued() -> int:
         return -1
 
 
+def resolve_device(setting: str, local_rank: int = 0) -> str:
+    """The torch device a ``device`` setting names on this machine: ``auto`` is the GPU
+    of ``local_rank`` where torch sees one, else the CPU; ``cuda`` where torch sees no
+    GPU is an error that says so (a silent fall-back would train a GPU job on the CPU)."""
+    cuda = torch.cuda.is_available()
+    if setting == "cuda" and not cuda:
+        raise ValueError(f"device 'cuda': torch {torch.__version__} sees no CUDA device here (a CPU build of torch, or no GPU visible to this process)")
+    return f"cuda:{local_rank}" if cuda and setting != "cpu" else "cpu"
+
+
 class Learner:
     """Owns the model and optimizer; knows nothing of Redis or gRPC.
 

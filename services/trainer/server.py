@@ -59,10 +59,10 @@ class TrainerService(pb_grpc.TrainerServicer):
     async def start(self) -> None:
         """Learner, then the newest checkpoint, then weightsync brought in step, then the loop."""
         if self.learner is None:
-            from services.trainer.learner import Learner
+            from services.trainer.learner import Learner, resolve_device
 
             model_dir = await asyncio.to_thread(resolve_model, self.config.model)
-            self.learner = await asyncio.to_thread(Learner, model_dir, self.config)
+            self.learner = await asyncio.to_thread(lambda: Learner(model_dir, self.config, resolve_device(self.config.device)))
         cfg = self.config
         commit_config = CommitConfig(cfg.weightsync, cfg.checkpoint_dir, cfg.keep_checkpoints, cfg.checkpoint_every, cfg.checkpoint_idle_s, cfg.signing_key)
         committer = self.committer = Committer(commit_config, self.learner, self.consumer, self.progress)

@@ -6,7 +6,9 @@ One rank under torchrun, replicated and with FSDP2, on the same batches as one p
 the same GPU: the same losses and weights (to float tolerance; the replay also restores a
 checkpoint before its last batch, so a restore that lost the optimiser's moments or the
 RNG would show), and the origin stores, byte for byte, what one process publishing the
-bf16 of those weights stores. The GPU's losses are the CPU's to float tolerance."""
+bf16 of those weights stores. The GPU's losses are the CPU's to float tolerance. A
+checkpoint written on the GPU resumes there bit for bit, and on the CPU (a job moved to
+other machines) to float tolerance."""
 from __future__ import annotations
 
 import asyncio
@@ -70,7 +72,7 @@ def test_one_nccl_rank_trains_resumes_and_publishes_like_one_process(tmp_path: P
                 sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
                 "--master-port", str(_free_port()), "-m", "services.trainer.distributed", "--model", str(tiny_model),
                 "--replay", str(tmp_path / "batches.pt"), "--out", str(out), "--data-parallel", data_parallel,
-                "--publish-to", address, "--signing-key", str(tmp_path / "key"), *_flags(),
+                "--publish-to", address, "--signing-key", str(tmp_path / "key"), "--device", "cuda", *_flags(),
             ]
             proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
             try:
@@ -126,3 +128,25 @@ def test_one_nccl_rank_trains_resumes_and_publishes_like_one_process(tmp_path: P
     torch.testing.assert_close(torch.tensor(cpu_losses), torch.tensor(losses), rtol=1e-3, atol=1e-7)
     for name, want in final.items():
         torch.testing.assert_close(on_cpu[name], want, rtol=0, atol=1e-4, msg=name)
+
+
+def test_a_checkpoint_taken_on_the_gpu_resumes_on_the_gpu_and_on_the_cpu(tmp_path: Path, tiny_model: Path) -> None:
+    from services.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    groups = fixed_groups(tiny_model, 4, group_size=3, seed=5)
+    first, last = groups[0:2], groups[2:4]
+    gpu = _learner(tiny_model, "cuda")
+    gpu.step(first)
+    path = save_checkpoint(tmp_path, 1, gpu.state(), {}, keep=2)
+    gpu.step(last)
+    want = gpu.master_weights()
+    for device, tolerance in (("cuda", 0.0), ("cpu", 1e-4)):
+        resumed = _learner(tiny_model, device)
+        resumed.load_state(load_checkpoint(path)[0])
+        assert resumed.step_count == 1
+        resumed.step(last)
+        got = resumed.master_weights()
+        worst = max(float((got[n] - want[n]).abs().max()) for n in want)
+        print(f"resumed on {device}: largest weight difference {worst:.3g}")
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=tolerance, msg=f"{device}: {name}")

@@ -203,3 +203,9 @@ def test_trainer_cpu_lists() -> None:
     for bad in ("a", "3-1", "-1", "1-x"):
         with pytest.raises(ValueError, match="cpus"):
             TrainerConfig(cpus=bad)
+
+
+def test_trainer_device_is_one_of_the_known_settings() -> None:
+    assert TrainerConfig().device == "auto"
+    with pytest.raises(ValueError, match="device must be one of"):
+        TrainerConfig(device="tpu")

@@ -145,3 +145,16 @@ def test_an_optimizer_step_that_raises_part_way_stops_training_rather_than_updat
         assert dead_letters(streams) == {} and loop.consumer.unacked() == {} and await loop.consumer.transport.pending() == 1
 
     asyncio.run(body())
+
+
+def test_the_device_setting_is_what_torch_sees_here() -> None:
+    from services.trainer.learner import resolve_device
+
+    assert resolve_device("cpu", 3) == "cpu"
+    if torch.cuda.is_available():
+        assert resolve_device("auto", 1) == resolve_device("cuda", 1) == "cuda:1"
+    else:
+        # A GPU job on a machine without one stops at start, saying why, instead of training on the CPU.
+        assert resolve_device("auto", 1) == "cpu"
+        with pytest.raises(ValueError, match="sees no CUDA device"):
+            resolve_device("cuda")
