@@ -56,6 +56,7 @@ class RolloutConfig:
     http_max_concurrency: int = opt(256, "OpenAI API connections and requests in flight at once (each may buffer a body); more answer HTTP 503")
     max_turns: int = opt(4, "model turns per episode")
     episode_wall_s: float = opt(300.0, "wall-clock limit of one episode")
+    sandbox_budget: int = opt(256, "envsandbox sandboxes this rollout's episodes hold at once at most (a group holds group size + 1 from its Create to its last Close); groups past it wait their turn, so a RunEpisodes asking for more runs in waves instead of failing. envsandbox's --max-sandboxes (256) divided by the rollouts sharing it")
 
     def admission_config(self) -> AdmissionConfig:
         """The RL admission controller's settings."""
@@ -97,5 +98,7 @@ class RolloutConfig:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.max_prompt_bytes < 1 or self.http_max_body_bytes < 1 or self.http_max_concurrency < 1:
             raise ValueError("max_prompt_bytes, http_max_body_bytes and http_max_concurrency must be >= 1")
+        if self.sandbox_budget < self.group_size + 1:
+            raise ValueError(f"sandbox_budget must hold one group: at least group_size + 1 = {self.group_size + 1}, got {self.sandbox_budget}")
         if self.rl_workers < 0 or self.rl_high_water <= 0 or self.rl_max_lag < 0 or self.max_turns <= 0 or self.episode_wall_s <= 0:
             raise ValueError("rl_workers and rl_max_lag must be >= 0; rl_high_water, max_turns, episode_wall_s > 0")

@@ -4,6 +4,7 @@ straight from the engine (nothing is re-tokenised; tool output is masked out).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -30,6 +31,7 @@ from services.rollout.agent import (
 )
 from services.rollout.chat_template import ContentNotPlain, chat_ids, plain_ids, template_ids
 from services.rollout.engine import PRIORITY_RL, PolicyEngine, Sampling
+from services.rollout.sandbox_budget import SandboxBudget
 
 tracer = telemetry.tracer(__name__)
 log = logging.getLogger(__name__)
@@ -220,10 +222,26 @@ async def run_group(
     model: str,
     limits: EpisodeLimits = EpisodeLimits(),
     leases: LeaseKeeper | None = None,
+    budget: SandboxBudget | None = None,
 ) -> list[common_pb2.Trajectory]:
     """One GRPO group for ``task``: ``group_size`` episodes, each in a forked sandbox.
     With ``leases`` the sandboxes are leased and renewed while held, so a rollout killed
-    mid-group leaves them to envsandbox for a lease, not their whole time-to-live."""
+    mid-group leaves them to envsandbox for a lease, not their whole time-to-live. With
+    ``budget`` the group first waits for its ``group_size + 1`` sandboxes there."""
+    async with budget.hold(group_size + 1) if budget is not None else contextlib.nullcontext():
+        return await _run_group(engine, sandboxes, task, group_size, sampling, model, limits, leases)
+
+
+async def _run_group(
+    engine: PolicyEngine,
+    sandboxes: sbx_grpc.EnvSandboxStub,
+    task: sbx.Task,
+    group_size: int,
+    sampling: Sampling,
+    model: str,
+    limits: EpisodeLimits,
+    leases: LeaseKeeper | None,
+) -> list[common_pb2.Trajectory]:
     prompt_ids = chat_prompt(engine, task)
     group_id = uuid.uuid4().hex
     leases = leases or LeaseKeeper(sandboxes, 0.0)

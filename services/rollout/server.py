@@ -30,6 +30,7 @@ from services.rollout.engine import MAX_TEMPERATURE, PRIORITY_PRODUCTION, PRIORI
 from services.envsandbox.client import LeaseKeeper
 from services.rollout.episodes import SANDBOX_CALL_S, EpisodeLimits, fetch_task, gather_or_cancel, run_group
 from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
+from services.rollout.sandbox_budget import SandboxBudget
 from services.rollout.weight_follower import WeightFollower
 from services.weightsync.signing import load_verifier
 from services.rollout.weight_updates import Tolerance, WeightUpdater
@@ -68,6 +69,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         self.sandboxes = sbx_grpc.EnvSandboxStub(self._sandbox_channel)
         self.leases = LeaseKeeper(self.sandboxes, config.sandbox_lease_s)
         self.limits = EpisodeLimits(config.max_turns, config.episode_wall_s, config.max_model_len)
+        self.budget = SandboxBudget(config.sandbox_budget)
         self.loaded_hash = ""
         self.episodes_completed = 0
         self.episodes_discarded = 0
@@ -192,7 +194,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         """Samples one group per task. A group with tokens from a version that was then
         rejected is dropped whole: no policy produced those samples."""
         engine = self._engine()
-        groups = await gather_or_cancel([run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits, self.leases) for t in tasks])
+        groups = await gather_or_cancel([run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits, self.leases, self.budget) for t in tasks])
         kept = [g for g in groups if not any(REJECTED_VERSION in t.policy_versions for t in g)]
         for t in (t for g in kept for t in g):
             t.region = self.config.region
@@ -268,6 +270,8 @@ class RolloutService(pb_grpc.RolloutServicer):
         group_size = request.group_size or self.config.group_size
         if not 2 <= group_size <= MAX_GROUP:
             raise InvalidArgument(f"group_size must be in 2..{MAX_GROUP}, got {group_size}")
+        if problem := self.budget.problem(group_size + 1):
+            raise InvalidArgument(problem)
         if len(request.task_ids) > MAX_TASKS or not 0 <= request.num_tasks <= MAX_TASKS:
             raise InvalidArgument(f"at most {MAX_TASKS} tasks per call")
         sampling = self._sampling(request.sampling, default_temperature=self.config.temperature)
@@ -289,6 +293,8 @@ class RolloutService(pb_grpc.RolloutServicer):
         last = follower.last_update if follower else None
         return pb.RolloutStatus(
             region=self.config.region,
+            sandboxes_held=self.budget.held,
+            groups_waiting_for_sandboxes=self.budget.waiting,
             policy_version=self.engine.version if self.engine else 0,
             model=self.config.model,
             weights_hash=follower.weights_hash if follower else self.loaded_hash,

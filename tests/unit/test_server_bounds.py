@@ -527,6 +527,23 @@ def test_http_api_answers_413_for_a_body_or_prompt_over_its_bound(rollout: Calla
     run(main())
 
 
+def test_run_episodes_refuses_a_group_its_sandbox_budget_could_never_hold(rollout: Callable[..., Any], grpc_serving: Serving) -> None:
+    """A group of 8 holds 9 sandboxes at once: under a budget of 5 it could only wait for
+    ever, so the call is refused at once, naming the budget, before envsandbox is asked."""
+    from meridian.v1 import rollout_pb2 as ro
+    from meridian.v1 import rollout_pb2_grpc as ro_grpc
+
+    async def main() -> None:
+        service = rollout(sandbox_budget=5, group_size=2, http_port=-1)
+        async with grpc_serving(service) as address, grpc.aio.insecure_channel(address) as channel:
+            stub = ro_grpc.RolloutStub(channel)
+            details = await expect_code(grpc.StatusCode.INVALID_ARGUMENT, stub.RunEpisodes(ro.RunEpisodesRequest(task_ids=["python/add"], group_size=8)))
+            assert "needs 9 sandboxes" in details and "sandbox budget is 5" in details, details
+            assert (service.budget.held, service.budget.waiting) == (0, 0)
+
+    run(main())
+
+
 def test_run_episodes_samples_nothing_while_held_groups_cannot_be_published(rollout: Callable[..., Any], grpc_serving: Serving, pick_port: Callable[[], int]) -> None:
     """The stream went away with a group sampled: the group is held, RunEpisodes with
     publish answers UNAVAILABLE saying so before it asks envsandbox for anything (more
