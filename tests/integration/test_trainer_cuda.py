@@ -8,7 +8,8 @@ checkpoint before its last batch, so a restore that lost the optimiser's moments
 RNG would show), and the origin stores, byte for byte, what one process publishing the
 bf16 of those weights stores. The GPU's losses are the CPU's to float tolerance. A
 checkpoint written on the GPU resumes there bit for bit, and on the CPU (a job moved to
-other machines) to float tolerance."""
+other machines) to float tolerance. The canary a GPU trainer publishes with a version is
+what a CPU computes from the same bf16 weights, well within the rollouts' tolerance."""
 from __future__ import annotations
 
 import asyncio
@@ -150,3 +151,19 @@ def test_a_checkpoint_taken_on_the_gpu_resumes_on_the_gpu_and_on_the_cpu(tmp_pat
         print(f"resumed on {device}: largest weight difference {worst:.3g}")
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=tolerance, msg=f"{device}: {name}")
+
+
+def test_the_canary_a_gpu_trainer_publishes_is_what_the_cpu_computes_from_the_same_weights(tiny_model: Path) -> None:
+    """Rollouts compare the canary with what their engine computes (on a CPU, or another
+    GPU): a trainer's device must not move it anywhere near the rejection tolerance."""
+    from meridian import canary
+    from services.trainer.learner import canary_logprobs
+
+    gpu = _learner(tiny_model, "cuda")
+    gpu.step(fixed_groups(tiny_model, 2, group_size=3, seed=7))
+    weights = gpu.policy_weights()
+    published = gpu.canary(weights)
+    cpu = _learner(tiny_model, "cpu")
+    verdict = canary.compare(published, canary_logprobs(cpu.module, weights, cpu.canary_ids))
+    print(f"canary: gpu vs cpu mean {verdict.mean_diff:.3g}, max {verdict.max_diff:.3g} nats over {verdict.tokens} tokens")
+    assert verdict.ok and verdict.max_diff < canary.DEFAULT_MEAN_TOLERANCE / 10, verdict
