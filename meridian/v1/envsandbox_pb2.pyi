@@ -17,20 +17,22 @@ class File(_message.Message):
     def __init__(self, path: _Optional[str] = ..., content: _Optional[bytes] = ..., mode: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("id", "kind", "instruction", "files", "answer_path", "split")
+    __slots__ = ("id", "kind", "instruction", "files", "answer_path", "split", "tests_wall_seconds")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     ANSWER_PATH_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
+    TESTS_WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: str
     instruction: str
     files: _containers.RepeatedCompositeFieldContainer[File]
     answer_path: str
     split: str
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., instruction: _Optional[str] = ..., files: _Optional[_Iterable[_Union[File, _Mapping]]] = ..., answer_path: _Optional[str] = ..., split: _Optional[str] = ...) -> None: ...
+    tests_wall_seconds: float
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., instruction: _Optional[str] = ..., files: _Optional[_Iterable[_Union[File, _Mapping]]] = ..., answer_path: _Optional[str] = ..., split: _Optional[str] = ..., tests_wall_seconds: _Optional[float] = ...) -> None: ...
 
 class ListTasksRequest(_message.Message):
     __slots__ = ("split", "kind")

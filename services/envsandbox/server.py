@@ -32,6 +32,7 @@ def task_to_pb(task: Task) -> pb.Task:
         files=[pb.File(path=p, content=c.encode()) for p, c in task.files.items()],
         answer_path=task.answer_path,
         split=task.split,
+        tests_wall_seconds=task.limits.wall_seconds,
     )
 
 

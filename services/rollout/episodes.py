@@ -157,6 +157,16 @@ async def _write_answer(sandboxes: sbx_grpc.EnvSandboxStub, sandbox_id: str, pat
         log.info("sandbox %s: the answer was not written to %s (%s: %s); the tests run without it", sandbox_id, path, exc.code().name, exc.details())
 
 
+def tests_deadline(task: sbx.Task, limits: EpisodeLimits) -> float:
+    """RunTests' client deadline: the task's tests may run for their whole wall limit (not
+    the episode's, which bounds the policy's turns), plus a call's margin for envsandbox
+    to settle the sandbox and start them. An envsandbox that does not say how long (0)
+    gets the episode's budget."""
+    if task.tests_wall_seconds > 0:
+        return task.tests_wall_seconds + SANDBOX_CALL_S
+    return max(limits.wall_s, SANDBOX_CALL_S)
+
+
 @dataclasses.dataclass
 class EpisodeResult:
     ledger: Ledger
@@ -206,9 +216,7 @@ async def run_episode(
     t2 = time.perf_counter()
     if not wrote_files and parse_tool_call(last_text) is None:
         await _write_answer(sandboxes, sandbox_id, task.answer_path, extract_answer(last_text).encode())
-    # The tests run under the task's own wall limit on envsandbox's side, unknown here: the
-    # episode's budget bounds them instead.
-    result = await sandboxes.RunTests(sbx.RunTestsRequest(sandbox_id=sandbox_id), timeout=max(limits.wall_s, SANDBOX_CALL_S))
+    result = await sandboxes.RunTests(sbx.RunTestsRequest(sandbox_id=sandbox_id), timeout=tests_deadline(task, limits))
     sandbox_s += time.perf_counter() - t2
     return EpisodeResult(ledger, last_text, reason, turns, result.reward, generate_s, sandbox_s)
 

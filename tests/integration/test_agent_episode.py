@@ -147,3 +147,42 @@ def test_a_policy_that_spoils_its_answers_write_is_scored_not_an_error(tmp_path:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     _, result = _episode(tmp_path, ScriptedPolicy(tokenizer, script))
     assert result.turns == 2 and result.reward == reward
+
+
+#: A task whose tests take longer than the episode below may: they sleep, then pass.
+SLOW_TESTS_TASK = {
+    "id": "slow/tests", "kind": "python_function", "split": "train", "instruction": "Answer anything.",
+    "files": {}, "answer_path": "answer.txt", "reward": "pass_fraction", "limits": {"wall_seconds": 10},
+    "tests": {"test_slow.py": "import time\nprint('TOTAL 1')\ntime.sleep(1.5)\nprint('PASS slow')\n"},
+    "test_command": ["python3", ".tests/test_slow.py"],
+}
+
+
+def test_tests_may_run_their_own_wall_time_whatever_the_episode_had_left(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests' time is the task's (its wall limit, which envsandbox announces with the
+    task), not what is left of the episode's: a client deadline of the episode's budget
+    ended such an episode in DEADLINE_EXCEEDED, which fails its whole group."""
+    import json
+
+    from services.rollout import episodes
+
+    monkeypatch.setattr(episodes, "SANDBOX_CALL_S", 0.5)
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "slow.json").write_text(json.dumps(SLOW_TESTS_TASK))
+    policy = ScriptedPolicy(AutoTokenizer.from_pretrained(tiny_model), ["42"])
+
+    async def run():  # type: ignore[no-untyped-def]
+        service = EnvSandboxService(EnvSandboxConfig(root=str(tmp_path / "sandboxes"), tasks_dir=str(folder)))
+        async with serving(service) as address, grpc.aio.insecure_channel(address) as channel:
+            stub = sbx_grpc.EnvSandboxStub(channel)
+            task = await stub.GetTask(sbx.GetTaskRequest(task_id="slow/tests"))
+            assert task.tests_wall_seconds == 10
+            box = await stub.Create(sbx.CreateRequest(task_id=task.id))
+            try:
+                prompt = chat_prompt(policy, task)  # type: ignore[arg-type]
+                return await run_episode(policy, stub, box.sandbox_id, task, prompt, Sampling(max_tokens=16), EpisodeLimits(max_turns=1, wall_s=0.2))  # type: ignore[arg-type]
+            finally:
+                await stub.Close(sbx.CloseRequest(sandbox_id=box.sandbox_id))
+
+    assert asyncio.run(run()).reward == 1.0
