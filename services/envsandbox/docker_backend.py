@@ -261,8 +261,11 @@ class DockerBackend(Backend):
                 network_mode="none",
                 read_only=True,
                 tmpfs={
-                    "/workspace": f"size={limits.disk_bytes},nr_inodes={tmpfs_inodes(limits.disk_bytes)},mode=0755,uid={uid},gid={uid}",
-                    "/tmp": f"size={tmp_size},nr_inodes={tmpfs_inodes(tmp_size)},mode=1777",
+                    # exec: Docker mounts a tmpfs noexec unless asked, and a program an agent
+                    # built there (a compiler's output, a script) ended 126 where the process
+                    # backend ran it. Still nosuid and nodev, Docker's other defaults.
+                    "/workspace": f"exec,size={limits.disk_bytes},nr_inodes={tmpfs_inodes(limits.disk_bytes)},mode=0755,uid={uid},gid={uid}",
+                    "/tmp": f"exec,size={tmp_size},nr_inodes={tmpfs_inodes(tmp_size)},mode=1777",
                     # Instead of Docker's own /dev/shm (64 MiB, no inode cap, outside the
                     # memory limit's room): filled with bytes and empty files it took the
                     # whole limit, and every later command and file operation was killed.

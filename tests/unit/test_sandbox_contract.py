@@ -1554,6 +1554,41 @@ def test_shared_memory_works_and_never_takes_the_sandboxs_memory(env: tuple[Loop
     loop.run(main())
 
 
+def _mount_options(mounts: str, path: str) -> set[str]:
+    """The options of the mount ``path`` lies on, from /proc/mounts (the longest mount point above it)."""
+    best, options = "", ""
+    for line in mounts.splitlines():
+        point, opts = line.split()[1], line.split()[3]
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, options = point, opts
+    return set(options.split(","))
+
+
+def test_a_program_the_sandbox_writes_runs_in_its_workspace_and_tmp(env: tuple[Loop, SandboxManager]) -> None:
+    """An agent builds a program (a compiler's output, a script) and runs it: in /workspace
+    and /tmp that works on both backends alike (Docker's tmpfs mounts are noexec unless
+    asked, and the same program there ended 126 where the process backend ran it). No mount
+    honours set-user-id programs or device nodes, and /dev/shm runs nothing, on either."""
+    loop, m = env
+    program = "printf '#!/bin/sh\\necho ran in %s\\n' {d} > {d}/prog && chmod +x {d}/prog && {d}/prog"
+
+    async def main() -> None:
+        sid = (await m.create()).sandbox_id
+        try:
+            for folder in ("/workspace", "/tmp"):
+                out, err, res = await sh(m, sid, program.format(d=folder))
+                assert (res.exit_code, out) == (0, f"ran in {folder}\n".encode()), (folder, res, err)
+            _, _, res = await sh(m, sid, program.format(d="/dev/shm"))
+            assert res.exit_code == 126, res
+            mounts = (await run(m, sid, ["cat", "/proc/mounts"]))[0].decode()
+            for folder in ("/workspace", "/tmp", "/dev/shm"):
+                assert {"nosuid", "nodev"} <= _mount_options(mounts, folder), (folder, mounts)
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
 @pytest.mark.parametrize("attack", list(MODE_ATTACKS))
 def test_run_tests_scores_whatever_modes_the_sandbox_left(env: tuple[Loop, SandboxManager], attack: str) -> None:
     """After the sandbox changed the modes of its own workspace (or tried to remove or
