@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP front door on the rollout engine (``/v1/chat/completions``,
 ``/v1/completions``, ``/v1/models``; streaming and not; ``n`` completions per request up
-to a cap), so existing agent scaffolds and the official ``openai`` client work
-unchanged. A request's traffic class (production, or RL that production preempts) is
+to a cap; function calling in the policy's own tool-call format, see
+:mod:`services.rollout.openai_tools`), so existing agent scaffolds and the official
+``openai`` client work unchanged. A request's traffic class (production, or RL that production preempts) is
 that of its API key (:mod:`services.rollout.callers`)."""
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from services.rollout.callers import CallerClasses
 from services.rollout.chat_template import ContentNotPlain, chat_ids
 from services.rollout.config import DEFAULT_HTTP_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_BYTES
 from services.rollout.engine import MAX_TEMPERATURE, PolicyEngine, Sampling
+from services.rollout.agent import TOOL_CALL_CLOSE
 from services.rollout.openai_logprobs import chat_logprobs, completion_logprobs, token_texts
+from services.rollout.openai_tools import Tools, ToolsError, assistant_calls_text, held_back, parse_tools, split_calls, tool_result_text, with_tools
 from services.rollout.prompt_limits import is_text, text_bytes, tokenize_off_loop, too_long
 
 log = logging.getLogger(__name__)
@@ -153,9 +156,36 @@ class Head:
     chat: bool
     logprobs: bool
     prompt_tokens: int
+    tools: Tools | None = None  # offered to the model: its calls come back as tool_calls
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": self.prompt_tokens + completion_tokens}
+
+
+class ToolCallStream:
+    """One streamed chat choice with tools offered: content streams until a tool-call
+    block begins (or may be beginning), and the calls go out whole with the last chunk."""
+
+    def __init__(self, tools: Tools) -> None:
+        self.tools = tools
+        self.text = ""
+        self.sent = 0  # characters of text already streamed as content
+
+    def feed(self, text: str, last: bool) -> tuple[dict[str, Any], str]:
+        """The delta for a piece of text, and on the last piece "tool_calls" when it made any."""
+        self.text += text
+        if not last:
+            upto = held_back(self.text)
+            delta = {"content": self.text[self.sent : upto]} if upto > self.sent else {}
+            self.sent = max(self.sent, upto)
+            return delta, ""
+        content, calls = split_calls(self.text, self.tools)
+        rest = content[self.sent :] if calls else self.text[self.sent :]
+        delta: dict[str, Any] = {"content": rest} if rest else {}
+        if not calls:
+            return delta, ""
+        delta["tool_calls"] = [{"index": k, **call.as_openai()} for k, call in enumerate(calls)]
+        return delta, "tool_calls"
 
 
 class UnknownModel(Exception):
@@ -190,9 +220,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (1,),
     "logit_bias": ({},),
     "response_format": ({"type": "text"},),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
     "best_of": (1,),
     "echo": (False,),
@@ -228,6 +256,16 @@ def wants_logprobs(body: dict[str, Any], chat: bool) -> bool:
     if value is not None and (isinstance(value, bool) or value != 0):
         raise RequestError(f"'logprobs' must be 0 or absent on this server (it reports the sampled token's log-prob only, not alternatives), got {value!r}", "logprobs")
     return value is not None
+
+
+def offered_tools(body: dict[str, Any], chat: bool) -> Tools | None:
+    """The functions a chat request offers the model (see :mod:`services.rollout.openai_tools`);
+    a completion request has no messages to carry calls and results, so it offers none."""
+    if chat:
+        return parse_tools(body)
+    if body.get("tools") not in (None, []) or body.get("tool_choice") not in (None, "none", "auto"):
+        raise RequestError("'tools' and 'tool_choice' are for /v1/chat/completions (a completion has no messages to carry calls and results)", "tools")
+    return None
 
 
 def wants_usage_chunk(body: dict[str, Any]) -> bool:
@@ -274,13 +312,22 @@ ROLES = ("system", "user", "assistant", "tool")
 def message_text(message: Any, i: int) -> str:
     """What ``messages[i]`` says, validated: its ``content`` as a string, or as a list of
     text parts (``{"type": "text", "text": ...}``, joined by newlines as vLLM joins them),
-    or none on an assistant message. Structured tool calls are refused rather than
-    dropped."""
+    or none on an assistant message; an assistant's ``tool_calls`` follow as the blocks
+    the model writes. Legacy ``function_call`` is refused rather than dropped."""
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise RequestError(f"messages[{i}] needs a role ({', '.join(ROLES)})", "messages")
-    if message.get("tool_calls") or message.get("function_call"):
+    if message.get("function_call"):
         # Dropped, the model would not see the calls it made in the history it is given.
-        raise RequestError(f"messages[{i}] carries tool calls, which this server does not render; put the call in the content", "messages")
+        raise RequestError(f"messages[{i}] carries a legacy function_call, which this server does not render; send tool_calls", "messages")
+    calls = message.get("tool_calls")
+    if calls:
+        if message["role"] != "assistant":
+            raise RequestError(f"messages[{i}]: only an assistant message carries tool_calls", "messages")
+        return _content_text(message, i) + assistant_calls_text(calls, i)
+    return _content_text(message, i)
+
+
+def _content_text(message: dict[str, Any], i: int) -> str:
     content = message.get("content")
     if isinstance(content, str):
         return content
@@ -298,17 +345,21 @@ def message_text(message: Any, i: int) -> str:
     return "\n".join(texts)
 
 
-def chat_prompt_ids(engine: PolicyEngine, messages: Any) -> list[int]:
+def chat_prompt_ids(engine: PolicyEngine, messages: Any, tools: Tools | None = None) -> list[int]:
     """Token ids of a chat through the model's own template, what each message says kept
     as text (a ``<|im_start|>system`` in a user's words is those characters, not a new
-    turn; see :mod:`services.rollout.chat_template`)."""
+    turn; see :mod:`services.rollout.chat_template`). ``tools`` are offered in a system
+    message; a ``tool`` message is the user turn an episode's tool output is."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     texts = [message_text(m, i) for i, m in enumerate(messages)]  # checks each is an object with a role
-    clean = [{"role": m["role"], "content": text} for m, text in zip(messages, texts)]
+    clean = [
+        {"role": "user", "content": tool_result_text(text)} if m["role"] == "tool" else {"role": m["role"], "content": text}
+        for m, text in zip(messages, texts)
+    ]
     assert engine.tokenizer is not None
     try:
-        return chat_ids(engine.tokenizer, clean)
+        return chat_ids(engine.tokenizer, with_tools(clean, tools))
     except ContentNotPlain as exc:
         raise RequestError(str(exc), "messages") from exc
 
@@ -332,7 +383,7 @@ def _text_bytes_of(message: Any, i: int) -> int:
     answered 400 before anything is tokenised)."""
     try:
         return text_bytes(message_text(message, i))
-    except RequestError:
+    except (RequestError, ToolsError):
         return 0
 
 
@@ -411,6 +462,10 @@ def create_app(
     async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
         return error(exc.status, str(exc), "invalid_request_error", exc.param)
 
+    @app.exception_handler(ToolsError)
+    async def bad_tools(_: Request, exc: ToolsError) -> JSONResponse:
+        return error(400, str(exc), "invalid_request_error", exc.param)
+
     @app.exception_handler(Unauthenticated)
     async def unauthenticated(_: Request, exc: Unauthenticated) -> JSONResponse:
         return error(401, str(exc), "authentication_error")
@@ -440,23 +495,27 @@ def create_app(
         refuse_not_implemented(body)
         logprobs = wants_logprobs(body, chat)
         usage_chunk = wants_usage_chunk(body)
-        size = prompt_text_bytes(body, chat)
+        tools = offered_tools(body, chat)
+        size = prompt_text_bytes(body, chat) + (text_bytes(tools.prompt()) if tools else 0)
         if problem := too_long(size, max_prompt_bytes):
             raise ContentTooLarge(problem, "messages" if chat else "prompt")
         if chat:
-            ids = await tokenize_off_loop(size, chat_prompt_ids, engine, body.get("messages"))
+            ids = await tokenize_off_loop(size, chat_prompt_ids, engine, body.get("messages"), tools)
         else:
             ids = await tokenize_off_loop(size, completion_prompt_ids, engine, body.get("prompt"))
         if problem := engine.prompt_problem(ids):
             raise RequestError(problem, "prompt")
         sampling = parse_sampling(body, max_model_len, default_max_tokens)
+        if tools:
+            # A call ends the model's turn, as in the episodes it was trained on.
+            sampling = dataclasses.replace(sampling, stop=(*sampling.stop, TOOL_CALL_CLOSE))
         n = parse_n(body, max_n)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         # The n choices run at once on the engine (they share the prompt's cached prefix).
         streams = [run(ids, choice_sampling(sampling, i), priority) for i in range(n)]
-        head = Head(rid, created, kind, chat, logprobs, len(ids))
+        head = Head(rid, created, kind, chat, logprobs, len(ids), tools)
         if body.get("stream"):
             # A stream's client leaving ends the response (Starlette watches for it), and
             # with it merged(): the engine's requests are aborted.
@@ -481,6 +540,10 @@ def create_app(
             choice["logprobs"] = logprobs_of(token_ids[i], token_logprobs[i], 0, chat) if logprobs else None
             if chat:
                 choice["message"] = {"role": "assistant", "content": texts[i]}
+                if tools and (found := split_calls(texts[i], tools))[1]:
+                    content, calls = found
+                    choice["message"] = {"role": "assistant", "content": content.strip() or None, "tool_calls": [c.as_openai() for c in calls]}
+                    choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = texts[i]
             choices.append(choice)
@@ -495,13 +558,18 @@ def create_app(
             for i in range(len(streams)):
                 yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         offsets = [0] * len(streams)
+        calls = [ToolCallStream(head.tools) if head.tools else None for _ in streams]
         tokens = 0
         async for i, piece in merged(streams):
             tokens += len(piece.token_ids)
             choice: dict[str, Any] = {"index": i, "finish_reason": piece.finish or None}
             choice["logprobs"] = logprobs_of(piece.token_ids, piece.logprobs, offsets[i], head.chat) if head.logprobs else None
             if head.chat:
-                choice["delta"] = {"content": piece.text} if piece.text else {}
+                if (watch := calls[i]) is not None:
+                    choice["delta"], finish = watch.feed(piece.text, bool(piece.finish))
+                    choice["finish_reason"] = finish or choice["finish_reason"]
+                else:
+                    choice["delta"] = {"content": piece.text} if piece.text else {}
             else:
                 choice["text"] = piece.text
                 if head.logprobs:

@@ -185,8 +185,11 @@ def test_the_chat_api_takes_text_parts_and_refuses_other_content_by_name(tok: An
             "messages[1].content must be a string or a list of text parts, got int": [{"role": "user", "content": "hi"}, {"role": "user", "content": 7}],
             "messages[0].content must be a string or a list of text parts, got NoneType": [{"role": "user", "content": None}],
             "messages[0] needs a role": [{"role": "wizard", "content": "hi"}],
-            "messages[1] carries tool calls, which this server does not render": [
+            "messages[1].tool_calls[0] needs a function with a name and arguments": [
                 {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+            ],
+            "messages[1] carries a legacy function_call": [
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
             ],
         }
         for message, messages in refused.items():

@@ -75,7 +75,7 @@ def test_a_streams_logprobs_add_up_to_the_whole_answers_and_it_ends_with_usage(h
         (True, {"frequency_penalty": -1}, "frequency_penalty"),
         (True, {"logit_bias": {"28": 100}}, "logit_bias"),
         (True, {"response_format": {"type": "json_object"}}, "response_format"),
-        (True, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (True, {"functions": [{"name": "f"}]}, "functions"),
         (True, {"tool_choice": "required"}, "tool_choice"),
         (False, {"best_of": 3}, "best_of"),
         (False, {"echo": True}, "echo"),
