@@ -129,6 +129,32 @@ def test_openai_logprobs_and_usage_through_the_official_client(stack: stack_mod.
         client.chat.completions.create(**chat, presence_penalty=1.0)  # type: ignore[call-overload]
 
 
+def test_openai_tools_through_the_official_client(stack: stack_mod.Stack) -> None:
+    """A conversation with a tool call and its result, and the tools offered, goes through
+    the real engine (its template, the stop at a call's closing tag); the reply is either
+    content or calls of the offered tool. A forced tool choice is refused by name."""
+    client = _client(stack)
+    model = client.models.list().data[0].id
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, clear"},
+    ]
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.chat.completions.create(model=model, messages=messages, tools=[weather], max_tokens=16, temperature=0, stream=True))  # type: ignore[call-overload]
+            finish = chunks[-1].choices[0].finish_reason
+            calls = [c for chunk in chunks if chunk.choices and chunk.choices[0].delta.tool_calls for c in chunk.choices[0].delta.tool_calls]
+        else:
+            reply = client.chat.completions.create(model=model, messages=messages, tools=[weather], max_tokens=16, temperature=0)  # type: ignore[call-overload]
+            finish, calls = reply.choices[0].finish_reason, reply.choices[0].message.tool_calls or []
+        assert finish in ("stop", "length", "tool_calls") and (finish == "tool_calls") == bool(calls)
+        assert all(c.function.name == "get_weather" for c in calls)
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model=model, messages=messages, tools=[weather], tool_choice="required", max_tokens=4)  # type: ignore[call-overload]
+
+
 async def _generate_as(address: str, key: str, credentials: str) -> int:
     """Tokens of one Generate call made with API key ``key`` (sent as the call's token)."""
     request = pb.GenerateRequest(prompt="def add(a, b):", sampling=pb.SamplingParams(max_tokens=5, min_tokens=5))
