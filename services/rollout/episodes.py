@@ -237,76 +237,63 @@ async def run_group(
     mid-group leaves them to envsandbox for a lease, not their whole time-to-live. With
     ``budget`` the group first waits for its ``group_size + 1`` sandboxes there."""
     async with budget.hold(group_size + 1) if budget is not None else contextlib.nullcontext():
-        return await _run_group(engine, sandboxes, task, group_size, sampling, model, limits, leases)
+        prompt_ids = chat_prompt(engine, task)
+        group_id = uuid.uuid4().hex
+        leases = leases or LeaseKeeper(sandboxes, 0.0)
+        base = await sandboxes.Create(sbx.CreateRequest(task_id=task.id, client_request_id=f"{group_id}-base", lease_seconds=leases.lease_s), timeout=SANDBOX_CALL_S)
+        leases.hold([base.sandbox_id])
+        # Forks no episode has closed yet. A group cancelled (a sibling group failed, the caller
+        # went away) before its episodes start runs none of their cleanup: its forks are closed
+        # here instead, or the lease keeper would renew them until their time-to-live.
+        unclosed: set[str] = set()
 
-
-async def _run_group(
-    engine: PolicyEngine,
-    sandboxes: sbx_grpc.EnvSandboxStub,
-    task: sbx.Task,
-    group_size: int,
-    sampling: Sampling,
-    model: str,
-    limits: EpisodeLimits,
-    leases: LeaseKeeper | None,
-) -> list[common_pb2.Trajectory]:
-    prompt_ids = chat_prompt(engine, task)
-    group_id = uuid.uuid4().hex
-    leases = leases or LeaseKeeper(sandboxes, 0.0)
-    base = await sandboxes.Create(sbx.CreateRequest(task_id=task.id, client_request_id=f"{group_id}-base", lease_seconds=leases.lease_s), timeout=SANDBOX_CALL_S)
-    leases.hold([base.sandbox_id])
-    # Forks no episode has closed yet. A group cancelled (a sibling group failed, the caller
-    # went away) before its episodes start runs none of their cleanup: its forks are closed
-    # here instead, or the lease keeper would renew them until their time-to-live.
-    unclosed: set[str] = set()
-
-    async def episode(index: int, sandbox_id: str) -> common_pb2.Trajectory:
-        started = time.time()
-        seed = None if sampling.seed is None else sampling.seed + index
-        with tracer.start_as_current_span("rollout.episode") as span:
-            span.set_attribute("meridian.task_id", task.id)
-            span.set_attribute("meridian.group_id", group_id)
-            try:
-                res = await run_episode(engine, sandboxes, sandbox_id, task, prompt_ids, dataclasses.replace(sampling, seed=seed), limits)
-            finally:
-                unclosed.discard(sandbox_id)
+        async def episode(index: int, sandbox_id: str) -> common_pb2.Trajectory:
+            started = time.time()
+            seed = None if sampling.seed is None else sampling.seed + index
+            with tracer.start_as_current_span("rollout.episode") as span:
+                span.set_attribute("meridian.task_id", task.id)
+                span.set_attribute("meridian.group_id", group_id)
                 try:
-                    await sandboxes.Close(sbx.CloseRequest(sandbox_id=sandbox_id), timeout=SANDBOX_CALL_S)
+                    res = await run_episode(engine, sandboxes, sandbox_id, task, prompt_ids, dataclasses.replace(sampling, seed=seed), limits)
                 finally:
-                    leases.release([sandbox_id])
-            span.set_attribute("meridian.reward", res.reward)
-            span.set_attribute("meridian.turns", res.turns)
-            return common_pb2.Trajectory(
-                trajectory_id=uuid.uuid4().hex,
-                task_id=task.id,
-                group_id=group_id,
-                group_size=group_size,
-                prompt_token_ids=prompt_ids,
-                completion_token_ids=res.ledger.token_ids,
-                logprobs=res.ledger.logprobs,
-                loss_mask=res.ledger.loss_mask,
-                policy_versions=res.ledger.policy_versions,
-                reward=res.reward,
-                truncated=res.finish_reason in ("length", "token_limit", "turn_limit", "timeout"),
-                finish_reason=res.finish_reason,
-                timings=common_pb2.Timings(generate_s=res.generate_s, sandbox_s=res.sandbox_s, total_s=time.time() - started, created_unix=started),
-                trace_context=telemetry.inject(span),
-                model=model,
-            )
+                    unclosed.discard(sandbox_id)
+                    try:
+                        await sandboxes.Close(sbx.CloseRequest(sandbox_id=sandbox_id), timeout=SANDBOX_CALL_S)
+                    finally:
+                        leases.release([sandbox_id])
+                span.set_attribute("meridian.reward", res.reward)
+                span.set_attribute("meridian.turns", res.turns)
+                return common_pb2.Trajectory(
+                    trajectory_id=uuid.uuid4().hex,
+                    task_id=task.id,
+                    group_id=group_id,
+                    group_size=group_size,
+                    prompt_token_ids=prompt_ids,
+                    completion_token_ids=res.ledger.token_ids,
+                    logprobs=res.ledger.logprobs,
+                    loss_mask=res.ledger.loss_mask,
+                    policy_versions=res.ledger.policy_versions,
+                    reward=res.reward,
+                    truncated=res.finish_reason in ("length", "token_limit", "turn_limit", "timeout"),
+                    finish_reason=res.finish_reason,
+                    timings=common_pb2.Timings(generate_s=res.generate_s, sandbox_s=res.sandbox_s, total_s=time.time() - started, created_unix=started),
+                    trace_context=telemetry.inject(span),
+                    model=model,
+                )
 
-    try:
         try:
-            forks = await sandboxes.Fork(sbx.ForkRequest(sandbox_id=base.sandbox_id, count=group_size), timeout=SANDBOX_CALL_S)
-            unclosed.update(box.sandbox_id for box in forks.sandboxes)
-            leases.hold(unclosed)
+            try:
+                forks = await sandboxes.Fork(sbx.ForkRequest(sandbox_id=base.sandbox_id, count=group_size), timeout=SANDBOX_CALL_S)
+                unclosed.update(box.sandbox_id for box in forks.sandboxes)
+                leases.hold(unclosed)
+            finally:
+                # The forks exist and are closed whatever happens; the base expires on
+                # envsandbox's side if this fails (its lease, else its TTL).
+                await _close(sandboxes, leases, base.sandbox_id)
+            return await gather_or_cancel([episode(i, box.sandbox_id) for i, box in enumerate(forks.sandboxes)])
         finally:
-            # The forks exist and are closed whatever happens; the base expires on
-            # envsandbox's side if this fails (its lease, else its TTL).
-            await _close(sandboxes, leases, base.sandbox_id)
-        return await gather_or_cancel([episode(i, box.sandbox_id) for i, box in enumerate(forks.sandboxes)])
-    finally:
-        if unclosed:
-            await asyncio.gather(*(_close(sandboxes, leases, sid) for sid in sorted(unclosed)))
+            if unclosed:
+                await asyncio.gather(*(_close(sandboxes, leases, sid) for sid in sorted(unclosed)))
 
 
 async def _close(sandboxes: sbx_grpc.EnvSandboxStub, leases: LeaseKeeper, sandbox_id: str) -> None:

@@ -13,7 +13,6 @@ what a CPU computes from the same bf16 weights, well within the rollouts' tolera
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 from pathlib import Path
 
@@ -24,33 +23,18 @@ from meridian.tensors import from_torch
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import save_batches
 from services.weightsync import client as weightsync
-from services.weightsync.config import WeightSyncConfig
-from services.weightsync.server import WeightSyncService
 from services.weightsync.signing import Signer, generate_signing_key
 from benchmarks.support.synthetic import fixed_groups
 from tests.conftest import serving
+from tests.integration.test_trainer_shard_publish import free_port, origin, store_files, run_ranks
 
 SETTINGS = {"lr": 1e-3, "groups_per_step": 2, "threads": 1, "max_policy_lag": 8, "micro_batch": 2}
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _flags() -> list[str]:
     return [arg for key, value in SETTINGS.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
-
-
-def _origin(root: Path, key: Path) -> WeightSyncService:
-    return WeightSyncService(WeightSyncConfig(role="origin", data_dir=str(root), chunk_mb=0.01, verify_key=str(key), part_timeout_s=600))
-
-
-def _store_files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _learner(model: Path, device: str):  # type: ignore[no-untyped-def]
@@ -68,21 +52,14 @@ def test_one_nccl_rank_trains_resumes_and_publishes_like_one_process(tmp_path: P
     out = tmp_path / "out"
 
     async def on_the_gpu() -> None:
-        async with serving(_origin(tmp_path / "gpu", tmp_path / "key.pub")) as address:
+        async with serving(origin(tmp_path / "gpu", tmp_path / "key.pub")) as address:
             argv = [
                 sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-                "--master-port", str(_free_port()), "-m", "services.trainer.distributed", "--model", str(tiny_model),
+                "--master-port", str(free_port()), "-m", "services.trainer.distributed", "--model", str(tiny_model),
                 "--replay", str(tmp_path / "batches.pt"), "--out", str(out), "--data-parallel", data_parallel,
                 "--publish-to", address, "--signing-key", str(tmp_path / "key"), "--device", "cuda", *_flags(),
             ]
-            proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            try:
-                _, stderr = await asyncio.wait_for(proc.communicate(), 400)
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
-            assert proc.returncode == 0, stderr.decode()[-4000:]
+            await run_ranks(argv)
             assert await weightsync.latest_version(address) == 1
 
     asyncio.run(on_the_gpu())
@@ -108,12 +85,12 @@ def test_one_nccl_rank_trains_resumes_and_publishes_like_one_process(tmp_path: P
     signer = Signer.load(tmp_path / "key")
 
     async def one_process() -> None:
-        async with serving(_origin(tmp_path / "single", tmp_path / "key.pub")) as address:
+        async with serving(origin(tmp_path / "single", tmp_path / "key.pub")) as address:
             await weightsync.publish(address, 0, start, signer=signer)
             await weightsync.publish(address, 1, trained, signer=signer)
 
     asyncio.run(one_process())
-    want, got = _store_files(tmp_path / "single"), _store_files(tmp_path / "gpu")
+    want, got = store_files(tmp_path / "single"), store_files(tmp_path / "gpu")
     assert want.keys() == got.keys()
     for name in want:
         assert got[name] == want[name], f"{name}: the GPU rank's publish stored other bytes than one process"

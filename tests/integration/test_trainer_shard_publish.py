@@ -32,19 +32,31 @@ SETTINGS = ["--lr", "1e-3", "--groups-per-step", "2", "--threads", "1", "--max-p
 pytestmark = pytest.mark.engine
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _origin(root: Path, key: Path) -> WeightSyncService:
+def origin(root: Path, key: Path) -> WeightSyncService:
     # Small chunks: several per tensor, so chunk order within and across tensors counts.
     return WeightSyncService(WeightSyncConfig(role="origin", data_dir=str(root), chunk_mb=0.01, verify_key=str(key), part_timeout_s=600))
 
 
-def _store_files(root: Path) -> dict[str, bytes]:
+def store_files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+async def run_ranks(argv: list[str], timeout_s: float = 400) -> None:
+    """Runs a torchrun command line to its end (killed past ``timeout_s``); it must succeed."""
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, stderr = await asyncio.wait_for(proc.communicate(), timeout_s)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, stderr.decode()[-4000:]
 
 
 def test_two_ranks_publish_parts_that_store_like_one_process(tmp_path: Path, tiny_model: Path) -> None:
@@ -56,21 +68,14 @@ def test_two_ranks_publish_parts_that_store_like_one_process(tmp_path: Path, tin
     out = tmp_path / "out"
 
     async def sharded() -> None:
-        async with serving(_origin(tmp_path / "sharded", tmp_path / "key.pub")) as address:
+        async with serving(origin(tmp_path / "sharded", tmp_path / "key.pub")) as address:
             argv = [
                 sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(_free_port()), "-m", "services.trainer.distributed", "--model", str(tiny_model),
+                "--master-port", str(free_port()), "-m", "services.trainer.distributed", "--model", str(tiny_model),
                 "--replay", str(tmp_path / "batches.pt"), "--out", str(out), "--data-parallel", "fsdp",
                 "--publish-to", address, "--signing-key", str(tmp_path / "key"), *SETTINGS,
             ]
-            proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            try:
-                _, stderr = await asyncio.wait_for(proc.communicate(), 400)
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
-            assert proc.returncode == 0, stderr.decode()[-4000:]
+            await run_ranks(argv)
             assert await weightsync.latest_version(address) == 1
             # Version 1 came from both ranks as chunks they encoded (version 0 raw: no base).
             async with open_channel(address) as channel:
@@ -85,12 +90,12 @@ def test_two_ranks_publish_parts_that_store_like_one_process(tmp_path: Path, tin
     signer = Signer.load(tmp_path / "key")
 
     async def single() -> None:
-        async with serving(_origin(tmp_path / "single", tmp_path / "key.pub")) as address:
+        async with serving(origin(tmp_path / "single", tmp_path / "key.pub")) as address:
             await weightsync.publish(address, 0, start, signer=signer)
             await weightsync.publish(address, 1, final, signer=signer)
 
     asyncio.run(single())
-    want, got = _store_files(tmp_path / "single"), _store_files(tmp_path / "sharded")
+    want, got = store_files(tmp_path / "single"), store_files(tmp_path / "sharded")
     assert any("delta" in name for name in want), "version 1 should be a delta on version 0"
     assert want.keys() == got.keys()
     for name in want:
