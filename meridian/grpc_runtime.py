@@ -461,6 +461,20 @@ async def _serve_until(stopping: asyncio.Event, service: Service) -> str | None:
     return failed.result() if exc is None else f"its failure check raised {describe_error(exc)}"
 
 
+#: What grpcio's asyncio client answers, in place of the server's status, when the server
+#: ended a client-streaming call while a request message was still being written (grpc/grpc
+#: issue 36066, pull request 43486): the server's code and details are lost, its INTERNAL
+#: is the client's own, not the service's (whose INTERNAL says "internal error (ref=...)").
+CLIENT_WRITE_RACE = "Internal error from Core"
+
+
+def ended_while_sending(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a client-streaming call failed only because the server ended it (refused
+    it, most often) before the client had sent every message: what the server said is
+    lost, so the call may be made again to hear it."""
+    return exc.code() == grpc.StatusCode.INTERNAL and exc.details() == CLIENT_WRITE_RACE
+
+
 def describe_error(exc: BaseException | None) -> str:
     """``Type: message`` of ``exc``, with the causes it was raised from, for a log line."""
     parts = []

@@ -21,15 +21,12 @@ from google.protobuf import text_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from meridian.grpc_runtime import ended_while_sending
+
 #: Codes that mean the service did not handle the request: an exception escaped its
 #: handler (the error boundary's INTERNAL, or UNKNOWN). A crash or a stall shows in the
 #: liveness probe the tests make after every request.
 UNHANDLED = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
-
-#: What grpcio's asyncio client itself answers when it writes a request message after the
-#: server already ended a client-streaming call (the server's status is lost: grpc/grpc
-#: issue 36066): not the service's answer, whose INTERNAL says "internal error (ref=...)".
-CLIENT_WRITE_RACE = "Internal error from Core"
 
 _INT32 = (0, 1, -1, 2, 3, 7, 64, 1000, 2**31 - 1, -(2**31))
 _INT64 = (*_INT32, 2**40, 2**63 - 1, -(2**63))
@@ -217,8 +214,7 @@ async def fuzz(
             await _drained(call(request))
         except grpc.aio.AioRpcError as exc:
             stalled = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not stalls_allowed
-            ours = not (exc.code() == grpc.StatusCode.INTERNAL and exc.details() == CLIENT_WRITE_RACE)
-            if (exc.code() in UNHANDLED and ours) or stalled:
+            if (exc.code() in UNHANDLED and not ended_while_sending(exc)) or stalled:
                 findings.append(Finding(name, seed, shown(request), exc.code(), exc.details() or ""))
         try:
             await asyncio.wait_for(probe(), probe_timeout_s)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 import grpc
 
 from meridian.errors import DataLoss
-from meridian.grpc_runtime import open_channel
+from meridian.grpc_runtime import ended_while_sending, open_channel
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync import parts
@@ -169,7 +169,10 @@ async def publish_part(
 
     An origin assembling another version's parts refuses the part (ABORTED, marked busy,
     see :func:`origin_busy`): it is sent again, after pauses growing from 0.1 s to 2 s,
-    for up to ``busy_timeout_s``, after which that refusal is raised. Other errors, and
+    for up to ``busy_timeout_s``, after which that refusal is raised. So is a part whose
+    refusal the client lost (the origin refuses after the part's header, often while the
+    client still writes its chunks, and grpcio's client then reports its own INTERNAL:
+    :func:`~meridian.grpc_runtime.ended_while_sending`); sent again, it hears the refusal. Other errors, and
     the ABORTED of the part's own version, are raised at once (the caller retries them
     on the schedule every rank follows)."""
     header = await asyncio.to_thread(parts.part_header, version_header, index, count, weights)
@@ -187,7 +190,7 @@ async def publish_part(
                 encoded = None  # the part goes raw from now on (see _send_part)
                 continue
             except grpc.aio.AioRpcError as exc:
-                if not origin_busy(exc) or loop.time() + pause > give_up:
+                if not (origin_busy(exc) or ended_while_sending(exc)) or loop.time() + pause > give_up:
                     raise
                 log.info("version %d part %d: %s; sending it again in %.1f s", header.version, index, exc.details(), pause)
             await asyncio.sleep(pause)

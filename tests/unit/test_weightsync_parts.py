@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
+from meridian.grpc_runtime import ended_while_sending
 from meridian.tensors import RawTensor, weights_hash
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import client as weightsync
@@ -279,7 +280,9 @@ def test_duplicate_foreign_and_inconsistent_parts_are_refused(tmp_path: Path) ->
             assert dup.value.code() == grpc.StatusCode.ALREADY_EXISTS and "other contents" in dup.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as foreign:
                 await weightsync.publish_part(address, _header(1, other), 1, 2, _split(other, 2)[1], busy_timeout_s=0)
-            assert weightsync.origin_busy(foreign.value) and "version 0 is being assembled" in foreign.value.details()
+            # (Refused at its header, possibly while its chunks were still being written:
+            # then grpcio's client reports its own INTERNAL instead, grpc/grpc#36066.)
+            assert ended_while_sending(foreign.value) or (weightsync.origin_busy(foreign.value) and "version 0 is being assembled" in foreign.value.details())
             # The pending version is untouched by either: its second part completes it.
             await weightsync.publish_part(address, header, 1, 2, split[1])
             assert (await first).version == 0 and (await again).version == 0
@@ -291,7 +294,7 @@ def test_duplicate_foreign_and_inconsistent_parts_are_refused(tmp_path: Path) ->
             await asyncio.sleep(0.3)
             with pytest.raises(grpc.aio.AioRpcError) as odd:
                 await weightsync.publish_part(address, _header(1, _weights(6)), 1, 2, _split(_weights(6), 2)[1])
-            assert odd.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert odd.value.code() == grpc.StatusCode.INVALID_ARGUMENT or ended_while_sending(odd.value)
             with pytest.raises(grpc.aio.AioRpcError) as aborted:
                 await waiting
             assert aborted.value.code() == grpc.StatusCode.ABORTED and "version fields" in aborted.value.details()
@@ -346,11 +349,16 @@ def test_a_part_of_another_version_is_refused_as_busy_and_sent_again_until_the_o
             header1, split1 = _header(1, w1), _split(w1, 2)
             first = asyncio.create_task(weightsync.publish_part(address, header0, 0, 2, split0[0]))
             await _until(lambda: service._pending is not None, "version 0 being assembled")
-            # No time to wait: the refusal comes back as it is.
+            # No time to wait: the refusal comes back as it is, unless grpcio's client lost it
+            # to a write still under way (its own INTERNAL: grpc/grpc#36066); the origin's
+            # answer is read where it was made.
             with pytest.raises(grpc.aio.AioRpcError) as busy:
                 await weightsync.publish_part(address, header1, 0, 2, split1[0], busy_timeout_s=0)
-            assert busy.value.code() == grpc.StatusCode.ABORTED and weightsync.origin_busy(busy.value), busy.value
-            assert "version 0 is being assembled (" in busy.value.details() and "send this part again" in busy.value.details()
+            (refusal,) = errors
+            assert "version 0 is being assembled (" in str(refusal) and "send this part again" in str(refusal)
+            if not ended_while_sending(busy.value):
+                assert busy.value.code() == grpc.StatusCode.ABORTED and weightsync.origin_busy(busy.value), busy.value
+                assert busy.value.details() == str(refusal)
             # With time to wait, version 1's parts are sent again until version 0 is stored.
             later = asyncio.gather(*(weightsync.publish_part(address, header1, i, 2, split1[i]) for i in (0, 1)))
             await _until(lambda: len(errors) >= 3, "both parts of version 1 refused while version 0 is assembled")
@@ -467,3 +475,31 @@ def test_a_rank_encodes_on_its_share_of_the_cores_it_may_use(monkeypatch: pytest
         assert sender.encoder.threads == 4
     finally:
         sender.close()
+
+
+def test_a_refusal_grpcios_client_lost_is_heard_by_sending_the_part_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The origin refuses a part at its header, often while its chunks are still being
+    written; grpcio's asyncio client then reports its own INTERNAL and loses the refusal
+    (grpc/grpc#36066, about 1 call in 40 here). publish_part sends the part again, as it
+    does a busy refusal, within its busy timeout; with none, the error is raised as it came."""
+    from grpc.aio import Metadata
+
+    from meridian.grpc_runtime import CLIENT_WRITE_RACE
+
+    weights = _weights(3)
+    sent: list[int] = []
+
+    async def lost_once(*args: Any) -> pb.PublishResponse:
+        sent.append(len(sent))
+        if len(sent) == 1:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, Metadata(), Metadata(), details=CLIENT_WRITE_RACE)
+        return pb.PublishResponse(version=0)
+
+    monkeypatch.setattr(weightsync, "_send_part", lost_once)
+    # Nothing listens there: the channel is never used, every try goes through lost_once.
+    reply = asyncio.run(weightsync.publish_part("127.0.0.1:1", _header(0, weights), 0, 1, weights))
+    assert reply.version == 0 and sent == [0, 1]
+    sent.clear()
+    with pytest.raises(grpc.aio.AioRpcError) as lost:
+        asyncio.run(weightsync.publish_part("127.0.0.1:1", _header(0, weights), 0, 1, weights, busy_timeout_s=0))
+    assert ended_while_sending(lost.value) and sent == [0]
