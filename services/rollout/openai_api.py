@@ -2,8 +2,8 @@
 ``/v1/completions``, ``/v1/models``; streaming and not; ``n`` completions per request up
 to a cap; function calling in the policy's own tool-call format, see
 :mod:`services.rollout.openai_tools`), so existing agent scaffolds and the official
-``openai`` client work unchanged. A request's traffic class (production, or RL that production preempts) is
-that of its API key (:mod:`services.rollout.callers`)."""
+``openai`` client work unchanged. A request's traffic class (production, or RL that
+production preempts) is that of its API key (:mod:`services.rollout.callers`)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,11 +21,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from meridian import credentials
 from meridian.errors import Unauthenticated
+from services.rollout.agent import TOOL_CALL_CLOSE
 from services.rollout.callers import CallerClasses
 from services.rollout.chat_template import ContentNotPlain, chat_ids
 from services.rollout.config import DEFAULT_HTTP_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_BYTES
 from services.rollout.engine import MAX_TEMPERATURE, PolicyEngine, Sampling
-from services.rollout.agent import TOOL_CALL_CLOSE
 from services.rollout.openai_logprobs import chat_logprobs, completion_logprobs, token_texts
 from services.rollout.openai_tools import Tools, ToolsError, assistant_calls_text, held_back, parse_tools, split_calls, tool_result_text, with_tools
 from services.rollout.prompt_limits import is_text, text_bytes, tokenize_off_loop, too_long
@@ -181,11 +181,11 @@ class ToolCallStream:
             return delta, ""
         content, calls = split_calls(self.text, self.tools)
         rest = content[self.sent :] if calls else self.text[self.sent :]
-        delta: dict[str, Any] = {"content": rest} if rest else {}
+        closing: dict[str, Any] = {"content": rest} if rest else {}
         if not calls:
-            return delta, ""
-        delta["tool_calls"] = [{"index": k, **call.as_openai()} for k, call in enumerate(calls)]
-        return delta, "tool_calls"
+            return closing, ""
+        closing["tool_calls"] = [{"index": k, **call.as_openai()} for k, call in enumerate(calls)]
+        return closing, "tool_calls"
 
 
 class UnknownModel(Exception):
