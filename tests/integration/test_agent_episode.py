@@ -153,7 +153,7 @@ def test_a_policy_that_spoils_its_answers_write_is_scored_not_an_error(tmp_path:
 SLOW_TESTS_TASK = {
     "id": "slow/tests", "kind": "python_function", "split": "train", "instruction": "Answer anything.",
     "files": {}, "answer_path": "answer.txt", "reward": "pass_fraction", "limits": {"wall_seconds": 10},
-    "tests": {"test_slow.py": "import time\nprint('TOTAL 1')\ntime.sleep(1.5)\nprint('PASS slow')\n"},
+    "tests": {"test_slow.py": "import time\nprint('TOTAL 1')\ntime.sleep(3)\nprint('PASS slow')\n"},
     "test_command": ["python3", ".tests/test_slow.py"],
 }
 
@@ -166,7 +166,8 @@ def test_tests_may_run_their_own_wall_time_whatever_the_episode_had_left(tmp_pat
 
     from services.rollout import episodes
 
-    monkeypatch.setattr(episodes, "SANDBOX_CALL_S", 0.5)
+    # A call's margin shorter than the tests (the answer's write still has room under load).
+    monkeypatch.setattr(episodes, "SANDBOX_CALL_S", 2.0)
     folder = tmp_path / "tasks"
     folder.mkdir()
     (folder / "slow.json").write_text(json.dumps(SLOW_TESTS_TASK))
