@@ -75,6 +75,11 @@ def parse_tool_call(text: str) -> ToolCall | str | None:
     return ToolCall(data["name"], args)
 
 
+def tool_response(text: str) -> str:
+    """A tool's output as the user turn that carries it back to the model."""
+    return "<tool_response>\n" + text + "\n</tool_response>"
+
+
 def format_observation(text: str) -> str:
     """A tool's output as the model sees it, capped."""
     if len(text) > MAX_OBSERVATION_CHARS:

@@ -28,6 +28,7 @@ from services.rollout.agent import (
     extract_answer,
     format_observation,
     parse_tool_call,
+    tool_response,
 )
 from services.rollout.chat_template import ContentNotPlain, chat_ids, plain_ids, template_ids
 from services.rollout.engine import PRIORITY_RL, PolicyEngine, Sampling
@@ -76,7 +77,7 @@ def observation_template(engine: PolicyEngine) -> str:
     tok = engine.tokenizer
     assert tok is not None
     history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
-    after = [*history, {"role": "user", "content": "<tool_response>\n" + _PROBE + "-OBS\n</tool_response>"}]
+    after = [*history, {"role": "user", "content": tool_response(_PROBE + "-OBS")}]
     rendered = tok.apply_chat_template(after, add_generation_prompt=True, tokenize=False)
     tail = rendered[rendered.index(_PROBE) + len(_PROBE) :]
     return tail.replace(_PROBE + "-OBS", "{observation}")

@@ -21,13 +21,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from meridian import credentials
 from meridian.errors import Unauthenticated
-from services.rollout.agent import TOOL_CALL_CLOSE
+from services.rollout.agent import TOOL_CALL_CLOSE, tool_response
 from services.rollout.callers import CallerClasses
 from services.rollout.chat_template import ContentNotPlain, chat_ids
 from services.rollout.config import DEFAULT_HTTP_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_BYTES
 from services.rollout.engine import MAX_TEMPERATURE, PolicyEngine, Sampling
 from services.rollout.openai_logprobs import chat_logprobs, completion_logprobs, token_texts
-from services.rollout.openai_tools import Tools, ToolsError, assistant_calls_text, held_back, parse_tools, split_calls, tool_result_text, with_tools
+from services.rollout.openai_tools import Tools, ToolsError, assistant_calls_text, held_back, parse_tools, split_calls, with_tools
 from services.rollout.prompt_limits import is_text, text_bytes, tokenize_off_loop, too_long
 
 log = logging.getLogger(__name__)
@@ -354,7 +354,7 @@ def chat_prompt_ids(engine: PolicyEngine, messages: Any, tools: Tools | None = N
         raise RequestError("'messages' must be a non-empty list", "messages")
     texts = [message_text(m, i) for i, m in enumerate(messages)]  # checks each is an object with a role
     clean = [
-        {"role": "user", "content": tool_result_text(text)} if m["role"] == "tool" else {"role": m["role"], "content": text}
+        {"role": "user", "content": tool_response(text)} if m["role"] == "tool" else {"role": m["role"], "content": text}
         for m, text in zip(messages, texts)
     ]
     assert engine.tokenizer is not None

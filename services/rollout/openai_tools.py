@@ -130,11 +130,6 @@ def assistant_calls_text(calls: Any, i: int) -> str:
     return "".join(blocks)
 
 
-def tool_result_text(content: str) -> str:
-    """A ``tool`` message's text as the user turn an episode's tool output is."""
-    return "<tool_response>\n" + content + "\n</tool_response>"
-
-
 def split_calls(text: str, tools: Tools) -> tuple[str, list[ToolCallOut]]:
     """A completion's content (the text outside the calls' blocks, as written) and the
     tool calls in it. A block counts when its JSON names an offered tool and its arguments

@@ -172,9 +172,9 @@ async def publish_part(
     for up to ``busy_timeout_s``, after which that refusal is raised. So is a part whose
     refusal the client lost (the origin refuses after the part's header, often while the
     client still writes its chunks, and grpcio's client then reports its own INTERNAL:
-    :func:`~meridian.grpc_runtime.ended_while_sending`); sent again, it hears the refusal. Other errors, and
-    the ABORTED of the part's own version, are raised at once (the caller retries them
-    on the schedule every rank follows)."""
+    :func:`~meridian.grpc_runtime.ended_while_sending`); sent again, it hears the
+    refusal. Other errors, and the ABORTED of the part's own version, are raised at once
+    (the caller retries them on the schedule every rank follows)."""
     header = await asyncio.to_thread(parts.part_header, version_header, index, count, weights)
     async with open_channel(address) as channel:
         stub = pb_grpc.WeightSyncStub(channel)
