@@ -23,10 +23,10 @@ from meridian.tensors import from_torch
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import save_batches
 from services.weightsync import client as weightsync
-from services.weightsync.signing import Signer, generate_signing_key
+from services.weightsync.signing import generate_signing_key
 from benchmarks.support.synthetic import fixed_groups
 from tests.conftest import serving
-from tests.integration.test_trainer_shard_publish import free_port, origin, store_files, run_ranks
+from tests.integration.test_trainer_shard_publish import free_port, origin, run_ranks, store_files, store_of_one_process
 
 SETTINGS = {"lr": 1e-3, "groups_per_step": 2, "threads": 1, "max_policy_lag": 8, "micro_batch": 2}
 
@@ -82,15 +82,7 @@ def test_one_nccl_rank_trains_resumes_and_publishes_like_one_process(tmp_path: P
 
     # What the origin holds is the bf16 of what the rank trained, bit for bit.
     trained = {name: from_torch(t.to(torch.bfloat16)) for name, t in result["weights"].items()}
-    signer = Signer.load(tmp_path / "key")
-
-    async def one_process() -> None:
-        async with serving(origin(tmp_path / "single", tmp_path / "key.pub")) as address:
-            await weightsync.publish(address, 0, start, signer=signer)
-            await weightsync.publish(address, 1, trained, signer=signer)
-
-    asyncio.run(one_process())
-    want, got = store_files(tmp_path / "single"), store_files(tmp_path / "gpu")
+    want, got = store_of_one_process(tmp_path / "single", tmp_path / "key", [start, trained]), store_files(tmp_path / "gpu")
     assert want.keys() == got.keys()
     for name in want:
         assert got[name] == want[name], f"{name}: the GPU rank's publish stored other bytes than one process"

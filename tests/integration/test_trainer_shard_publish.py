@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from meridian.grpc_runtime import open_channel
-from meridian.tensors import from_torch
+from meridian.tensors import Weights, from_torch
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.trainer.config import TrainerConfig
@@ -45,6 +45,20 @@ def origin(root: Path, key: Path) -> WeightSyncService:
 
 def store_files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def store_of_one_process(root: Path, key: Path, versions: list[Weights]) -> dict[str, bytes]:
+    """What an origin at ``root`` stores when one process publishes ``versions`` (0, 1, ...)
+    signed with the private ``key`` (``key.pub`` beside it verifies)."""
+    signer = Signer.load(key)
+
+    async def publish() -> None:
+        async with serving(origin(root, key.with_suffix(".pub"))) as address:
+            for version, weights in enumerate(versions):
+                await weightsync.publish(address, version, weights, signer=signer)
+
+    asyncio.run(publish())
+    return store_files(root)
 
 
 async def run_ranks(argv: list[str], timeout_s: float = 400) -> None:
@@ -87,15 +101,7 @@ def test_two_ranks_publish_parts_that_store_like_one_process(tmp_path: Path, tin
     # One process publishes the same weights: the starting ones and the replay's result, in bf16.
     start = Learner(tiny_model, TrainerConfig(model=str(tiny_model), lr=1e-3, groups_per_step=2, threads=1, max_policy_lag=8)).policy_weights()
     final = {name: from_torch(t.to(torch.bfloat16)) for name, t in torch.load(out / "result.pt", weights_only=False)["weights"].items()}
-    signer = Signer.load(tmp_path / "key")
-
-    async def single() -> None:
-        async with serving(origin(tmp_path / "single", tmp_path / "key.pub")) as address:
-            await weightsync.publish(address, 0, start, signer=signer)
-            await weightsync.publish(address, 1, final, signer=signer)
-
-    asyncio.run(single())
-    want, got = store_files(tmp_path / "single"), store_files(tmp_path / "sharded")
+    want, got = store_of_one_process(tmp_path / "single", tmp_path / "key", [start, final]), store_files(tmp_path / "sharded")
     assert any("delta" in name for name in want), "version 1 should be a delta on version 0"
     assert want.keys() == got.keys()
     for name in want:
