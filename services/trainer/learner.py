@@ -267,6 +267,7 @@ class Learner:
         self.rank, self.world = 0, 1
         self.sharded = False
         self._twin: torch.nn.Module | None = None  # the sharded canary's bf16 twin (see shard_canary)
+        self._device_mesh: Any = None  # FSDP's mesh of the ranks (see _mesh)
         self._control: Any = None  # the agreement's own process group (see agreed)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -305,9 +306,10 @@ class Learner:
 
             # One FSDP unit per decoder layer, then the rest (embeddings, the tied head,
             # the final norm): a rank holds whole parameters for one layer at a time.
+            mesh = self._mesh()
             for layer in _decoder_layers(self.module):
-                fully_shard(layer)
-            fully_shard(self.module)
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.module, mesh=mesh)
             self.sharded = True
             return
         # Replicated: every rank starts from rank 0's weights (as DistributedDataParallel
@@ -379,6 +381,17 @@ class Learner:
                 if hasattr(unit, "reshard"):
                     unit.reshard()
 
+    def _mesh(self) -> Any:
+        """The ranks as one FSDP mesh on the learner's device. FSDP2's own default is the
+        machine's accelerator, whatever the learner was told: CPU ranks (gloo) on a
+        machine with a GPU would shard onto CUDA devices (rank 1 of two on one GPU fails
+        with an invalid device ordinal)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self._device_mesh is None:
+            self._device_mesh = init_device_mesh(self.device.type, (self.world,))
+        return self._device_mesh
+
     def _bf16_twin(self) -> torch.nn.Module:
         """A bf16 copy of the model's architecture sharded like it (built once, on every
         rank, without materialising the whole model: on the meta device, then only each
@@ -393,8 +406,8 @@ class Learner:
         for p in twin.parameters():
             p.data = p.data.to(torch.bfloat16)
         for layer in _decoder_layers(twin):
-            fully_shard(layer)
-        fully_shard(twin)
+            fully_shard(layer, mesh=self._mesh())
+        fully_shard(twin, mesh=self._mesh())
         twin.to_empty(device=self.device)
         # The buffers (rotary frequencies) as the model holds them: to_empty left them unset.
         ours = dict(self.module.named_buffers())

@@ -17,7 +17,9 @@ from services.trainer.distributed import save_batches
 from benchmarks.support.synthetic import fixed_groups
 
 # Micro-batches of 2: each rank's 3 rows take two passes, the first without a gradient reduction.
-SETTINGS = ["--lr", "1e-3", "--groups-per-step", "2", "--threads", "1", "--max-policy-lag", "8", "--micro-batch", "2"]
+# CPU ranks (gloo) even where a GPU is, as the single process they are compared with; the
+# GPU path is test_trainer_cuda's.
+SETTINGS = ["--lr", "1e-3", "--groups-per-step", "2", "--threads", "1", "--max-policy-lag", "8", "--micro-batch", "2", "--device", "cpu"]
 
 
 pytestmark = pytest.mark.engine

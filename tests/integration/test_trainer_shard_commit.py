@@ -42,7 +42,8 @@ from tests.conftest import free_port, serving
 STREAM = "meridian:trajectories"
 GROUPS, PER_STEP = 6, 2
 STEPS = GROUPS // PER_STEP
-SETTINGS = {"lr": 1e-3, "groups_per_step": PER_STEP, "threads": 1, "max_policy_lag": 8, "micro_batch": 2}
+# CPU ranks (gloo) even where a GPU is, as the single process they are compared with.
+SETTINGS = {"lr": 1e-3, "groups_per_step": PER_STEP, "threads": 1, "max_policy_lag": 8, "micro_batch": 2, "device": "cpu"}
 TIMEOUT_S = 300
 
 pytestmark = pytest.mark.engine

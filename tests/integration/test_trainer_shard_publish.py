@@ -27,7 +27,9 @@ from services.weightsync.signing import Signer, generate_signing_key
 from benchmarks.support.synthetic import fixed_groups
 from tests.conftest import serving
 
-SETTINGS = ["--lr", "1e-3", "--groups-per-step", "2", "--threads", "1", "--max-policy-lag", "8", "--micro-batch", "2"]
+# CPU ranks (gloo) even where a GPU is, as the single process they are compared with; the
+# GPU path is test_trainer_cuda's.
+SETTINGS = ["--lr", "1e-3", "--groups-per-step", "2", "--threads", "1", "--max-policy-lag", "8", "--micro-batch", "2", "--device", "cpu"]
 
 pytestmark = pytest.mark.engine
 
