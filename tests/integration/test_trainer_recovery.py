@@ -1,7 +1,8 @@
 """The trainer against a real redis-server and a real weightsync, as `meridian serve
 trainer` subprocesses: kill -9 at random moments, duplicate deliveries, a dead
 consumer's pending entries, poison entries. Each run must end with exactly the weights,
-step for step, of an uninterrupted run of the same learner on the same trajectories."""
+step for step, of an uninterrupted run of the same learner on the same trajectories (on
+the same device: a GPU where there is one)."""
 from __future__ import annotations
 
 import asyncio
@@ -70,10 +71,13 @@ def groups(tiny_model: Path) -> list[list[common_pb2.Trajectory]]:
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path, groups: list[list[common_pb2.Trajectory]]) -> list[dict[str, Any]]:
     """The uninterrupted run: the learner in this process over the groups in stream order."""
-    from services.trainer.learner import Learner
+    from services.trainer.learner import Learner, resolve_device
     from meridian.tensors import weights_hash
 
-    learner = Learner(tiny_model, TrainerConfig(model=str(tiny_model), **SETTINGS))  # type: ignore[arg-type]
+    config = TrainerConfig(model=str(tiny_model), **SETTINGS)  # type: ignore[arg-type]
+    # On the device the trainers pick (a GPU where there is one), so a GPU machine checks
+    # the service's GPU path end to end, kills and all, against a GPU run of the same steps.
+    learner = Learner(tiny_model, config, resolve_device(config.device))
     # An independent loop checks the reference itself, so a learner defect that the
     # restarted trainers would share cannot pass as "identical to the reference".
     plain = PlainGrpo(tiny_model, lr=SETTINGS["lr"], max_policy_lag=MAX_LAG, tis_cap=SETTINGS["tis_cap"])
@@ -83,7 +87,7 @@ def reference(tiny_model: Path, groups: list[list[common_pb2.Trajectory]]) -> li
         stepped = learner.step(groups[i : i + PER_STEP]).stepped
         assert stepped == plain.step(groups[i : i + PER_STEP])
         if stepped:
-            ours = {name: p.detach() for name, p in learner.module.named_parameters()}
+            ours = {name: p.detach().cpu() for name, p in learner.module.named_parameters()}
             assert relative_distance(ours, plain.parameters(), start) < PLAIN_TOLERANCE
             history.append({"step": learner.step_count, "version": learner.version, "master_hash": learner.master_hash(), "bf16": weights_hash(learner.policy_weights())})
     assert 3 <= len(history) < GROUPS // PER_STEP, "the fixture should exercise skipped batches and real steps"
