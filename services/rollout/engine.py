@@ -13,7 +13,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from meridian.errors import InvalidArgument
 from services.rollout import engine_ipc
@@ -80,6 +80,11 @@ class Sampling:
     seed: int | None = None
     include_stop: bool = False  # keep a matched stop string in the output (tool-call close tags)
     min_tokens: int = 0
+    top_logprobs: int = 0  # the most likely alternatives reported per sampled token (0: none)
+
+
+#: One sampled token's most likely alternatives: (token id, log-prob), most likely first.
+Alternatives = list[tuple[int, float]]
 
 
 @dataclasses.dataclass
@@ -98,6 +103,14 @@ class Delta:
     finished: bool
     finish_reason: str
     all_versions: list[int] | None = None
+    top_logprobs: list[Alternatives] | None = None  # per token, when the sampling asked for them
+
+
+def alternatives(entry: Any, k: int) -> Alternatives:
+    """The ``k`` most likely tokens of one position of vLLM's log-probs, most likely first.
+    vLLM reports the sampled token beside them, by its own rank, which may be below ``k``."""
+    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in entry.items() if lp.rank is not None and lp.rank <= k)
+    return [(token, logprob) for _, token, logprob in ranked]
 
 
 @runtime_checkable
@@ -249,7 +262,7 @@ class Engine:
             seed=sampling.seed,
             include_stop_str_in_output=sampling.include_stop,
             min_tokens=sampling.min_tokens,
-            logprobs=0,
+            logprobs=sampling.top_logprobs,
             output_kind=RequestOutputKind.DELTA,
         )
 
@@ -259,9 +272,11 @@ class Engine:
         async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, self._params(sampling), request_id=request_id, priority=priority):
             completion = out.outputs[0]
             ids = list(completion.token_ids)
-            logprobs = [entry[tok].logprob for tok, entry in zip(ids, completion.logprobs or [])]
+            entries = list(completion.logprobs or [])
+            logprobs = [entry[tok].logprob for tok, entry in zip(ids, entries)]
+            top = [alternatives(entry, sampling.top_logprobs) for entry in entries] if sampling.top_logprobs else None
             versions = self._token_versions(completion.weight_versions) if out.finished else None
-            yield Delta(ids, logprobs, self.version, completion.text, out.finished, completion.finish_reason or ""), versions
+            yield Delta(ids, logprobs, self.version, completion.text, out.finished, completion.finish_reason or "", top_logprobs=top), versions
 
     async def _production(self, prompt_ids: list[int], sampling: Sampling, request_id: str) -> AsyncIterator[Delta]:
         async with self.scheduler.production() as latency:

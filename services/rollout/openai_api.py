@@ -25,8 +25,8 @@ from services.rollout.agent import TOOL_CALL_CLOSE, tool_response
 from services.rollout.callers import CallerClasses
 from services.rollout.chat_template import ContentNotPlain, chat_ids
 from services.rollout.config import DEFAULT_HTTP_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_BYTES
-from services.rollout.engine import MAX_TEMPERATURE, PolicyEngine, Sampling
-from services.rollout.openai_logprobs import chat_logprobs, completion_logprobs, token_texts
+from services.rollout.engine import MAX_TEMPERATURE, Alternatives, PolicyEngine, Sampling
+from services.rollout.openai_logprobs import alternative_texts, chat_logprobs, completion_logprobs, token_texts
 from services.rollout.openai_tools import Tools, ToolsError, assistant_calls_text, held_back, parse_tools, split_calls, with_tools
 from services.rollout.prompt_limits import is_text, text_bytes, tokenize_off_loop, too_long
 
@@ -138,12 +138,13 @@ async def merged(streams: list[AsyncIterator[Any]], until: Awaitable[None] | Non
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """What one engine delta of a choice adds: text, the finish reason on the last one,
-    the sampled tokens and their log-probs."""
+    the sampled tokens, their log-probs and, when asked for, their alternatives."""
 
     text: str
     finish: str
     token_ids: list[int]
     logprobs: list[float]
+    top: list[Alternatives] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +155,7 @@ class Head:
     created: int
     kind: str
     chat: bool
-    logprobs: bool
+    logprobs: LogprobsAsk
     prompt_tokens: int
     tools: Tools | None = None  # offered to the model: its calls come back as tool_calls
 
@@ -239,23 +240,39 @@ def refuse_not_implemented(body: dict[str, Any]) -> None:
             raise RequestError(f"'{field}' is not supported by this server; leave it out or at {nothing[0]!r} rather than have it ignored, got {value!r}", field)
 
 
-def wants_logprobs(body: dict[str, Any], chat: bool) -> bool:
-    """Whether the request asks for the sampled tokens' log-probs: chat's ``logprobs:
-    true``, a completion's ``logprobs: 0``. The engine reports the sampled token's log-prob
-    (what an RL caller trains against), not the most likely alternatives, so asking for
-    those (``top_logprobs`` or a completion's ``logprobs`` above 0) is refused rather than
-    answered with empty lists."""
-    value = body.get("logprobs")
+#: The most alternatives per token a request may ask for: the OpenAI API's own limits
+#: (chat's ``top_logprobs``, a completion's ``logprobs``); vLLM computes up to 20.
+MAX_TOP_LOGPROBS = {True: 20, False: 5}
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobsAsk:
+    """What a request asks to see of the engine's log-probs."""
+
+    sampled: bool = False  # each sampled token's log-prob (what an RL caller trains against)
+    top: int = 0  # and this many most likely alternatives per token
+
+
+def logprobs_asked(body: dict[str, Any], chat: bool) -> LogprobsAsk:
+    """The log-probs a request asks for: chat's ``logprobs: true`` with ``top_logprobs``
+    alternatives (which need ``logprobs: true``, as the OpenAI API has it), a
+    completion's ``logprobs: k`` (the sampled tokens' log-probs and k alternatives)."""
+    value, limit = body.get("logprobs"), MAX_TOP_LOGPROBS[chat]
     if chat:
-        top = body.get("top_logprobs")
-        if top is not None and (isinstance(top, bool) or top != 0):
-            raise RequestError(f"'top_logprobs' must be 0 or absent on this server (it reports the sampled token's log-prob only), got {top!r}", "top_logprobs")
         if not isinstance(value, (bool, type(None))):
             raise RequestError(f"'logprobs' must be true or false, got {value!r}", "logprobs")
-        return value is True
-    if value is not None and (isinstance(value, bool) or value != 0):
-        raise RequestError(f"'logprobs' must be 0 or absent on this server (it reports the sampled token's log-prob only, not alternatives), got {value!r}", "logprobs")
-    return value is not None
+        top = body.get("top_logprobs")
+        top = 0 if top is None else top
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= limit:
+            raise RequestError(f"'top_logprobs' must be an integer in [0, {limit}], got {top!r}", "top_logprobs")
+        if top and value is not True:
+            raise RequestError(f"'top_logprobs' ({top}) needs 'logprobs': true", "top_logprobs")
+        return LogprobsAsk(value is True, top)
+    if value is None:
+        return LogprobsAsk()
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise RequestError(f"'logprobs' must be an integer in [0, {limit}] (alternatives per token), got {value!r}", "logprobs")
+    return LogprobsAsk(True, value)
 
 
 def offered_tools(body: dict[str, Any], chat: bool) -> Tools | None:
@@ -481,19 +498,23 @@ def create_app(
 
     async def run(ids: list[int], sampling: Sampling, priority: int) -> AsyncIterator[Piece]:
         async for delta in engine.generate(ids, sampling, priority):
-            yield Piece(delta.text, delta.finish_reason if delta.finished else "", delta.token_ids, delta.logprobs)
+            yield Piece(delta.text, delta.finish_reason if delta.finished else "", delta.token_ids, delta.logprobs, delta.top_logprobs)
 
-    def logprobs_of(piece_ids: list[int], logprobs: list[float], offset: int, chat: bool) -> dict[str, Any]:
+    def logprobs_of(piece: Piece, offset: int, head: Head) -> dict[str, Any] | None:
         """The ``logprobs`` object of a choice, or of a chunk of one whose text so far is
-        ``offset`` characters long (completions count token offsets in the choice's text)."""
-        texts = token_texts(engine.tokenizer, piece_ids)
-        return chat_logprobs(texts, logprobs) if chat else completion_logprobs(texts, logprobs, offset)
+        ``offset`` characters long (completions count token offsets in the choice's text);
+        None when the request did not ask for log-probs."""
+        if not head.logprobs.sampled:
+            return None
+        texts = token_texts(engine.tokenizer, piece.token_ids)
+        top = alternative_texts(engine.tokenizer, piece.top or []) if head.logprobs.top else None
+        return chat_logprobs(texts, piece.logprobs, top) if head.chat else completion_logprobs(texts, piece.logprobs, offset, top)
 
     async def respond(request: Request, chat: bool) -> Any:
         priority = callers.classify(request.headers.get("authorization"))
         body = await body_of(request)
         refuse_not_implemented(body)
-        logprobs = wants_logprobs(body, chat)
+        logprobs = logprobs_asked(body, chat)
         usage_chunk = wants_usage_chunk(body)
         tools = offered_tools(body, chat)
         size = prompt_text_bytes(body, chat) + (text_bytes(tools.prompt()) if tools else 0)
@@ -505,7 +526,7 @@ def create_app(
             ids = await tokenize_off_loop(size, completion_prompt_ids, engine, body.get("prompt"))
         if problem := engine.prompt_problem(ids):
             raise RequestError(problem, "prompt")
-        sampling = parse_sampling(body, max_model_len, default_max_tokens)
+        sampling = dataclasses.replace(parse_sampling(body, max_model_len, default_max_tokens), top_logprobs=logprobs.top)
         if tools:
             # A call ends the model's turn, as in the episodes it was trained on.
             sampling = dataclasses.replace(sampling, stop=(*sampling.stop, TOOL_CALL_CLOSE))
@@ -523,6 +544,7 @@ def create_app(
         texts, reasons = [""] * n, [""] * n
         token_ids: list[list[int]] = [[] for _ in range(n)]
         token_logprobs: list[list[float]] = [[] for _ in range(n)]
+        token_top: list[list[Alternatives]] = [[] for _ in range(n)]
         # Nothing else notices a non-streaming client leaving: the engine would generate
         # up to max_tokens for nobody, holding capacity production traffic needs.
         try:
@@ -531,13 +553,14 @@ def create_app(
                 reasons[i] = piece.finish or reasons[i]
                 token_ids[i] += piece.token_ids
                 token_logprobs[i] += piece.logprobs
+                token_top[i] += piece.top or []
         except ClientGone:
             # The engine's requests were aborted; nobody is there to read an answer.
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = []
         for i in range(n):
             choice: dict[str, Any] = {"index": i, "finish_reason": reasons[i] or "stop"}
-            choice["logprobs"] = logprobs_of(token_ids[i], token_logprobs[i], 0, chat) if logprobs else None
+            choice["logprobs"] = logprobs_of(Piece(texts[i], reasons[i], token_ids[i], token_logprobs[i], token_top[i]), 0, head)
             if chat:
                 choice["message"] = {"role": "assistant", "content": texts[i]}
                 if tools and (found := split_calls(texts[i], tools))[1]:
@@ -563,7 +586,7 @@ def create_app(
         async for i, piece in merged(streams):
             tokens += len(piece.token_ids)
             choice: dict[str, Any] = {"index": i, "finish_reason": piece.finish or None}
-            choice["logprobs"] = logprobs_of(piece.token_ids, piece.logprobs, offsets[i], head.chat) if head.logprobs else None
+            choice["logprobs"] = logprobs_of(piece, offsets[i], head)
             if head.chat:
                 if (watch := calls[i]) is not None:
                     choice["delta"], finish = watch.feed(piece.text, bool(piece.finish))
@@ -572,7 +595,7 @@ def create_app(
                     choice["delta"] = {"content": piece.text} if piece.text else {}
             else:
                 choice["text"] = piece.text
-                if head.logprobs:
+                if choice["logprobs"] is not None:
                     offsets[i] += sum(map(len, choice["logprobs"]["tokens"]))
             yield event([choice])
         if usage_chunk:

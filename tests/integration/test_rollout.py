@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 from pathlib import Path
@@ -127,6 +128,27 @@ def test_openai_logprobs_and_usage_through_the_official_client(stack: stack_mod.
     assert len(lp.tokens) == len(lp.token_logprobs) == reply.usage.completion_tokens and lp.text_offset[0] == 0
     with pytest.raises(openai.BadRequestError, match="'presence_penalty' is not supported"):
         client.chat.completions.create(**chat, presence_penalty=1.0)  # type: ignore[call-overload]
+
+
+def test_openai_top_logprobs_are_the_engines_ranking(stack: stack_mod.Stack) -> None:
+    """Alternatives as the engine ranks them: k per token, most likely first, a
+    distribution's share at most; greedy, the sampled token is the first of them with
+    the same log-prob (chat's list, and a completion's map by token text)."""
+    client = _client(stack)
+    model = client.models.list().data[0].id
+    chat = {"model": model, "messages": [{"role": "user", "content": "Count"}], "max_tokens": 8, "temperature": 0}
+    for c in client.chat.completions.create(**chat, logprobs=True, top_logprobs=5).choices[0].logprobs.content:  # type: ignore[call-overload]
+        top = [(a.token, a.logprob) for a in c.top_logprobs]
+        assert len(top) == 5 and [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True), top
+        assert math.fsum(math.exp(lp) for _, lp in top) <= 1 + 1e-3, top
+        assert top[0] == (c.token, pytest.approx(c.logprob, abs=1e-6)), (c.token, c.logprob, top)
+    reply = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=8, temperature=0, logprobs=3)
+    lp = reply.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) and all(0 < len(alts) <= 3 for alts in lp.top_logprobs)
+    for token, own, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert alts.get(token) == pytest.approx(own, abs=1e-6) and own == pytest.approx(max(alts.values()), abs=1e-6), (token, own, alts)
+    with pytest.raises(openai.BadRequestError, match="'top_logprobs' must be an integer in"):
+        client.chat.completions.create(**chat, logprobs=True, top_logprobs=21)  # type: ignore[call-overload]
 
 
 def test_openai_tools_through_the_official_client(stack: stack_mod.Stack) -> None:

@@ -93,15 +93,21 @@ def test_a_template_that_changes_content_refuses_special_tokens_only(tok: Any, t
     assert chat_ids(tok, plain, add_generation_prompt=False) == _reference(tok, plain, add_generation_prompt=False)
 
 
+#: The alternatives RecordingEngine reports after each sampled token, 1 and 2 nats less likely.
+OTHER_TOKENS = (11, 12)
+
+
 class RecordingEngine:
-    """What the HTTP API needs of an engine, recording the prompt it is asked for; every
-    answer is the built-in tokenizer's ", Fire," in two deltas."""
+    """What the HTTP API needs of an engine, recording the prompt and sampling it is asked
+    for; every answer is the built-in tokenizer's ", Fire," in two deltas (with, when
+    asked, the sampled token as its own most likely alternative, then OTHER_TOKENS)."""
 
     version = 0
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.prompts: list[list[int]] = []
+        self.samplings: list[Any] = []
 
     def prompt_problem(self, ids: list[int]) -> str:
         return ""
@@ -110,8 +116,14 @@ class RecordingEngine:
         from services.rollout.engine import Delta
 
         self.prompts.append(prompt_ids)
-        yield Delta([28, 9163], [-0.5, -1.25], self.version, ", Fire", False, "")
-        yield Delta([28], [-0.125], self.version, ",", True, "stop", [self.version] * 3)
+        self.samplings.append(sampling)
+
+        def top(ids: list[int], logprobs: list[float]) -> Any:
+            alternatives = [[(t, lp), *((o, lp - 1 - j) for j, o in enumerate(OTHER_TOKENS))] for t, lp in zip(ids, logprobs)]
+            return [a[: sampling.top_logprobs] for a in alternatives] if sampling.top_logprobs else None
+
+        yield Delta([28, 9163], [-0.5, -1.25], self.version, ", Fire", False, "", top_logprobs=top([28, 9163], [-0.5, -1.25]))
+        yield Delta([28], [-0.125], self.version, ",", True, "stop", [self.version] * 3, top_logprobs=top([28], [-0.125]))
 
 
 def test_the_chat_api_keeps_a_users_markers_as_text(tok: Any) -> None:

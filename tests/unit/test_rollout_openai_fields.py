@@ -1,6 +1,6 @@
 """The OpenAI API's request fields beyond the prompt: the sampled tokens' log-probs (what
-an RL caller trains against), a stream's usage chunk, and fields this server does not
-implement, refused by name rather than ignored."""
+an RL caller trains against) and their most likely alternatives, a stream's usage chunk,
+and fields this server does not implement, refused by name rather than ignored."""
 from __future__ import annotations
 
 import json
@@ -9,20 +9,31 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_rollout_chat_template import RecordingEngine, tok  # noqa: F401 - tok: a fixture
+from tests.unit.test_rollout_chat_template import OTHER_TOKENS, RecordingEngine, tok  # noqa: F401 - tok: a fixture
 
 TOKENS, LOGPROBS = [",", " Fire", ","], [-0.5, -1.25, -0.125]
 
 
 @pytest.fixture
-def http(tok: Any) -> Iterator[Any]:  # noqa: F811 - the imported fixture
+def engine(tok: Any) -> RecordingEngine:  # noqa: F811 - the imported fixture
+    return RecordingEngine(tok)
+
+
+@pytest.fixture
+def http(engine: RecordingEngine) -> Iterator[Any]:
     from fastapi.testclient import TestClient
 
     from services.rollout.callers import CallerClasses
     from services.rollout.openai_api import create_app
 
-    with TestClient(create_app(RecordingEngine(tok), "m", 2048, 64, CallerClasses({}, "production"))) as client:  # type: ignore[arg-type]
+    with TestClient(create_app(engine, "m", 2048, 64, CallerClasses({}, "production"))) as client:  # type: ignore[arg-type]
         yield client
+
+
+def _alternatives(tok: Any, k: int) -> list[list[tuple[str, float]]]:  # noqa: F811 - the imported fixture
+    """What RecordingEngine's alternatives say, as text: the sampled token, then OTHER_TOKENS."""
+    others = [tok.decode([o]) for o in OTHER_TOKENS]
+    return [[(t, lp), *((o, lp - 1 - j) for j, o in enumerate(others))][:k] for t, lp in zip(TOKENS, LOGPROBS)]
 
 
 def _post(http: Any, chat: bool, **fields: Any) -> Any:
@@ -50,6 +61,37 @@ def test_completion_logprobs_carry_offsets_in_the_choices_text(http: Any) -> Non
     assert choice["logprobs"] == {"tokens": TOKENS, "token_logprobs": LOGPROBS, "top_logprobs": None, "text_offset": [0, 1, 6]}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_are_the_engines_alternatives_as_text(http: Any, engine: RecordingEngine, tok: Any, stream: bool) -> None:  # noqa: F811
+    reply = _post(http, True, logprobs=True, top_logprobs=2, stream=stream)
+    if stream:
+        content = [c for chunk in _events(reply) if (lp := chunk["choices"][0]["logprobs"]) for c in lp["content"]]
+    else:
+        content = reply.json()["choices"][0]["logprobs"]["content"]
+    assert engine.samplings[-1].top_logprobs == 2
+    assert [[(a["token"], a["logprob"]) for a in c["top_logprobs"]] for c in content] == _alternatives(tok, 2)
+    assert all(bytes(a["bytes"]).decode() == a["token"] for c in content for a in c["top_logprobs"])
+    assert [(c["token"], c["logprob"]) for c in content] == list(zip(TOKENS, LOGPROBS))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completions_logprobs_above_0_are_alternatives_per_token(http: Any, engine: RecordingEngine, tok: Any, stream: bool) -> None:  # noqa: F811
+    reply = _post(http, False, logprobs=3, stream=stream)
+    if stream:
+        maps = [m for chunk in _events(reply) if (lp := chunk["choices"][0]["logprobs"]) for m in lp["top_logprobs"]]
+    else:
+        maps = reply.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert engine.samplings[-1].top_logprobs == 3
+    assert maps == [dict(alts) for alts in _alternatives(tok, 3)]
+
+
+def test_alternatives_with_the_same_text_keep_the_more_likely() -> None:
+    from services.rollout.openai_logprobs import completion_logprobs
+
+    got = completion_logprobs(["a"], [-0.5], 0, [[("a", -0.5), ("b", -1.0), ("a", -2.0)]])
+    assert got["top_logprobs"] == [{"a": -0.5, "b": -1.0}]
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_a_streams_logprobs_add_up_to_the_whole_answers_and_it_ends_with_usage(http: Any, chat: bool) -> None:
     logprobs = {"logprobs": True} if chat else {"logprobs": 0}
@@ -67,9 +109,14 @@ def test_a_streams_logprobs_add_up_to_the_whole_answers_and_it_ends_with_usage(h
 @pytest.mark.parametrize(
     ("chat", "fields", "param"),
     [
-        (True, {"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+        (True, {"top_logprobs": 2}, "top_logprobs"),
+        (True, {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (True, {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        (True, {"logprobs": True, "top_logprobs": True}, "top_logprobs"),
         (True, {"logprobs": "yes"}, "logprobs"),
-        (False, {"logprobs": 5}, "logprobs"),
+        (False, {"logprobs": 6}, "logprobs"),
+        (False, {"logprobs": -1}, "logprobs"),
         (False, {"logprobs": True}, "logprobs"),
         (True, {"presence_penalty": 0.5}, "presence_penalty"),
         (True, {"frequency_penalty": -1}, "frequency_penalty"),
