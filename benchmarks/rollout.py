@@ -241,7 +241,7 @@ async def _served_weights(stack, model_dir, tokenizer, steps: int) -> dict[str, 
         out["served_logprob_max_diff"], out["served_logprob_mean_diff"] = after
         out["updates_rejected"] = (await stub.Status(pb.RolloutStatusRequest())).updates_rejected
     out.update({
-        "weight_apply_ms": round(statistics.median(applies), 1),
+        "weight_apply_ms": round(statistics.median(applies), 1) if applies else None,  # --trainer-steps 0: none
         "weight_apply_ms_each": [round(a, 1) for a in applies],
         "apply_path": "/".join(sorted(paths)),
         "readback_elements": readback,
