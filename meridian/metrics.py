@@ -88,7 +88,8 @@ ROLLOUT_VERSION = _spec("meridian_rollout_policy_version", "gauge", "policy vers
 ROLLOUT_LAG = _spec("meridian_rollout_policy_lag_versions", "gauge", "newest published version minus the version this rollout serves")
 ROLLOUT_BACKLOG = _spec("meridian_rollout_stream_backlog_groups", "gauge", "trajectory groups the trainer has not consumed yet (undelivered plus pending), as the RL workers see it")
 ROLLOUT_EPISODES = _spec("meridian_rollout_episodes_total", "counter", "episodes completed and kept")
-ROLLOUT_SANDBOXES = _spec("meridian_rollout_sandboxes_held", "gauge", "envsandbox sandboxes the rollout's groups hold (of its --sandbox-budget)")
+ROLLOUT_SANDBOXES = _spec("meridian_rollout_sandboxes_held", "gauge", "envsandbox sandboxes the rollout's groups hold (of its sandbox budget)")
+ROLLOUT_BUDGET = _spec("meridian_rollout_sandbox_budget", "gauge", "the rollout's sandbox budget now: --sandbox-budget, or envsandbox's --max-sandboxes where that is lower")
 ROLLOUT_WAITING = _spec("meridian_rollout_groups_waiting_for_sandboxes", "gauge", "groups waiting for room in the rollout's sandbox budget")
 ROLLOUT_PUBLISHED = _spec("meridian_rollout_rl_trajectories_published_total", "counter", "trajectories the background RL workers published")
 ROLLOUT_UPDATES = _spec("meridian_rollout_weight_updates_total", "counter", "policy versions applied or rejected (canary), by outcome", ["outcome"])
@@ -358,6 +359,7 @@ def rollout_values(status: Any, backlog: int) -> list[Value]:
         value(ROLLOUT_BACKLOG, backlog),
         value(ROLLOUT_EPISODES, status.episodes_completed),
         value(ROLLOUT_SANDBOXES, status.sandboxes_held),
+        value(ROLLOUT_BUDGET, status.sandbox_budget),
         value(ROLLOUT_WAITING, status.groups_waiting_for_sandboxes),
         value(ROLLOUT_PUBLISHED, status.rl_trajectories_published),
         value(ROLLOUT_UPDATES, status.updates_applied, outcome="applied"),

@@ -238,10 +238,12 @@ class ListRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListResponse(_message.Message):
-    __slots__ = ("sandboxes",)
+    __slots__ = ("sandboxes", "max_sandboxes")
     SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SANDBOXES_FIELD_NUMBER: _ClassVar[int]
     sandboxes: _containers.RepeatedCompositeFieldContainer[SandboxInfo]
-    def __init__(self, sandboxes: _Optional[_Iterable[_Union[SandboxInfo, _Mapping]]] = ...) -> None: ...
+    max_sandboxes: int
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[SandboxInfo, _Mapping]]] = ..., max_sandboxes: _Optional[int] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("sandbox_ids",)

@@ -92,7 +92,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("policy_version", "model", "weights_hash", "episodes_completed", "updates_applied", "weightsync_address", "latest_published_version", "rl_state", "rl_trajectories_published", "http_port", "last_apply_ms", "apply_path", "updates_rejected", "rejected_version", "last_update_error", "canary_mean_diff", "canary_max_diff", "readback_elements", "rl_concurrency_limit", "rl_running", "rl_preemptions", "slo_attainment", "rl_token_share", "production_in_flight", "rl_tokens", "production_tokens", "region", "sandboxes_held", "groups_waiting_for_sandboxes")
+    __slots__ = ("policy_version", "model", "weights_hash", "episodes_completed", "updates_applied", "weightsync_address", "latest_published_version", "rl_state", "rl_trajectories_published", "http_port", "last_apply_ms", "apply_path", "updates_rejected", "rejected_version", "last_update_error", "canary_mean_diff", "canary_max_diff", "readback_elements", "rl_concurrency_limit", "rl_running", "rl_preemptions", "slo_attainment", "rl_token_share", "production_in_flight", "rl_tokens", "production_tokens", "region", "sandboxes_held", "groups_waiting_for_sandboxes", "sandbox_budget")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class RolloutStatus(_message.Message):
     REGION_FIELD_NUMBER: _ClassVar[int]
     SANDBOXES_HELD_FIELD_NUMBER: _ClassVar[int]
     GROUPS_WAITING_FOR_SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_BUDGET_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     model: str
     weights_hash: str
@@ -151,4 +152,5 @@ class RolloutStatus(_message.Message):
     region: str
     sandboxes_held: int
     groups_waiting_for_sandboxes: int
-    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., weights_hash: _Optional[str] = ..., episodes_completed: _Optional[int] = ..., updates_applied: _Optional[int] = ..., weightsync_address: _Optional[str] = ..., latest_published_version: _Optional[int] = ..., rl_state: _Optional[str] = ..., rl_trajectories_published: _Optional[int] = ..., http_port: _Optional[int] = ..., last_apply_ms: _Optional[float] = ..., apply_path: _Optional[str] = ..., updates_rejected: _Optional[int] = ..., rejected_version: _Optional[int] = ..., last_update_error: _Optional[str] = ..., canary_mean_diff: _Optional[float] = ..., canary_max_diff: _Optional[float] = ..., readback_elements: _Optional[int] = ..., rl_concurrency_limit: _Optional[int] = ..., rl_running: _Optional[int] = ..., rl_preemptions: _Optional[int] = ..., slo_attainment: _Optional[float] = ..., rl_token_share: _Optional[float] = ..., production_in_flight: _Optional[int] = ..., rl_tokens: _Optional[int] = ..., production_tokens: _Optional[int] = ..., region: _Optional[str] = ..., sandboxes_held: _Optional[int] = ..., groups_waiting_for_sandboxes: _Optional[int] = ...) -> None: ...
+    sandbox_budget: int
+    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., weights_hash: _Optional[str] = ..., episodes_completed: _Optional[int] = ..., updates_applied: _Optional[int] = ..., weightsync_address: _Optional[str] = ..., latest_published_version: _Optional[int] = ..., rl_state: _Optional[str] = ..., rl_trajectories_published: _Optional[int] = ..., http_port: _Optional[int] = ..., last_apply_ms: _Optional[float] = ..., apply_path: _Optional[str] = ..., updates_rejected: _Optional[int] = ..., rejected_version: _Optional[int] = ..., last_update_error: _Optional[str] = ..., canary_mean_diff: _Optional[float] = ..., canary_max_diff: _Optional[float] = ..., readback_elements: _Optional[int] = ..., rl_concurrency_limit: _Optional[int] = ..., rl_running: _Optional[int] = ..., rl_preemptions: _Optional[int] = ..., slo_attainment: _Optional[float] = ..., rl_token_share: _Optional[float] = ..., production_in_flight: _Optional[int] = ..., rl_tokens: _Optional[int] = ..., production_tokens: _Optional[int] = ..., region: _Optional[str] = ..., sandboxes_held: _Optional[int] = ..., groups_waiting_for_sandboxes: _Optional[int] = ..., sandbox_budget: _Optional[int] = ...) -> None: ...

@@ -1,4 +1,5 @@
-"""envsandbox's client side: keeping the leases of the sandboxes a process holds.
+"""envsandbox's client side: keeping the leases of the sandboxes a process holds, and
+reading how many it may hold.
 
 A sandbox made with a lease (``CreateRequest.lease_seconds``) is closed by envsandbox once
 nothing has used or renewed it for that long. A process that holds sandboxes (rollout's
@@ -20,6 +21,12 @@ from meridian.v1 import envsandbox_pb2 as pb
 from meridian.v1 import envsandbox_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+
+async def sandbox_limit(stub: pb_grpc.EnvSandboxStub, timeout_s: float) -> int:
+    """envsandbox's live sandbox limit (its --max-sandboxes); 0 from a server too old to say."""
+    reply = await stub.List(pb.ListRequest(), timeout=timeout_s)
+    return reply.max_sandboxes
 
 
 class LeaseKeeper:

@@ -184,7 +184,7 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
         return pb.CloseResponse()
 
     async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> pb.ListResponse:
-        return pb.ListResponse(sandboxes=[_info(b, self.sandboxes.backend.name) for b in self.sandboxes.list()])
+        return pb.ListResponse(sandboxes=[_info(b, self.sandboxes.backend.name) for b in self.sandboxes.list()], max_sandboxes=self.sandboxes.max_sandboxes)
 
     async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:
         return pb.RenewResponse(gone=self.sandboxes.renew(request.sandbox_ids))

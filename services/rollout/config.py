@@ -56,7 +56,7 @@ class RolloutConfig:
     http_max_concurrency: int = opt(256, "OpenAI API connections and requests in flight at once (each may buffer a body); more answer HTTP 503")
     max_turns: int = opt(4, "model turns per episode")
     episode_wall_s: float = opt(300.0, "wall-clock limit of one episode")
-    sandbox_budget: int = opt(256, "envsandbox sandboxes this rollout's episodes hold at once at most (a group holds group size + 1 from its Create to its last Close); groups past it wait their turn, so a RunEpisodes asking for more runs in waves instead of failing. envsandbox's --max-sandboxes (256) divided by the rollouts sharing it")
+    sandbox_budget: int = opt(256, "envsandbox sandboxes this rollout's episodes hold at once at most (a group holds group size + 1 from its Create to its last Close); groups past it wait their turn, so a RunEpisodes asking for more runs in waves instead of failing. Lowered to envsandbox's own --max-sandboxes where that is smaller (read from envsandbox); with several rollouts on one envsandbox, its limit divided by their number")
 
     def admission_config(self) -> AdmissionConfig:
         """The RL admission controller's settings."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from meridian.v1 import rollout_pb2_grpc as pb_grpc
 from services.rollout.callers import CallerClasses
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import MAX_TEMPERATURE, PRIORITY_PRODUCTION, PRIORITY_RL, REJECTED_VERSION, Engine, Sampling
-from services.envsandbox.client import LeaseKeeper
+from services.envsandbox.client import LeaseKeeper, sandbox_limit
 from services.rollout.episodes import SANDBOX_CALL_S, EpisodeLimits, fetch_task, gather_or_cancel, run_group
 from services.rollout.prompt_limits import text_bytes, tokenize_off_loop, too_long
 from services.rollout.sandbox_budget import SandboxBudget
@@ -41,6 +43,8 @@ tracer = telemetry.tracer(__name__)
 MAX_GROUP = 64
 MAX_TASKS = 64
 MAX_STOPS = 16
+#: Seconds between reads of envsandbox's sandbox limit (see RolloutService._follow_sandbox_limit).
+LIMIT_REFRESH_S = 30.0
 
 
 def load_checkpoint_weights(model_dir: Path) -> dict[str, RawTensor]:
@@ -70,6 +74,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         self.leases = LeaseKeeper(self.sandboxes, config.sandbox_lease_s)
         self.limits = EpisodeLimits(config.max_turns, config.episode_wall_s, config.max_model_len)
         self.budget = SandboxBudget(config.sandbox_budget)
+        self._limit_read_at = -math.inf  # when envsandbox's sandbox limit was last read
         self.loaded_hash = ""
         self.episodes_completed = 0
         self.episodes_discarded = 0
@@ -165,7 +170,24 @@ class RolloutService(pb_grpc.RolloutServicer):
             return f"policy lag {lag} > {self.config.rl_max_lag}"
         return ""
 
+    async def _follow_sandbox_limit(self) -> None:
+        """Keeps the sandbox budget within envsandbox's own limit, read again at most every
+        LIMIT_REFRESH_S (an envsandbox restarted with another --max-sandboxes is followed).
+        A failed read keeps the budget as it is: the groups' own calls report the outage."""
+        if time.monotonic() - self._limit_read_at < LIMIT_REFRESH_S:
+            return
+        try:
+            limit = await sandbox_limit(self.sandboxes, SANDBOX_CALL_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not read envsandbox's sandbox limit (%s: %s); the budget stays %d", exc.code().name, exc.details(), self.budget.capacity)
+            return
+        self._limit_read_at = time.monotonic()
+        if limit and limit < self.budget.configured and limit != self.budget.envsandbox_limit:
+            log.info("envsandbox holds %d sandboxes at most: the sandbox budget is %d, not --sandbox-budget %d", limit, limit, self.budget.configured)
+        self.budget.limit_to(limit)
+
     async def _background_group(self) -> None:
+        await self._follow_sandbox_limit()
         groups = await self._run_groups(await self._pick_tasks(1), self.config.group_size, self._sampling(pb.SamplingParams(), self.config.temperature))
         await self.outbox.publish(groups, landed=self._rl_group_landed)
 
@@ -270,6 +292,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         group_size = request.group_size or self.config.group_size
         if not 2 <= group_size <= MAX_GROUP:
             raise InvalidArgument(f"group_size must be in 2..{MAX_GROUP}, got {group_size}")
+        await self._follow_sandbox_limit()
         if problem := self.budget.problem(group_size + 1):
             raise InvalidArgument(problem)
         if len(request.task_ids) > MAX_TASKS or not 0 <= request.num_tasks <= MAX_TASKS:
@@ -295,6 +318,7 @@ class RolloutService(pb_grpc.RolloutServicer):
             region=self.config.region,
             sandboxes_held=self.budget.held,
             groups_waiting_for_sandboxes=self.budget.waiting,
+            sandbox_budget=self.budget.capacity,
             policy_version=self.engine.version if self.engine else 0,
             model=self.config.model,
             weights_hash=follower.weights_hash if follower else self.loaded_hash,

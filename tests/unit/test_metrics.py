@@ -243,7 +243,7 @@ def test_rollout_values_from_status() -> None:
     status = rollout_pb2.RolloutStatus(
         policy_version=3, latest_published_version=5, rl_tokens=40, production_tokens=60, rl_running=2, production_in_flight=1,
         rl_preemptions=4, rl_concurrency_limit=8, slo_attainment=0.9, updates_applied=3, updates_rejected=1, last_apply_ms=250,
-        sandboxes_held=9, groups_waiting_for_sandboxes=2,
+        sandboxes_held=9, groups_waiting_for_sandboxes=2, sandbox_budget=64,
     )
     got = {(v.spec.name, v.labels): v.value for v in metrics.rollout_values(status, backlog=12)}
     assert got[("meridian_rollout_tokens_total", (("priority", "rl"),))] == 40
@@ -253,6 +253,7 @@ def test_rollout_values_from_status() -> None:
     assert got[("meridian_rollout_last_apply_seconds", ())] == 0.25
     assert got[("meridian_rollout_weight_updates_total", (("outcome", "rejected"),))] == 1
     assert got[("meridian_rollout_sandboxes_held", ())] == 9 and got[("meridian_rollout_groups_waiting_for_sandboxes", ())] == 2
+    assert got[("meridian_rollout_sandbox_budget", ())] == 64
     # No weightsync (latest -1): nothing to lag behind.
     alone = {v.spec.name: v.value for v in metrics.rollout_values(rollout_pb2.RolloutStatus(policy_version=0, latest_published_version=-1), 0)}
     assert alone["meridian_rollout_policy_lag_versions"] == 0

@@ -79,3 +79,29 @@ def test_a_group_larger_than_the_budget_is_refused_and_bad_releases_are_errors()
         budget.release(1)
     with pytest.raises(ValueError, match="at least 1"):
         SandboxBudget(0)
+
+
+def test_envsandboxs_lower_limit_is_the_budget_and_a_raised_one_lets_waiters_go() -> None:
+    async def main() -> None:
+        budget = SandboxBudget(8)
+        budget.limit_to(4)
+        assert budget.capacity == 4 and "envsandbox holds 4 sandboxes at most" in budget.problem(5)
+        await budget.acquire(3)
+        waiter = asyncio.ensure_future(budget.acquire(3))
+        await asyncio.sleep(0)
+        assert not waiter.done() and budget.waiting == 1
+        budget.limit_to(16)  # envsandbox restarted larger: the configured 8 is the budget again
+        await asyncio.wait_for(waiter, 1)
+        assert (budget.capacity, budget.held, budget.problem(8)) == (8, 6, "")
+        budget.limit_to(2)  # lowered below what is held: nobody new until enough come back
+        late = asyncio.ensure_future(budget.acquire(1))
+        await asyncio.sleep(0)
+        budget.release(3)
+        await asyncio.sleep(0)
+        assert not late.done()
+        budget.release(3)
+        await asyncio.wait_for(late, 1)
+        budget.limit_to(0)  # a server too old to say: the configured budget stands
+        assert budget.capacity == 8 and "this rollout's sandbox budget is 8" in budget.problem(9)
+
+    asyncio.run(main())

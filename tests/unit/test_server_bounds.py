@@ -544,6 +544,30 @@ def test_run_episodes_refuses_a_group_its_sandbox_budget_could_never_hold(rollou
     run(main())
 
 
+def test_a_rollout_keeps_within_envsandboxs_own_sandbox_limit(rollout: Callable[..., Any], grpc_serving: Serving, tmp_path: Path) -> None:
+    """Left at its default budget (256) in front of an envsandbox that holds 4 sandboxes,
+    the rollout reads envsandbox's limit and keeps within it: its budget is 4, and a
+    group of 4 (5 sandboxes at once) is refused naming envsandbox's limit, before
+    envsandbox is asked for a sandbox it would refuse mid-group."""
+    from meridian.v1 import rollout_pb2 as ro
+    from meridian.v1 import rollout_pb2_grpc as ro_grpc
+    from services.envsandbox.config import EnvSandboxConfig
+    from services.envsandbox.server import EnvSandboxService
+
+    async def main() -> None:
+        sandboxes = EnvSandboxService(EnvSandboxConfig(root=str(tmp_path / "sandboxes"), max_sandboxes=4))
+        async with grpc_serving(sandboxes) as sandbox_address:
+            service = rollout(envsandbox=sandbox_address, group_size=2, http_port=-1)
+            async with grpc_serving(service) as address, grpc.aio.insecure_channel(address) as channel:
+                stub = ro_grpc.RolloutStub(channel)
+                details = await expect_code(grpc.StatusCode.INVALID_ARGUMENT, stub.RunEpisodes(ro.RunEpisodesRequest(task_ids=["python/add"], group_size=4)))
+                assert "needs 5 sandboxes" in details and "envsandbox holds 4 sandboxes at most" in details, details
+                assert (service.budget.capacity, service.budget.configured) == (4, 256)
+                assert sandboxes.sandboxes.list() == []
+
+    run(main())
+
+
 def test_run_episodes_samples_nothing_while_held_groups_cannot_be_published(rollout: Callable[..., Any], grpc_serving: Serving, pick_port: Callable[[], int]) -> None:
     """The stream went away with a group sampled: the group is held, RunEpisodes with
     publish answers UNAVAILABLE saying so before it asks envsandbox for anything (more
