@@ -32,7 +32,8 @@ def _entry(text: str, logprob: float) -> dict[str, Any]:
 def chat_logprobs(texts: list[str], logprobs: list[float], top: list[TextAlternatives] | None = None) -> dict[str, Any]:
     """A chat choice's (or chunk's) ``logprobs`` object; ``top``: each token's alternatives
     (``top_logprobs``), none when not asked for."""
-    tops = top if top is not None else [[] for _ in texts]
+    # A token without alternatives gets an empty list rather than dropping out of the zip.
+    tops = (top or []) + [[] for _ in range(len(texts) - len(top or []))]
     return {"content": [{**_entry(t, lp), "top_logprobs": [_entry(a, alp) for a, alp in alts]} for t, lp, alts in zip(texts, logprobs, tops)]}
 
 
@@ -45,7 +46,7 @@ def completion_logprobs(texts: list[str], logprobs: list[float], offset: int = 0
     for t in texts:
         offsets.append(offset)
         offset += len(t)
-    maps = None if top is None else [_first_of_each_text(alts) for alts in top]
+    maps = None if top is None else [_first_of_each_text(alts) for alts in top] + [{} for _ in range(len(texts) - len(top))]
     return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": maps, "text_offset": offsets}
 
 

@@ -92,6 +92,14 @@ def test_alternatives_with_the_same_text_keep_the_more_likely() -> None:
     assert got["top_logprobs"] == [{"a": -0.5, "b": -1.0}]
 
 
+def test_a_token_the_engine_gave_no_alternatives_keeps_its_place() -> None:
+    from services.rollout.openai_logprobs import chat_logprobs, completion_logprobs
+
+    chat = chat_logprobs(["a", "b"], [-0.5, -1.0], [[("a", -0.5)]])
+    assert [(c["token"], len(c["top_logprobs"])) for c in chat["content"]] == [("a", 1), ("b", 0)]
+    assert completion_logprobs(["a", "b"], [-0.5, -1.0], 0, [[("a", -0.5)]])["top_logprobs"] == [{"a": -0.5}, {}]
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_a_streams_logprobs_add_up_to_the_whole_answers_and_it_ends_with_usage(http: Any, chat: bool) -> None:
     logprobs = {"logprobs": True} if chat else {"logprobs": 0}
