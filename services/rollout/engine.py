@@ -272,7 +272,7 @@ class Engine:
         async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, self._params(sampling), request_id=request_id, priority=priority):
             completion = out.outputs[0]
             ids = list(completion.token_ids)
-            entries = list(completion.logprobs or [])
+            entries = completion.logprobs or []
             logprobs = [entry[tok].logprob for tok, entry in zip(ids, entries)]
             top = [alternatives(entry, sampling.top_logprobs) for entry in entries] if sampling.top_logprobs else None
             versions = self._token_versions(completion.weight_versions) if out.finished else None
