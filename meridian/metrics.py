@@ -132,6 +132,8 @@ WEIGHTSYNC_PROPAGATION = _spec(
 
 SANDBOX_LIVE = _spec("meridian_envsandbox_live_sandboxes", "gauge", "sandboxes alive now")
 SANDBOX_MAX = _spec("meridian_envsandbox_max_sandboxes", "gauge", "sandboxes allowed at once")
+SANDBOX_RESERVED = _spec("meridian_envsandbox_reserved_sandboxes", "gauge", "slots live sandboxes hold for forks not made yet (CreateRequest.fork_reserve); they count against the limit")
+SANDBOX_WAITING = _spec("meridian_envsandbox_waiting_creates", "gauge", "Creates waiting in line for room under the live sandbox limit")
 SANDBOX_EXPIRED = _spec("meridian_envsandbox_sandboxes_expired_total", "counter", "sandboxes envsandbox closed itself, by reason (lease: their client stopped renewing them, e.g. a killed rollout; ttl: their time-to-live ran out)", ["reason"])
 SANDBOX_EXEC_SECONDS = _spec("meridian_envsandbox_exec_seconds", "histogram", "wall-clock seconds of commands run in sandboxes, by kind (exec: Exec; tests: RunTests)", ["kind"], _LATENCY_BUCKETS)
 
@@ -437,7 +439,10 @@ def weightsync_values(status: Any) -> list[Value]:
     ]
 
 
-def envsandbox_values(live: int, capacity: int, expired: Mapping[str, int]) -> list[Value]:
-    """An envsandbox's figures: sandboxes alive and allowed, and those it closed itself
-    (``expired``: reason -> count)."""
-    return [value(SANDBOX_LIVE, live), value(SANDBOX_MAX, capacity), *(value(SANDBOX_EXPIRED, n, reason=r) for r, n in sorted(expired.items()))]
+def envsandbox_values(live: int, capacity: int, reserved: int, waiting: int, expired: Mapping[str, int]) -> list[Value]:
+    """An envsandbox's figures: sandboxes alive and allowed, slots reserved for forks,
+    Creates waiting for room, and the sandboxes it closed itself (``expired``: reason -> count)."""
+    return [
+        value(SANDBOX_LIVE, live), value(SANDBOX_MAX, capacity), value(SANDBOX_RESERVED, reserved), value(SANDBOX_WAITING, waiting),
+        *(value(SANDBOX_EXPIRED, n, reason=r) for r, n in sorted(expired.items())),
+    ]

@@ -73,20 +73,24 @@ class Limits(_message.Message):
     def __init__(self, memory_bytes: _Optional[int] = ..., max_pids: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., max_output_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., cpus: _Optional[float] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("task_id", "files", "limits", "ttl_seconds", "client_request_id", "lease_seconds")
+    __slots__ = ("task_id", "files", "limits", "ttl_seconds", "client_request_id", "lease_seconds", "fork_reserve", "wait_seconds")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORK_RESERVE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     files: _containers.RepeatedCompositeFieldContainer[File]
     limits: Limits
     ttl_seconds: float
     client_request_id: str
     lease_seconds: float
-    def __init__(self, task_id: _Optional[str] = ..., files: _Optional[_Iterable[_Union[File, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., client_request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    fork_reserve: int
+    wait_seconds: float
+    def __init__(self, task_id: _Optional[str] = ..., files: _Optional[_Iterable[_Union[File, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., client_request_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., fork_reserve: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class SandboxInfo(_message.Message):
     __slots__ = ("sandbox_id", "task_id", "created_unix", "expires_unix", "backend", "lease_seconds")

@@ -13,7 +13,9 @@ class EnvSandboxConfig:
     backend: str = opt("process", "sandbox backend: process (namespaces + cgroups, no daemon) or docker")
     root: str = opt("", "folder for the service's sandbox state (empty: a fresh temporary folder)")
     tasks_dir: str = opt("", "extra folder of tasks loaded beside the built-in suite: task *.json files and SWE-bench-style *.jsonl files")
-    max_sandboxes: int = opt(256, "live sandboxes at most; more answers RESOURCE_EXHAUSTED")
+    max_sandboxes: int = opt(256, "live sandboxes at most, counting the slots Creates reserved for their forks; "
+                                  "a Create past it waits in line up to its wait_seconds, else answers RESOURCE_EXHAUSTED")
+    max_create_wait_s: float = opt(600.0, "the longest a Create waits in line for room (its wait_seconds is cut to this)")
     default_ttl_s: float = opt(600.0, "time-to-live of a sandbox that asks for none")
     reap_interval_s: float = opt(5.0, "how often expired sandboxes are closed")
     docker_host: str = opt("", "docker backend: daemon address, e.g. unix:///run/docker.sock (empty: DOCKER_HOST or the default)")
@@ -22,5 +24,7 @@ class EnvSandboxConfig:
     def __post_init__(self) -> None:
         if self.max_sandboxes <= 0 or self.default_ttl_s <= 0 or self.reap_interval_s <= 0:
             raise ValueError("max_sandboxes, default_ttl_s and reap_interval_s must be positive")
+        if not 0 <= self.max_create_wait_s < float("inf"):
+            raise ValueError(f"max_create_wait_s must be finite and >= 0, got {self.max_create_wait_s}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from meridian.errors import Aborted, FailedPrecondition, InvalidArgument, MeridianError, NotFound, ResourceExhausted, Unavailable
+from meridian.fifo_slots import FifoSlots
 from services.envsandbox import swebench, workspace_files
 from services.envsandbox.tasks import TESTS_DIR, Task, TestOutcome, score_output
 
@@ -161,6 +162,7 @@ class LimitCaps:
     max_file_bytes: int = 256 << 20
     disk_bytes: int = 4 << 30
     ttl_seconds: float = 24 * 3600.0
+    wait_seconds: float = 600.0  # a Create waiting in line for room (--max-create-wait-s)
 
     def check(self, limits: Limits) -> None:
         """Raises InvalidArgument naming the first limit that is not finite, positive and capped."""
@@ -176,6 +178,14 @@ class LimitCaps:
     def check_lease(self, lease_s: float) -> None:
         """0 (no lease) or a finite positive number of seconds up to the time-to-live cap."""
         self._check_seconds("lease_seconds", lease_s, "no lease")
+
+    def capped_wait(self, wait_s: float) -> float:
+        """A Create's time in line: 0 (refused at once when full) or finite positive
+        seconds, cut to the cap (a client that asks for more still gets its turn or a
+        RESOURCE_EXHAUSTED in time, so it need not know this server's cap)."""
+        if not (math.isfinite(wait_s) and wait_s >= 0):
+            raise InvalidArgument(f"wait_seconds must be finite and >= 0 (0: no waiting), got {wait_s}")
+        return min(wait_s, self.wait_seconds)
 
     def _check_seconds(self, name: str, value: float, zero: str) -> None:
         if not (math.isfinite(value) and 0 <= value <= self.ttl_seconds):
@@ -411,7 +421,13 @@ def tests_invocation(task: Task) -> tuple[list[str], bytes, dict[str, bytes]]:
 
 
 class SandboxManager:
-    """Owns every live sandbox of one service process."""
+    """Owns every live sandbox of one service process.
+
+    The live sandbox limit counts slots (:class:`~meridian.fifo_slots.FifoSlots`): one
+    per sandbox, plus what a Create reserved for its forks and they have not used yet.
+    Every client shares them, so a Create that may wait takes its place in one line, and
+    one that reserved for its forks cannot lose their room to another client between its
+    Create and its Fork (several rollouts in front of one envsandbox)."""
 
     def __init__(
         self,
@@ -429,7 +445,10 @@ class SandboxManager:
         self.default_limits = default_limits
         self.default_ttl_s = default_ttl_s
         self.max_sandboxes = max_sandboxes
+        self.slots = FifoSlots(max_sandboxes)
         self._boxes: dict[str, Sandbox] = {}
+        #: Slots a live sandbox holds for its forks, beyond its own (CreateRequest.fork_reserve).
+        self._reserved: dict[str, int] = {}
         self._by_request: dict[str, str] = {}
         #: Sandboxes the reaper closed, by reason: "lease" (unrenewed) or "ttl".
         self.expired: dict[str, int] = {"lease": 0, "ttl": 0}
@@ -458,46 +477,91 @@ class SandboxManager:
         ttl_s: float = 0.0,
         client_request_id: str = "",
         lease_s: float = 0.0,
+        fork_reserve: int = 0,
+        wait_s: float = 0.0,
     ) -> Sandbox:
-        """A new sandbox holding the task's files then ``files``; idempotent per request id."""
+        """A new sandbox holding the task's files then ``files``; idempotent per request id.
+        ``fork_reserve`` more slots are held for its forks; with ``wait_s`` the Create
+        waits in line that long for room instead of being refused at once."""
         await self.start()
-        if client_request_id and client_request_id in self._by_request:
-            existing = self._boxes.get(self._by_request[client_request_id])
-            if existing is not None:
-                existing.renewed = self.clock()
-                return existing
+        existing = self._existing(client_request_id)
+        if existing is not None:
+            return existing
         self.caps.check_ttl(ttl_s)
         self.caps.check_lease(lease_s)
+        wait_s = self.caps.capped_wait(wait_s)
         limits = limits or self.limits_for(task)
         self.caps.check(limits)
-        if len(self._boxes) >= self.max_sandboxes:
-            raise ResourceExhausted(f"live sandbox limit reached ({self.max_sandboxes}); close some first")
+        if not 0 <= fork_reserve <= MAX_FORK or 1 + fork_reserve > self.max_sandboxes:
+            raise InvalidArgument(
+                f"fork_reserve must be in 0..{min(MAX_FORK, self.max_sandboxes - 1)} (the sandbox and its reserve within the "
+                f"live sandbox limit of {self.max_sandboxes}, forks up to {MAX_FORK}), got {fork_reserve}"
+            )
+        await self._take_slots(1 + fork_reserve, wait_s)
+        # A retry of this request may have got in while this one waited: one sandbox per id.
+        existing = self._existing(client_request_id)
+        if existing is not None:
+            self.slots.release(1 + fork_reserve)
+            return existing
+        box = self._register(task, limits, ttl_s or self.default_ttl_s, lease_s, client_request_id, fork_reserve)
+        await self._materialize(box, {**({p: c.encode() for p, c in task.files.items()} if task is not None else {}), **(files or {})})
+        return box
+
+    def _existing(self, client_request_id: str) -> Sandbox | None:
+        """The live sandbox an earlier Create with this request id made, if any (renewed)."""
+        existing = self._boxes.get(self._by_request.get(client_request_id, "")) if client_request_id else None
+        if existing is not None:
+            existing.renewed = self.clock()
+        return existing
+
+    async def _take_slots(self, count: int, wait_s: float) -> None:
+        """Takes ``count`` slots: at once if they fit and nobody waits ahead, else in line for
+        up to ``wait_s`` (0: refused at once); RESOURCE_EXHAUSTED saying why otherwise."""
+        if self.slots.try_acquire(count):
+            return
+        ahead = f"; {self.slots.waiting} Creates wait in line ahead" if self.slots.waiting else ""
+        if wait_s <= 0:
+            raise ResourceExhausted(f"live sandbox limit reached ({self.max_sandboxes}, {self.slots.held} held){ahead}; close some first, or wait (wait_seconds)")
+        try:
+            async with asyncio.timeout(wait_s):
+                await self.slots.acquire(count)
+        except TimeoutError:
+            raise ResourceExhausted(
+                f"no room for {count} sandboxes within {wait_s:g} s: the live sandbox limit ({self.max_sandboxes}) stayed full{ahead}"
+            ) from None
+
+    def _register(self, task: Task | None, limits: Limits, ttl_s: float, lease_s: float, client_request_id: str = "", reserve: int = 0) -> Sandbox:
+        """A sandbox's record, registered at once (the caller holds its slot and ``reserve``):
+        from here on its slots come back only through :meth:`_remove`."""
         now = time.time()
         box = Sandbox(
             sandbox_id="sbx-" + uuid.uuid4().hex[:16],
             task=task,
             limits=limits,
             created=now,
-            expires=now + (ttl_s or self.default_ttl_s),
+            expires=now + ttl_s,
             client_request_id=client_request_id,
             lease_s=lease_s,
         )
-        # Registered before the first await so that the limit and idempotency hold under concurrency.
         self._boxes[box.sandbox_id] = box
+        if reserve:
+            self._reserved[box.sandbox_id] = reserve
         if client_request_id:
             self._by_request[client_request_id] = box.sandbox_id
+        return box
+
+    async def _materialize(self, box: Sandbox, files: dict[str, bytes]) -> None:
+        """Makes a registered sandbox in the backend and writes ``files``; on any failure
+        (cancellation included) the sandbox is removed and its slots given back."""
         try:
             with self._using(box):
                 await self.backend.create(box.sandbox_id, box.limits)
                 box.ready = True
-                if task is not None and task.files:
-                    await self._write(box, {p: c.encode() for p, c in task.files.items()})
                 if files:
                     await self._write(box, files)
         except BaseException:
             await self._remove(box)
             raise
-        return box
 
     def get(self, sandbox_id: str) -> Sandbox:
         box = self._boxes.get(sandbox_id)
@@ -507,6 +571,11 @@ class SandboxManager:
 
     def list(self) -> list[Sandbox]:
         return [b for b in self._boxes.values() if b.ready]
+
+    @property
+    def reserved(self) -> int:
+        """Slots live sandboxes hold for forks not made yet."""
+        return sum(self._reserved.values())
 
     @contextlib.contextmanager
     def _using(self, box: Sandbox) -> Iterator[None]:
@@ -550,9 +619,17 @@ class SandboxManager:
         RunTests call then answers NOT_FOUND."""
         await self._remove(self.get(sandbox_id))
 
+    async def _remove_all(self, boxes: list[Sandbox]) -> None:
+        for box in boxes:
+            await self._remove(box)
+
     async def _remove(self, box: Sandbox) -> None:
-        self._boxes.pop(box.sandbox_id, None)
+        """Unregisters ``box``, gives back its slots and destroys it; a box already
+        removed is left alone (its remover destroys it)."""
         box.ready = False
+        if self._boxes.pop(box.sandbox_id, None) is None:
+            return
+        self.slots.release(1 + self._reserved.pop(box.sandbox_id, 0))
         if box.client_request_id and self._by_request.get(box.client_request_id) == box.sandbox_id:
             self._by_request.pop(box.client_request_id, None)
         await self.backend.destroy(box.sandbox_id)
@@ -578,35 +655,48 @@ class SandboxManager:
             self._started = False
 
     async def fork(self, sandbox_id: str, count: int) -> list[Sandbox]:
-        """``count`` new sandboxes, each with a copy of the source's workspace."""
+        """``count`` new sandboxes, each with a copy of the source's workspace. Slots the
+        source's Create reserved are used first; the rest must fit now."""
         if count <= 0 or count > MAX_FORK:
             raise InvalidArgument(f"fork count must be in 1..{MAX_FORK}, got {count}")
         src = self.get(sandbox_id)
         src.refuse_while_testing()
-        if len(self._boxes) + count > self.max_sandboxes:
-            raise ResourceExhausted(f"forking {count} would exceed the live sandbox limit ({self.max_sandboxes})")
+        reserved = self._reserved.get(sandbox_id, 0)
+        from_reserve = min(count, reserved)
+        if count > from_reserve and not self.slots.try_acquire(count - from_reserve):
+            kept = f" ({reserved} reserved by its Create)" if reserved else ""
+            raise ResourceExhausted(f"forking {count}{kept} would exceed the live sandbox limit ({self.max_sandboxes}, {self.slots.held} held)")
+        if reserved - from_reserve:
+            self._reserved[sandbox_id] = reserved - from_reserve
+        else:
+            self._reserved.pop(sandbox_id, None)
         ttl = max(1.0, src.expires - time.time())
-
-        async def one() -> Sandbox:
-            box = await self.create(task=None, limits=src.limits, ttl_s=ttl, lease_s=src.lease_s)
-            box.task = src.task
-            try:
-                with self._using(box):
-                    await self.backend.copy_workspace(src.sandbox_id, box.sandbox_id)
-            except BaseException:
-                await self._remove(box)
-                raise
-            return box
-
         with self._working(src):
-            results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+            # Registered before the first await: each holds one of the slots just taken.
+            boxes = [self._register(src.task, src.limits, ttl, src.lease_s) for _ in range(count)]
+            tasks = [asyncio.ensure_future(self._fork_one(src, box)) for box in boxes]
+            try:
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+            except BaseException:  # cancelled: each copy stops and removes its sandbox
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await self._remove_all(boxes)  # copies cancelled before they began
+                raise
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
-            for r in results:
-                if isinstance(r, Sandbox) and r.sandbox_id in self._boxes:
-                    await self._remove(r)
+            await self._remove_all(boxes)
             raise failed[0]
-        return [r for r in results if isinstance(r, Sandbox)]
+        return boxes
+
+    async def _fork_one(self, src: Sandbox, box: Sandbox) -> None:
+        await self._materialize(box, {})
+        try:
+            with self._using(box):
+                await self.backend.copy_workspace(src.sandbox_id, box.sandbox_id)
+        except BaseException:
+            await self._remove(box)
+            raise
 
     # ------------------------------------------------------------ files
 

@@ -16,7 +16,7 @@ from meridian.v1 import envsandbox_pb2 as pb
 from meridian.v1 import envsandbox_pb2_grpc as pb_grpc
 from services.envsandbox.backends import make_backend
 from services.envsandbox.config import EnvSandboxConfig
-from services.envsandbox.sandbox import ExecResult, Sandbox, SandboxManager
+from services.envsandbox.sandbox import ExecResult, LimitCaps, Sandbox, SandboxManager
 from services.envsandbox.task_sources import load_tasks_dir
 from services.envsandbox.tasks import Task, TaskSuite
 
@@ -74,6 +74,7 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
             make_backend(config),
             default_ttl_s=config.default_ttl_s,
             max_sandboxes=config.max_sandboxes,
+            caps=LimitCaps(wait_seconds=config.max_create_wait_s),
         )
         self._reaper: asyncio.Task[None] | None = None
         self.metrics = metrics.ServiceMetrics("envsandbox", self._metric_values)
@@ -94,8 +95,9 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
         await self.sandboxes.close_all()
 
     async def _metric_values(self) -> list[metrics.Value]:
-        """What the metrics endpoint exports: sandboxes alive and allowed."""
-        return metrics.envsandbox_values(len(self.sandboxes.list()), self.config.max_sandboxes, self.sandboxes.expired)
+        """What the metrics endpoint exports: sandboxes alive and allowed, the room held for forks and asked for."""
+        boxes = self.sandboxes
+        return metrics.envsandbox_values(len(boxes.list()), self.config.max_sandboxes, boxes.reserved, boxes.slots.waiting, boxes.expired)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -137,6 +139,8 @@ class EnvSandboxService(pb_grpc.EnvSandboxServicer):
             ttl_s=request.ttl_seconds,
             client_request_id=request.client_request_id,
             lease_s=request.lease_seconds,
+            fork_reserve=request.fork_reserve,
+            wait_s=request.wait_seconds,
         )
         return _info(box, self.sandboxes.backend.name)
 

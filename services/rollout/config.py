@@ -56,7 +56,8 @@ class RolloutConfig:
     http_max_concurrency: int = opt(256, "OpenAI API connections and requests in flight at once (each may buffer a body); more answer HTTP 503")
     max_turns: int = opt(4, "model turns per episode")
     episode_wall_s: float = opt(300.0, "wall-clock limit of one episode")
-    sandbox_budget: int = opt(256, "envsandbox sandboxes this rollout's episodes hold at once at most (a group holds group size + 1 from its Create to its last Close); groups past it wait their turn, so a RunEpisodes asking for more runs in waves instead of failing. Lowered to envsandbox's own --max-sandboxes where that is smaller (read from envsandbox); with several rollouts on one envsandbox, its limit divided by their number")
+    sandbox_budget: int = opt(256, "envsandbox sandboxes this rollout's episodes hold at once at most (a group holds group size + 1 from its Create to its last Close); groups past it wait their turn, so a RunEpisodes asking for more runs in waves instead of failing. Lowered to envsandbox's own --max-sandboxes where that is smaller (read from envsandbox); several rollouts may share one envsandbox, whose line orders their groups (see sandbox_wait_s)")
+    sandbox_wait_s: float = opt(300.0, "how long a group's first Create may wait in envsandbox's line when envsandbox is full (other rollouts sharing it hold its sandboxes); 0: fail at once. Within envsandbox's --max-create-wait-s")
 
     def admission_config(self) -> AdmissionConfig:
         """The RL admission controller's settings."""
@@ -98,6 +99,8 @@ class RolloutConfig:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.max_prompt_bytes < 1 or self.http_max_body_bytes < 1 or self.http_max_concurrency < 1:
             raise ValueError("max_prompt_bytes, http_max_body_bytes and http_max_concurrency must be >= 1")
+        if not 0 <= self.sandbox_wait_s < float("inf"):
+            raise ValueError(f"sandbox_wait_s must be finite and >= 0, got {self.sandbox_wait_s}")
         if self.sandbox_budget < self.group_size + 1:
             raise ValueError(f"sandbox_budget must hold one group: at least group_size + 1 = {self.group_size + 1}, got {self.sandbox_budget}")
         if self.rl_workers < 0 or self.rl_high_water <= 0 or self.rl_max_lag < 0 or self.max_turns <= 0 or self.episode_wall_s <= 0:

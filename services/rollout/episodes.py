@@ -232,16 +232,24 @@ async def run_group(
     limits: EpisodeLimits = EpisodeLimits(),
     leases: LeaseKeeper | None = None,
     budget: SandboxBudget | None = None,
+    sandbox_wait_s: float = 0.0,
 ) -> list[common_pb2.Trajectory]:
     """One GRPO group for ``task``: ``group_size`` episodes, each in a forked sandbox.
     With ``leases`` the sandboxes are leased and renewed while held, so a rollout killed
     mid-group leaves them to envsandbox for a lease, not their whole time-to-live. With
-    ``budget`` the group first waits for its ``group_size + 1`` sandboxes there."""
+    ``budget`` the group first waits for its ``group_size + 1`` sandboxes there.
+
+    The base's Create reserves the forks' room at envsandbox, so another client cannot
+    take it before the Fork; with ``sandbox_wait_s`` it waits in envsandbox's line up to
+    that long when envsandbox is full (other rollouts sharing it), instead of failing."""
     async with budget.hold(group_size + 1) if budget is not None else contextlib.nullcontext():
         prompt_ids = chat_prompt(engine, task)
         group_id = uuid.uuid4().hex
         leases = leases or LeaseKeeper(sandboxes, 0.0)
-        base = await sandboxes.Create(sbx.CreateRequest(task_id=task.id, client_request_id=f"{group_id}-base", lease_seconds=leases.lease_s), timeout=SANDBOX_CALL_S)
+        create = sbx.CreateRequest(
+            task_id=task.id, client_request_id=f"{group_id}-base", lease_seconds=leases.lease_s, fork_reserve=group_size, wait_seconds=sandbox_wait_s
+        )
+        base = await sandboxes.Create(create, timeout=sandbox_wait_s + SANDBOX_CALL_S)
         leases.hold([base.sandbox_id])
         # Forks no episode has closed yet. A group cancelled (a sibling group failed, the caller
         # went away) before its episodes start runs none of their cleanup: its forks are closed

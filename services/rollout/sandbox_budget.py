@@ -6,43 +6,38 @@ at once: without a budget the whole call failed. With one, groups wait their tur
 large call runs in waves. A group takes ``group_size + 1`` (its base sandbox and the
 forks) from its Create to its last Close. The budget is the configured one, or
 envsandbox's own limit where that is lower (:meth:`SandboxBudget.limit_to`): a rollout
-left at the default in front of a smaller envsandbox still keeps within it.
+left at the default in front of a smaller envsandbox still keeps within it. The budget
+bounds this rollout alone: rollouts sharing an envsandbox meet in envsandbox's own line
+(see ``run_group``'s ``sandbox_wait_s``).
 
 Waiters are served in order: a large group is not passed over for ever by small ones.
 Pure asyncio; no gRPC.
 """
 from __future__ import annotations
 
-import asyncio
-import collections
 import contextlib
 from collections.abc import AsyncIterator
 
+from meridian.fifo_slots import FifoSlots
 
-class SandboxBudget:
-    """A counting semaphore over sandboxes, acquired a group at a time, first come first served."""
+
+class SandboxBudget(FifoSlots):
+    """The rollout's sandboxes as slots (:class:`~meridian.fifo_slots.FifoSlots`),
+    acquired a group at a time, first come first served."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"a sandbox budget must be at least 1, got {capacity}")
+        super().__init__(capacity)
         self.configured = capacity
-        self.capacity = capacity
         self.envsandbox_limit = 0  # 0: not known
-        self.held = 0
-        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
-
-    @property
-    def waiting(self) -> int:
-        """Groups waiting for their sandboxes."""
-        return len(self._waiters)
 
     def limit_to(self, envsandbox_limit: int) -> None:
         """Keeps the budget within envsandbox's limit (0: not known, the configured budget
         stands). Lowered below what is held, nobody new gets sandboxes until enough come
         back; raised, the waiters that now fit go."""
         self.envsandbox_limit = envsandbox_limit
-        self.capacity = min(self.configured, envsandbox_limit) if envsandbox_limit > 0 else self.configured
-        self._grant()
+        self.set_capacity(min(self.configured, envsandbox_limit) if envsandbox_limit > 0 else self.configured)
 
     def problem(self, count: int) -> str:
         """Why a group of ``count`` sandboxes can never run under this budget ('' if it can)."""
@@ -52,43 +47,11 @@ class SandboxBudget:
         return f"a group needs {count} sandboxes at once (group size + its base) but {which}"
 
     async def acquire(self, count: int) -> None:
-        """Waits until ``count`` sandboxes fit, behind every earlier waiter."""
+        """Waits until ``count`` sandboxes fit, behind every earlier waiter; a group that
+        could never fit is refused (ValueError) instead of waiting for ever."""
         if problem := self.problem(count):
             raise ValueError(problem)
-        if not self._waiters and self.held + count <= self.capacity:
-            self.held += count
-            return
-        entry = (count, asyncio.get_running_loop().create_future())
-        self._waiters.append(entry)
-        try:
-            await entry[1]
-        except asyncio.CancelledError:
-            if entry[1].done() and not entry[1].cancelled():
-                self.release(count)  # granted as the caller went away: hand them on
-            else:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(entry)
-                self._grant()  # the head may have left: those behind it may fit now
-            raise
-
-    def release(self, count: int) -> None:
-        """Gives back ``count`` sandboxes and lets the waiters that now fit go, in order."""
-        if count > self.held:
-            raise ValueError(f"releasing {count} sandboxes but only {self.held} are held")
-        self.held -= count
-        self._grant()
-
-    def _grant(self) -> None:
-        while self._waiters:
-            count, future = self._waiters[0]
-            if future.done():  # cancelled while queued; its owner removes nothing then
-                self._waiters.popleft()
-                continue
-            if self.held + count > self.capacity:
-                return
-            self._waiters.popleft()
-            self.held += count
-            future.set_result(None)
+        await super().acquire(count)
 
     @contextlib.asynccontextmanager
     async def hold(self, count: int) -> AsyncIterator[None]:

@@ -216,7 +216,7 @@ class RolloutService(pb_grpc.RolloutServicer):
         """Samples one group per task. A group with tokens from a version that was then
         rejected is dropped whole: no policy produced those samples."""
         engine = self._engine()
-        groups = await gather_or_cancel([run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits, self.leases, self.budget) for t in tasks])
+        groups = await gather_or_cancel([run_group(engine, self.sandboxes, t, group_size, sampling, self.config.model, self.limits, self.leases, self.budget, self.config.sandbox_wait_s) for t in tasks])
         kept = [g for g in groups if not any(REJECTED_VERSION in t.policy_versions for t in g)]
         for t in (t for g in kept for t in g):
             t.region = self.config.region

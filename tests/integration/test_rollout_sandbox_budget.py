@@ -1,7 +1,10 @@
 """Groups of episodes against a real envsandbox (in-process gRPC, real sandboxes) that
 holds fewer sandboxes than the groups ask for at once: under the rollout's sandbox
 budget they run in waves and every episode is scored; without it the same groups are
-refused (RESOURCE_EXHAUSTED), which is what a large RunEpisodes used to get."""
+refused (RESOURCE_EXHAUSTED), which is what a large RunEpisodes used to get. Two
+rollouts sharing one envsandbox, each with the whole limit as its budget, run every
+group too: their groups wait in envsandbox's line, and a group's forks keep the room its
+Create reserved."""
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +47,11 @@ class Answers:
         yield Delta(ids, [-0.5] * len(ids), self.version, text, True, "stop", all_versions=[self.version] * len(ids))
 
 
-def _groups(tmp_path: Path, tiny_model: Path, budget: SandboxBudget | None) -> tuple[list[list[common_pb2.Trajectory]], int]:
-    """The groups' trajectories and the most sandboxes envsandbox held at once."""
+def _groups(
+    tmp_path: Path, tiny_model: Path, budgets: list[SandboxBudget | None], wait_s: float = 0.0
+) -> tuple[list[list[common_pb2.Trajectory]], int]:
+    """The groups' trajectories and the most sandboxes envsandbox held at once. Group i
+    runs under ``budgets[i % len(budgets)]``: one budget per rollout sharing envsandbox."""
     policy = Answers(AutoTokenizer.from_pretrained(tiny_model))
 
     async def run() -> tuple[list[list[common_pb2.Trajectory]], int]:
@@ -65,14 +71,18 @@ def _groups(tmp_path: Path, tiny_model: Path, budget: SandboxBudget | None) -> t
             try:
                 groups = await asyncio.wait_for(
                     gather_or_cancel([
-                        run_group(policy, stub, task, GROUP_SIZE, Sampling(max_tokens=64), "m", EpisodeLimits(max_turns=2), budget=budget)  # type: ignore[arg-type]
-                        for _ in range(GROUPS)
+                        run_group(
+                            policy, stub, task, GROUP_SIZE, Sampling(max_tokens=64), "m", EpisodeLimits(max_turns=2),  # type: ignore[arg-type]
+                            budget=budgets[i % len(budgets)], sandbox_wait_s=wait_s,
+                        )
+                        for i in range(GROUPS)
                     ]),
                     120,
                 )
             finally:
                 watcher.cancel()
             assert len(service.sandboxes.list()) == 0, "a group left a sandbox behind"
+            assert (service.sandboxes.slots.held, service.sandboxes.slots.waiting) == (0, 0)
             return groups, peak
 
     return asyncio.run(run())
@@ -80,12 +90,28 @@ def _groups(tmp_path: Path, tiny_model: Path, budget: SandboxBudget | None) -> t
 
 def test_groups_past_envsandboxs_capacity_run_in_waves_under_the_budget(tmp_path: Path, tiny_model: Path) -> None:
     budget = SandboxBudget(CAPACITY)
-    groups, peak = _groups(tmp_path / "budget", tiny_model, budget)
+    groups, peak = _groups(tmp_path / "budget", tiny_model, [budget])
     assert len(groups) == GROUPS and all(len(g) == GROUP_SIZE for g in groups)
     assert all(t.reward == 1.0 for g in groups for t in g)
     assert peak <= CAPACITY and (budget.held, budget.waiting) == (0, 0)
 
     # Without the budget the groups ask for GROUPS * (GROUP_SIZE + 1) sandboxes at once.
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        _groups(tmp_path / "none", tiny_model, None)
+        _groups(tmp_path / "none", tiny_model, [None])
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_two_rollouts_sharing_envsandbox_each_with_the_whole_limit_run_every_group(tmp_path: Path, tiny_model: Path) -> None:
+    """Each rollout reads envsandbox's limit and takes all of it as its budget: together
+    they ask for twice the room. Waiting in envsandbox's line, every group runs and is
+    scored, and envsandbox never holds more than its limit."""
+    budgets: list[SandboxBudget | None] = [SandboxBudget(CAPACITY), SandboxBudget(CAPACITY)]
+    groups, peak = _groups(tmp_path / "shared", tiny_model, budgets, wait_s=60)
+    assert len(groups) == GROUPS and all(len(g) == GROUP_SIZE for g in groups)
+    assert all(t.reward == 1.0 for g in groups for t in g)
+    assert peak <= CAPACITY
+
+    # Not waiting, the groups that find envsandbox full fail: what sharing it did before.
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        _groups(tmp_path / "no-wait", tiny_model, [SandboxBudget(CAPACITY), SandboxBudget(CAPACITY)])
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
