@@ -36,7 +36,8 @@ PROBE_TIMEOUT_S = 10.0
 
 def test_envsandbox_answers_every_random_request_and_keeps_what_it_held(tmp_path: Path, grpc_serving: Any) -> None:
     async def body() -> None:
-        service = EnvSandboxService(EnvSandboxConfig(root=str(tmp_path / "sandboxes"), max_sandboxes=32))
+        # A Create that finds the limit full waits at most a second here, within a call's time.
+        service = EnvSandboxService(EnvSandboxConfig(root=str(tmp_path / "sandboxes"), max_sandboxes=32, max_create_wait_s=1.0))
         async with grpc_serving(service) as address, grpc.aio.insecure_channel(address) as channel:
             stub = es_grpc.EnvSandboxStub(channel)
             tasks = [t.id for t in (await stub.ListTasks(es.ListTasksRequest())).tasks]
@@ -52,12 +53,13 @@ def test_envsandbox_answers_every_random_request_and_keeps_what_it_held(tmp_path
                 "cwd": ["", ".", "sub", "../", "/tmp"],
                 "count": [0, 1, 2, -1, 1000],
                 "timeout_seconds": [0.0, 0.5, 2.0, -1.0],
+                "fork_reserve": [0, 1, 2, 31, 32, 1000, 2**32 - 1], "wait_seconds": [0.0, 0.3, 5.0, -1.0, float("nan"), float("inf"), 1e300],
                 "split": ["", "train", "eval"], "kind": ["", "python_function", "bugfix"],
             }
             valid: dict[str, Any] = {
                 "ListTasks": es.ListTasksRequest(split="train"),
                 "GetTask": es.GetTaskRequest(task_id="python/add"),
-                "Create": es.CreateRequest(task_id="python/add", limits=es.Limits(memory_bytes=64 << 20), ttl_seconds=60),
+                "Create": es.CreateRequest(task_id="python/add", limits=es.Limits(memory_bytes=64 << 20), ttl_seconds=60, fork_reserve=1, wait_seconds=0.3),
                 "Exec": es.ExecRequest(sandbox_id=live[0], argv=["sh", "-c", "echo hi"], timeout_seconds=5),
                 "WriteFiles": es.WriteFilesRequest(sandbox_id=live[0], files=[es.File(path="a.txt", content=b"a")]),
                 "ReadFiles": es.ReadFilesRequest(sandbox_id=live[0], paths=["a.txt"]),
@@ -86,6 +88,8 @@ def test_envsandbox_answers_every_random_request_and_keeps_what_it_held(tmp_path
             for sid in held:
                 await stub.Close(es.CloseRequest(sandbox_id=sid))
             assert not (await stub.List(es.ListRequest())).sandboxes
+            # No request, refused, timed out or cut off, kept a slot or a reserve.
+            assert (service.sandboxes.slots.held, service.sandboxes.reserved, service.sandboxes.slots.waiting) == (0, 0, 0)
 
     asyncio.run(asyncio.wait_for(body(), 900))
 
