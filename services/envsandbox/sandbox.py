@@ -660,18 +660,9 @@ class SandboxManager:
         if count <= 0 or count > MAX_FORK:
             raise InvalidArgument(f"fork count must be in 1..{MAX_FORK}, got {count}")
         src = self.get(sandbox_id)
-        src.refuse_while_testing()
-        reserved = self._reserved.get(sandbox_id, 0)
-        from_reserve = min(count, reserved)
-        if count > from_reserve and not self.slots.try_acquire(count - from_reserve):
-            kept = f" ({reserved} reserved by its Create)" if reserved else ""
-            raise ResourceExhausted(f"forking {count}{kept} would exceed the live sandbox limit ({self.max_sandboxes}, {self.slots.held} held)")
-        if reserved - from_reserve:
-            self._reserved[sandbox_id] = reserved - from_reserve
-        else:
-            self._reserved.pop(sandbox_id, None)
-        ttl = max(1.0, src.expires - time.time())
-        with self._working(src):
+        with self._working(src):  # refused while its tests run
+            self._take_fork_slots(src, count)
+            ttl = max(1.0, src.expires - time.time())
             # Registered before the first await: each holds one of the slots just taken.
             boxes = [self._register(src.task, src.limits, ttl, src.lease_s) for _ in range(count)]
             tasks = [asyncio.ensure_future(self._fork_one(src, box)) for box in boxes]
@@ -688,6 +679,19 @@ class SandboxManager:
             await self._remove_all(boxes)
             raise failed[0]
         return boxes
+
+    def _take_fork_slots(self, src: Sandbox, count: int) -> None:
+        """Takes the slots of ``count`` forks of ``src``: its reserve first, the rest if
+        it fits now (RESOURCE_EXHAUSTED otherwise, with nothing taken)."""
+        reserved = self._reserved.get(src.sandbox_id, 0)
+        from_reserve = min(count, reserved)
+        if count > from_reserve and not self.slots.try_acquire(count - from_reserve):
+            kept = f" ({reserved} reserved by its Create)" if reserved else ""
+            raise ResourceExhausted(f"forking {count}{kept} would exceed the live sandbox limit ({self.max_sandboxes}, {self.slots.held} held)")
+        if reserved > from_reserve:
+            self._reserved[src.sandbox_id] = reserved - from_reserve
+        else:
+            self._reserved.pop(src.sandbox_id, None)
 
     async def _fork_one(self, src: Sandbox, box: Sandbox) -> None:
         await self._materialize(box, {})
