@@ -48,6 +48,8 @@ def figures(current: Mapping[str, Samples], previous: Mapping[str, Samples] | No
             out[key] = number
 
     put("sandboxes", _total(now, "meridian_envsandbox_live_sandboxes"))
+    put("sandboxes_reserved", _total(now, "meridian_envsandbox_reserved_sandboxes"))
+    put("creates_waiting", _total(now, "meridian_envsandbox_waiting_creates"))
     put("exec_count", _total(now, "meridian_envsandbox_exec_seconds_count"))
     put("stale_dropped", _total(now, "meridian_trainer_stale_samples_total", action="dropped"))
     put("reward", _total(now, "meridian_trainer_reward_mean"))
@@ -97,7 +99,13 @@ def render(status: Mapping[str, Any], figures: Mapping[str, float] | None = None
             parts.append(f"{figs['trainer_waiting']:.0f} trajectories waiting for their group")
         lines.append("trainer       " + "; ".join(parts))
     if "sandboxes" in figs:
-        lines.append(f"sandboxes     {figs['sandboxes']:.0f} live, {figs.get('exec_count', 0.0):.0f} commands run")
+        line = f"sandboxes     {figs['sandboxes']:.0f} live, {figs.get('exec_count', 0.0):.0f} commands run"
+        # Shown only when nonzero: room held for forks, and clients waiting for room (envsandbox full).
+        if figs.get("sandboxes_reserved"):
+            line += f", {figs['sandboxes_reserved']:.0f} reserved for forks"
+        if figs.get("creates_waiting"):
+            line += f", {figs['creates_waiting']:.0f} Creates waiting for room"
+        lines.append(line)
     if "sync_bytes_s" in figs:
         lines.append(f"weightsync    {figs['sync_bytes_s'] / 1e6:.2f} MB/s sent")
     stream = status.get("stream", {})

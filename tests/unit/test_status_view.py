@@ -46,6 +46,8 @@ def test_one_frame_from_a_status_dict() -> None:
         "region b      serves version 4, weightsync holds 6, lag 3",
     ):
         assert expected in frame, f"{expected!r} not in\n{frame}"
+    full = status_view.render(STATUS, {**figs, "sandboxes_reserved": 6, "creates_waiting": 2})
+    assert "sandboxes     4 live, 17 commands run, 6 reserved for forks, 2 Creates waiting for room" in full, full
 
 
 def test_a_frame_without_metrics_leaves_their_lines_out() -> None:
@@ -102,4 +104,5 @@ def test_scrape_reads_a_real_endpoint_and_tolerates_a_dead_one() -> None:
     finally:
         endpoint.close()
     assert status_view.figures({"envsandbox": got}, None, 0)["exec_count"] == 1
+    assert "sandboxes_reserved" not in status_view.figures({"envsandbox": got}, None, 0)
     assert status_view.scrape(endpoint.url, timeout_s=0.5) == {}
