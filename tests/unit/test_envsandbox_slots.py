@@ -40,6 +40,15 @@ async def _settle() -> None:
         await asyncio.sleep(0.01)
 
 
+async def _until(condition: Callable[[], bool], what: str, bound_s: float = 20.0) -> None:
+    """Waits until ``condition()`` holds (calls reach the server in their own time on a
+    busy machine); fails past ``bound_s``."""
+    deadline = asyncio.get_running_loop().time() + bound_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: not within {bound_s} s"
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("reserve", [True, False])
 def test_room_reserved_by_a_create_is_its_forks_whatever_other_clients_ask(tmp_path: Path, grpc_serving: Serving, reserve: bool) -> None:
     """Client A makes a base for a group of 2, client B fills the rest of the limit (4)
@@ -115,10 +124,9 @@ def test_waiting_creates_get_in_first_come_first_served_as_room_comes_back(tmp_p
                 return box
 
             group = asyncio.create_task(create("group", 2))
-            await _settle()
+            await _until(lambda: service.sandboxes.slots.waiting == 1, "the group's Create in line")
             single = asyncio.create_task(create("single", 0))
-            await _settle()
-            assert service.sandboxes.slots.waiting == 2
+            await _until(lambda: service.sandboxes.slots.waiting == 2, "the single Create in line behind it")
             await stub.Close(es.CloseRequest(sandbox_id=held[0].sandbox_id))
             await _settle()
             assert order == [] and service.sandboxes.slots.waiting == 2
@@ -151,8 +159,7 @@ def test_a_wait_that_ends_gives_its_place_back(tmp_path: Path, grpc_serving: Ser
             details = await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, stub.Create(es.CreateRequest(wait_seconds=0.3), timeout=10))
             assert "no room for 1 sandboxes within 0.3 s" in details, details
             await expect_code(grpc.StatusCode.DEADLINE_EXCEEDED, stub.Create(es.CreateRequest(wait_seconds=30, fork_reserve=1), timeout=0.3))
-            await _settle()
-            assert service.sandboxes.slots.waiting == 0
+            await _until(lambda: service.sandboxes.slots.waiting == 0, "the gone caller's Create out of the line")
             # Asked for an hour, waits the server's half second.
             details = await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, stub.Create(es.CreateRequest(wait_seconds=3600), timeout=10))
             assert "within 0.5 s" in details, details
