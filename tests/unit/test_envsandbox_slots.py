@@ -108,8 +108,8 @@ def test_a_fork_past_its_reserve_takes_the_rest_from_free_room_and_a_close_retur
 def test_waiting_creates_get_in_first_come_first_served_as_room_comes_back(tmp_path: Path, grpc_serving: Serving) -> None:
     """The limit (3) is full. A group's base (needing 3: itself and 2 forks) asks first,
     then a single sandbox: the single one fits first but waits behind the group, and
-    each gets in once enough room is back. A Create that would not wait is refused while
-    they wait, though one slot is free."""
+    each gets in once enough room is back. A Create that would not wait, and a Fork past
+    its reserve, are refused while they wait, though one slot is free."""
     service = _service(tmp_path, 3)
 
     async def main() -> None:
@@ -132,6 +132,8 @@ def test_waiting_creates_get_in_first_come_first_served_as_room_comes_back(tmp_p
             assert order == [] and service.sandboxes.slots.waiting == 2
             details = await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, stub.Create(es.CreateRequest(task_id="python/add")))
             assert "2 Creates wait in line ahead" in details, details
+            # Nor does a Fork past its (here no) reserve take the free slot from the line.
+            await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, stub.Fork(es.ForkRequest(sandbox_id=held[1].sandbox_id, count=1)))
             for box in held[1:]:
                 await stub.Close(es.CloseRequest(sandbox_id=box.sandbox_id))
             base = await asyncio.wait_for(group, 10)
