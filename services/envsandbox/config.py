@@ -6,6 +6,9 @@ import dataclasses
 from meridian.config import opt
 
 BACKENDS = ("process", "docker")
+#: Distinct sandbox uids, on either backend: one per live sandbox (sandbox.SANDBOX_UID ..
+#: + UID_POOL - 1), so ``max_sandboxes`` can be no larger.
+UID_POOL = 4096
 
 
 @dataclasses.dataclass
@@ -24,6 +27,8 @@ class EnvSandboxConfig:
     def __post_init__(self) -> None:
         if self.max_sandboxes <= 0 or self.default_ttl_s <= 0 or self.reap_interval_s <= 0:
             raise ValueError("max_sandboxes, default_ttl_s and reap_interval_s must be positive")
+        if self.max_sandboxes > UID_POOL:
+            raise ValueError(f"max_sandboxes must be at most {UID_POOL}: each live sandbox runs as a uid of its own from a pool that large, got {self.max_sandboxes}")
         if not 0 <= self.max_create_wait_s < float("inf"):
             raise ValueError(f"max_create_wait_s must be finite and >= 0, got {self.max_create_wait_s}")
         if self.backend not in BACKENDS:

@@ -45,12 +45,12 @@ from pathlib import Path
 from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import docker_stream, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import instance_name, oom_kill_count, process_start_time
+from services.envsandbox.config import UID_POOL
 from services.envsandbox.sandbox import (
     COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, cpu_limit_seconds, drain, tmpfs_charge,
     tmpfs_inodes,
 )
 
-UID_POOL = 4096
 #: The uid of every container's init and keep-alive, which kill_all spares: never one of a
 #: sandbox's (SANDBOX_UID .. SANDBOX_UID + UID_POOL - 1). See DockerBackend.create.
 KEEPER_UID = SANDBOX_UID - 1

@@ -48,6 +48,7 @@ from typing import TypeVar
 from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
+from services.envsandbox.config import UID_POOL
 from services.envsandbox.sandbox import (
     COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, cpu_limit_seconds, pump_process, tmpfs_charge,
     tmpfs_inodes,
@@ -58,8 +59,6 @@ log = logging.getLogger(__name__)
 
 TOOLS = ("setpriv", "unshare", "nsenter", "sh")
 JOIN_CGROUPS = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
-#: Distinct sandbox uids: one per live sandbox (SANDBOX_UID .. SANDBOX_UID + UID_POOL - 1).
-UID_POOL = 4096
 #: The environment of the root half of the chain: nothing of the caller's.
 ROOT_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 LAUNCHER = "/.meridian/sandbox-exec"

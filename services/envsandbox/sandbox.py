@@ -624,15 +624,23 @@ class SandboxManager:
             await self._remove(box)
 
     async def _remove(self, box: Sandbox) -> None:
-        """Unregisters ``box``, gives back its slots and destroys it; a box already
-        removed is left alone (its remover destroys it)."""
+        """Unregisters ``box``, destroys it and gives back its slots; a box already
+        removed is left alone (its remover destroys it). Its own slot comes back once the
+        backend let go of it (its processes, mounts, cgroups and uid), so the limit bounds
+        what the host holds, sandboxes being torn down included; its unused reserve, which
+        holds nothing, at once."""
         box.ready = False
         if self._boxes.pop(box.sandbox_id, None) is None:
             return
-        self.slots.release(1 + self._reserved.pop(box.sandbox_id, 0))
+        reserve = self._reserved.pop(box.sandbox_id, 0)
+        if reserve:
+            self.slots.release(reserve)
         if box.client_request_id and self._by_request.get(box.client_request_id) == box.sandbox_id:
             self._by_request.pop(box.client_request_id, None)
-        await self.backend.destroy(box.sandbox_id)
+        try:
+            await self.backend.destroy(box.sandbox_id)
+        finally:
+            self.slots.release(1)
 
     async def reap_expired(self, now: float | None = None) -> list[str]:
         """Closes sandboxes past their time-to-live (``now``: wall clock) or whose lease

@@ -212,3 +212,48 @@ def test_a_base_whose_lease_lapses_gives_its_reserve_back(tmp_path: Path, grpc_s
             assert [b.sandbox_id for b in (await stub.List(es.ListRequest())).sandboxes] == [box.sandbox_id]
 
     run(main())
+
+
+def test_a_sandbox_being_torn_down_still_counts_until_the_backend_let_go_of_it(tmp_path: Path, grpc_serving: Serving) -> None:
+    """The limit bounds what the host holds: while a closed sandbox's processes, mounts
+    and uid are still being released, its slot is not free, so a Create that will not wait
+    is refused and one that waits gets in once the teardown is over."""
+    service = _service(tmp_path, 1)
+    backend = service.sandboxes.backend
+    real_destroy = backend.destroy
+    let_go = asyncio.Event()
+
+    async def slow_destroy(sandbox_id: str) -> None:
+        await let_go.wait()
+        await real_destroy(sandbox_id)
+
+    async def main() -> None:
+        async with grpc_serving(service) as address, grpc.aio.insecure_channel(address) as channel:
+            stub = es_grpc.EnvSandboxStub(channel)
+            first = await stub.Create(es.CreateRequest(task_id="python/add"))
+            backend.destroy = slow_destroy  # type: ignore[method-assign]
+            closing = asyncio.ensure_future(stub.Close(es.CloseRequest(sandbox_id=first.sandbox_id)))
+            await _until(lambda: not service.sandboxes.list(), "the sandbox unlisted")
+            details = await expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, stub.Create(es.CreateRequest(task_id="python/add")))
+            assert "live sandbox limit reached (1, 1 held)" in details, details
+            waiting = asyncio.ensure_future(stub.Create(es.CreateRequest(task_id="python/add", wait_seconds=20), timeout=30))
+            await _until(lambda: service.sandboxes.slots.waiting == 1, "the waiting Create in line")
+            let_go.set()
+            await closing
+            second = await waiting
+            assert [b.sandbox_id for b in (await stub.List(es.ListRequest())).sandboxes] == [second.sandbox_id]
+            assert _accounted(service) == (1, 1, 0)
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"max_sandboxes": 4097}, "max_sandboxes must be at most 4096"), ({"max_create_wait_s": -1.0}, "max_create_wait_s must be finite"),
+     ({"max_create_wait_s": float("inf")}, "max_create_wait_s must be finite")],
+)
+def test_a_limit_the_service_cannot_keep_is_refused_at_start(fields: dict[str, Any], named: str) -> None:
+    """More live sandboxes than there are sandbox uids would fail at the first Create past
+    the pool; a wait cap that is no number would never end a wait."""
+    with pytest.raises(ValueError, match=named):
+        EnvSandboxConfig(**fields)
