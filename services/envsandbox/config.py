@@ -16,8 +16,8 @@ class EnvSandboxConfig:
     backend: str = opt("process", "sandbox backend: process (namespaces + cgroups, no daemon) or docker")
     root: str = opt("", "folder for the service's sandbox state (empty: a fresh temporary folder)")
     tasks_dir: str = opt("", "extra folder of tasks loaded beside the built-in suite: task *.json files and SWE-bench-style *.jsonl files")
-    max_sandboxes: int = opt(256, "live sandboxes at most, counting the slots Creates reserved for their forks; "
-                                  "a Create past it waits in line up to its wait_seconds, else answers RESOURCE_EXHAUSTED")
+    max_sandboxes: int = opt(256, f"live sandboxes at most (up to {UID_POOL}), counting those still being torn down and the slots "
+                                  "Creates reserved for their forks; a Create past it waits in line up to its wait_seconds, else answers RESOURCE_EXHAUSTED")
     max_create_wait_s: float = opt(600.0, "the longest a Create waits in line for room (its wait_seconds is cut to this)")
     default_ttl_s: float = opt(600.0, "time-to-live of a sandbox that asks for none")
     reap_interval_s: float = opt(5.0, "how often expired sandboxes are closed")
