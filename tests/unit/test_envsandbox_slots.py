@@ -2,8 +2,8 @@
 server (process backend): a Create that reserves room for its forks keeps it from other
 clients until it forks, a Create that may wait takes its place in one line and gets in
 as room comes back, in order, and a wait that ends (its time, its caller gone) gives
-everything back. Throughout, the slots held are the live sandboxes plus the room
-reserved, and no more than the limit."""
+everything back. A sandbox being torn down still counts. Throughout, the slots held are
+the live sandboxes plus the room reserved, and no more than the limit."""
 from __future__ import annotations
 
 import asyncio
