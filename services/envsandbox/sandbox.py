@@ -444,7 +444,6 @@ class SandboxManager:
         caps.check(default_limits)
         self.default_limits = default_limits
         self.default_ttl_s = default_ttl_s
-        self.max_sandboxes = max_sandboxes
         self.slots = FifoSlots(max_sandboxes)
         self._boxes: dict[str, Sandbox] = {}
         #: Slots a live sandbox holds for its forks, beyond its own (CreateRequest.fork_reserve).
@@ -571,6 +570,11 @@ class SandboxManager:
 
     def list(self) -> list[Sandbox]:
         return [b for b in self._boxes.values() if b.ready]
+
+    @property
+    def max_sandboxes(self) -> int:
+        """The live sandbox limit: the slots' capacity."""
+        return self.slots.capacity
 
     @property
     def reserved(self) -> int:
