@@ -86,6 +86,7 @@ class ProcessBackend(Backend):
         self._tools: dict[str, str] = {}
         self._helper: SpawnedProcess | None = None
         self._helper_lock = asyncio.Lock()
+        self._exchanges: set[asyncio.Task[dict]] = set()  # held: the loop keeps only weak references
         self._cgroups: Cgroups | None = None
         self._procs: dict[str, list[str]] = {}
         self._running: dict[str, set[SpawnedProcess]] = {}
@@ -151,16 +152,32 @@ class ProcessBackend(Backend):
         return json.loads(line)
 
     async def _helper_call(self, op: str, **args: object) -> dict:
+        """One request to the mount helper and its reply. A caller cancelled meanwhile (its
+        client went away) does not cut the exchange short: the helper answers in order, so
+        a reply left unread would become the next caller's answer (a ``list`` was handed a
+        ``create``'s reply); the exchange runs to its end on its own and the helper's work
+        is in place for the caller's cleanup, which queues behind it."""
+        exchange = asyncio.ensure_future(self._helper_exchange(op, args))
+        self._exchanges.add(exchange)
+        exchange.add_done_callback(self._exchange_done)
+        reply = await asyncio.shield(exchange)
+        if "error" in reply:
+            raise OSError(f"mount helper {op}: {reply['error']}")
+        return reply
+
+    async def _helper_exchange(self, op: str, args: dict[str, object]) -> dict:
         async with self._helper_lock:
             if self._helper is None or self._helper.returncode is not None:
                 raise Unavailable("the sandbox mount helper is not running")
             assert self._helper.stdin is not None
             self._helper.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
             await self._helper.stdin.drain()
-            reply = await self._read_reply()
-        if "error" in reply:
-            raise OSError(f"mount helper {op}: {reply['error']}")
-        return reply
+            return await self._read_reply()
+
+    def _exchange_done(self, exchange: asyncio.Task[dict]) -> None:
+        self._exchanges.discard(exchange)
+        if not exchange.cancelled() and exchange.exception() is not None:
+            log.debug("mount helper exchange failed: %s", exchange.exception())  # its caller, if still there, got it too
 
     async def stop(self) -> None:
         for sandbox_id in list(self._procs):

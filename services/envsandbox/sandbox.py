@@ -230,6 +230,8 @@ class Sandbox:
     execs: int = 0
     #: Set while ``work`` is 0.
     settled: asyncio.Event = dataclasses.field(default_factory=asyncio.Event, repr=False, compare=False)
+    #: Set once the call making it is over, made or failed: a retry of its Create waits here.
+    made: asyncio.Event = dataclasses.field(default_factory=asyncio.Event, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.settled.set()
@@ -483,7 +485,7 @@ class SandboxManager:
         ``fork_reserve`` more slots are held for its forks; with ``wait_s`` the Create
         waits in line that long for room instead of being refused at once."""
         await self.start()
-        existing = self._existing(client_request_id)
+        existing = await self._existing(client_request_id)
         if existing is not None:
             return existing
         self.caps.check_ttl(ttl_s)
@@ -497,21 +499,31 @@ class SandboxManager:
                 f"live sandbox limit of {self.max_sandboxes}, forks up to {MAX_FORK}), got {fork_reserve}"
             )
         await self._take_slots(1 + fork_reserve, wait_s)
-        # A retry of this request may have got in while this one waited: one sandbox per id.
-        existing = self._existing(client_request_id)
-        if existing is not None:
+        while client_request_id in self._by_request:
+            # Another call with this id got in while this one waited in line: one sandbox
+            # per id, so that call's outcome answers; if it failed, this one makes it.
             self.slots.release(1 + fork_reserve)
-            return existing
+            existing = await self._existing(client_request_id)
+            if existing is not None:
+                return existing
+            await self._take_slots(1 + fork_reserve, wait_s)
         box = self._register(task, limits, ttl_s or self.default_ttl_s, lease_s, client_request_id, fork_reserve)
         await self._materialize(box, {**({p: c.encode() for p, c in task.files.items()} if task is not None else {}), **(files or {})})
         return box
 
-    def _existing(self, client_request_id: str) -> Sandbox | None:
-        """The live sandbox an earlier Create with this request id made, if any (renewed)."""
-        existing = self._boxes.get(self._by_request.get(client_request_id, "")) if client_request_id else None
-        if existing is not None:
-            existing.renewed = self.clock()
-        return existing
+    async def _existing(self, client_request_id: str) -> Sandbox | None:
+        """The live sandbox an earlier Create with this request id made, if any (renewed).
+        One still being made is waited for: a retry must not answer with a sandbox whose
+        files are not all there yet, or that its first call then fails to make."""
+        while client_request_id:
+            existing = self._boxes.get(self._by_request.get(client_request_id, ""))
+            if existing is None:
+                return None
+            if existing.made.is_set():
+                existing.renewed = self.clock()
+                return existing
+            await existing.made.wait()  # then look again: made, or removed with its id
+        return None
 
     async def _take_slots(self, count: int, wait_s: float) -> None:
         """Takes ``count`` slots: at once if they fit and nobody waits ahead, else in line for
@@ -561,6 +573,8 @@ class SandboxManager:
         except BaseException:
             await self._remove(box)
             raise
+        finally:
+            box.made.set()
 
     def get(self, sandbox_id: str) -> Sandbox:
         box = self._boxes.get(sandbox_id)

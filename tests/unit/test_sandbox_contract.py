@@ -139,6 +139,43 @@ def test_lifecycle_files_exec_and_close(env: tuple[Loop, SandboxManager]) -> Non
     loop.run(main())
 
 
+@pytest.mark.parametrize("first_call", ["finishes", "is_cancelled"])
+def test_a_retried_create_answers_with_a_sandbox_that_is_ready(env: tuple[Loop, SandboxManager], first_call: str) -> None:
+    """A retry of a Create (the same request id) that comes while the first call is still
+    making the sandbox waits for that call: it answers with the first's sandbox once it is
+    made, files and all, or, if the first call is cancelled (its client's deadline passed,
+    the usual reason to retry), makes one of its own. It never answers with a sandbox that
+    is not made yet or is already gone, and the cancelled call leaves the backend sound."""
+    loop, m = env
+    request_id = f"req-retried-{first_call}"
+    # Writing them keeps the first call at work; the last one written shows it finished.
+    files = {f"part-{i}.bin": os.urandom(1 << 20) for i in range(16)}
+
+    async def main() -> None:
+        held = m.slots.held
+        first = asyncio.ensure_future(m.create(files=files, client_request_id=request_id))
+        while m.slots.held == held:  # the first call has registered its sandbox
+            await asyncio.sleep(0)
+        retry = asyncio.ensure_future(m.create(files=files, client_request_id=request_id))
+        await asyncio.sleep(0)  # the retry reaches the manager while the first is at work
+        assert not first.done()
+        if first_call == "is_cancelled":
+            first.cancel()
+        box = await retry
+        assert await m.read_files(box.sandbox_id, ["part-15.bin"]) == {"part-15.bin": files["part-15.bin"]}
+        if first_call == "finishes":
+            assert (await first).sandbox_id == box.sandbox_id
+        else:
+            with pytest.raises(asyncio.CancelledError):
+                await first
+        assert [b.sandbox_id for b in m.list() if b.client_request_id == request_id] == [box.sandbox_id]
+        await m.close(box.sandbox_id)
+        # The backend still answers in step (a cancelled call must not leave it a reply behind).
+        assert m.slots.held == held and await m.backend.leftovers() == []
+
+    loop.run(main())
+
+
 def test_read_files_has_a_total_cap(env: tuple[Loop, SandboxManager], monkeypatch: pytest.MonkeyPatch) -> None:
     """One ReadFiles answers at most MAX_READ_TOTAL_BYTES of contents and paths on every
     backend (INVALID_ARGUMENT naming the path past it, nothing read beyond), so an answer
