@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from meridian.run_to_end import RunToEnd
 from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
 from services.envsandbox.config import UID_POOL
@@ -86,7 +87,7 @@ class ProcessBackend(Backend):
         self._tools: dict[str, str] = {}
         self._helper: SpawnedProcess | None = None
         self._helper_lock = asyncio.Lock()
-        self._exchanges: set[asyncio.Task[dict]] = set()  # held: the loop keeps only weak references
+        self._exchanges = RunToEnd("a mount helper exchange", log)
         self._cgroups: Cgroups | None = None
         self._procs: dict[str, list[str]] = {}
         self._running: dict[str, set[SpawnedProcess]] = {}
@@ -157,10 +158,7 @@ class ProcessBackend(Backend):
         a reply left unread would become the next caller's answer (a ``list`` was handed a
         ``create``'s reply); the exchange runs to its end on its own and the helper's work
         is in place for the caller's cleanup, which queues behind it."""
-        exchange = asyncio.ensure_future(self._helper_exchange(op, args))
-        self._exchanges.add(exchange)
-        exchange.add_done_callback(self._exchange_done)
-        reply = await asyncio.shield(exchange)
+        reply = await self._exchanges.run(self._helper_exchange(op, args))
         if "error" in reply:
             raise OSError(f"mount helper {op}: {reply['error']}")
         return reply
@@ -174,14 +172,10 @@ class ProcessBackend(Backend):
             await self._helper.stdin.drain()
             return await self._read_reply()
 
-    def _exchange_done(self, exchange: asyncio.Task[dict]) -> None:
-        self._exchanges.discard(exchange)
-        if not exchange.cancelled() and exchange.exception() is not None:
-            log.debug("mount helper exchange failed: %s", exchange.exception())  # its caller, if still there, got it too
-
     async def stop(self) -> None:
         for sandbox_id in list(self._procs):
             await self.destroy(sandbox_id)
+        await self._exchanges.wait()  # the helper answers what it was asked before its input closes
         if self._helper is not None and self._helper.returncode is None:
             assert self._helper.stdin is not None
             self._helper.stdin.close()
@@ -248,7 +242,7 @@ class ProcessBackend(Backend):
             found += [f"mount:{s}" for s in (await self._helper_call("list"))["sandboxes"] if s not in self._procs]
         if self._cgroups is not None:
             found += [f"cgroup:{s}" for s in self._cgroups.live_sandboxes() if s not in self._procs]
-        return found
+        return found + [f"uid:{s}" for s in self._uid if s not in self._procs]
 
     # ------------------------------------------------------------ files
 

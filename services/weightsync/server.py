@@ -20,6 +20,7 @@ from meridian.errors import (
     Aborted, AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, MeridianError, NotFound, ResourceExhausted, Unavailable,
 )
 from meridian.grpc_runtime import CallLimit, failure_of
+from meridian.run_to_end import RunToEnd
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync.chunk_messages import serialize_response, weight_chunk_message
@@ -321,7 +322,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self._store_lock = asyncio.Lock()
         self._mirror: asyncio.Task[None] | None = None
         # Store-and-announce steps running on after their publisher went away (see _to_completion).
-        self._completing: set[asyncio.Future[Any]] = set()
+        self._completing = RunToEnd("a store step", log)
         # The sharded publish being assembled (parts of one version at a time).
         self._pending: _PendingVersion | None = None
         # Sharded versions whose store step runs (it took them out of _pending): version -> result.
@@ -370,7 +371,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
 
     async def stop(self) -> None:
         # A version being stored for a publisher that went away is finished, not cut off.
-        await asyncio.gather(*self._completing, return_exceptions=True)
+        await self._completing.wait()
         if self._mirror:
             self._mirror.cancel()
             await asyncio.wait({self._mirror})  # its error, if it died of one, is failure()'s to report
@@ -573,18 +574,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         stored but never announced leaves every subscriber waiting for it (a killed trainer
         republishes it as already held, which announces nothing), while the store lock
         released under a running store thread would let the next version in beside it."""
-        task = asyncio.ensure_future(step)
-        self._completing.add(task)
-        task.add_done_callback(self._completed)
-        if holding is not None:
-            holding.hold_until(task)  # the step holds the stream's tensors to its end
-        return await asyncio.shield(task)
-
-    def _completed(self, task: asyncio.Future[Any]) -> None:
-        self._completing.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # Its publisher, if still connected, got the error; this keeps it from going unretrieved.
-            log.debug("a store step failed: %s", task.exception())
+        # The step holds the stream's tensors to its end.
+        return await self._completing.run(step, holding.hold_until if holding is not None else None)
 
     # ------------------------------------------------------------ sharded publish
 
