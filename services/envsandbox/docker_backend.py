@@ -313,10 +313,16 @@ class DockerBackend(Backend):
             return container.id
 
         self._containers[sandbox_id] = ""
+        making = asyncio.ensure_future(asyncio.to_thread(run))
         try:
-            self._containers[sandbox_id] = await asyncio.to_thread(run)
+            self._containers[sandbox_id] = await asyncio.shield(making)
         except BaseException:
+            # Cancelled (the Create's client went away), the thread still makes the
+            # container: removed before it exists, it was left running for good.
+            with contextlib.suppress(BaseException):
+                await making
             self._containers.pop(sandbox_id, None)
+            self._keep.pop(sandbox_id, None)
             await asyncio.to_thread(self._remove_by_name, sandbox_id)
             self._free_uids.append(self._uid.pop(sandbox_id))
             raise

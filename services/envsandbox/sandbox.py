@@ -24,6 +24,7 @@ from typing import Any
 
 from meridian.errors import Aborted, FailedPrecondition, InvalidArgument, MeridianError, NotFound, ResourceExhausted, Unavailable
 from meridian.fifo_slots import FifoSlots
+from meridian.run_to_end import RunToEnd
 from services.envsandbox import swebench, workspace_files
 from services.envsandbox.tasks import TESTS_DIR, Task, TestOutcome, score_output
 
@@ -447,6 +448,7 @@ class SandboxManager:
         self.default_limits = default_limits
         self.default_ttl_s = default_ttl_s
         self.slots = FifoSlots(max_sandboxes)
+        self._teardowns = RunToEnd("a sandbox teardown", log)
         self._boxes: dict[str, Sandbox] = {}
         #: Slots a live sandbox holds for its forks, beyond its own (CreateRequest.fork_reserve).
         self._reserved: dict[str, int] = {}
@@ -655,8 +657,13 @@ class SandboxManager:
             self.slots.release(reserve)
         if box.client_request_id and self._by_request.get(box.client_request_id) == box.sandbox_id:
             self._by_request.pop(box.client_request_id, None)
+        # A Close whose caller goes away (its deadline) must not cut the teardown short:
+        # it would leave processes, mounts or a uid behind that no sandbox accounts for.
+        await self._teardowns.run(self._teardown(box.sandbox_id))
+
+    async def _teardown(self, sandbox_id: str) -> None:
         try:
-            await self.backend.destroy(box.sandbox_id)
+            await self.backend.destroy(sandbox_id)
         finally:
             self.slots.release(1)
 
@@ -676,6 +683,7 @@ class SandboxManager:
         """Closes every sandbox and stops the backend."""
         for box in list(self._boxes.values()):
             await self._remove(box)
+        await self._teardowns.wait()  # those whose callers went away
         if self._started:
             await self.backend.stop()
             self._started = False

@@ -176,6 +176,39 @@ def test_a_retried_create_answers_with_a_sandbox_that_is_ready(env: tuple[Loop, 
     loop.run(main())
 
 
+def test_a_close_whose_caller_goes_away_still_tears_the_sandbox_down(env: tuple[Loop, SandboxManager]) -> None:
+    """A Close cancelled mid-teardown (its client's deadline passed) does not stop the
+    teardown: the command still running is killed, nothing of the sandbox is left in the
+    backend, and its slot comes back once that is done."""
+    loop, m = env
+
+    async def main() -> None:
+        held = m.slots.held
+        box = await m.create()
+        sid = box.sandbox_id
+        sleeper = asyncio.ensure_future(sh(m, sid, "echo up; exec sleep 60"))
+        while box.execs == 0:  # the teardown has a process to kill and wait for
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        closing = asyncio.ensure_future(m.close(sid))
+        await asyncio.sleep(0)  # into the teardown
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        for _ in range(3000):
+            if m.slots.held == held:
+                break
+            await asyncio.sleep(0.01)
+        assert m.slots.held == held, "the slot never came back: the teardown stopped"
+        _, _, res = await asyncio.wait_for(sleeper, 30)
+        assert res.signal == 9 or res.exit_code != 0, res
+        with pytest.raises(NotFound):  # the backend let go of it
+            await m.backend.read_files(sid, ["x"], 1)
+        assert await m.backend.leftovers() == []
+
+    loop.run(main())
+
+
 def test_read_files_has_a_total_cap(env: tuple[Loop, SandboxManager], monkeypatch: pytest.MonkeyPatch) -> None:
     """One ReadFiles answers at most MAX_READ_TOTAL_BYTES of contents and paths on every
     backend (INVALID_ARGUMENT naming the path past it, nothing read beyond), so an answer
