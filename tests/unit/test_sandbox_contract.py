@@ -994,6 +994,49 @@ def test_the_hidden_tests_are_never_on_the_sandbox_disk(env: tuple[Loop, Sandbox
     assert outcome.reward == 0.0, output
 
 
+# Reads the expected values out of the memory of the process that started it (the
+# harness, which holds the test module's source), through /proc/<pid>/mem.
+HARNESS_MEMORY_READER = (
+    "import ast, os, re\n"
+    "_CASES = re.compile(rb'CASES = (\\[[^\\n]*\\])\\n')\n"
+    "def _stolen():\n"
+    "    found, pid = {}, os.getppid()\n"
+    "    with open(f'/proc/{pid}/maps') as maps, open(f'/proc/{pid}/mem', 'rb', buffering=0) as mem:\n"
+    "        for line in maps:\n"
+    "            span, perms = line.split()[:2]\n"
+    "            if not perms.startswith('r'):\n"
+    "                continue\n"
+    "            start, end = (int(x, 16) for x in span.split('-'))\n"
+    "            try:\n"
+    "                mem.seek(start)\n"
+    "                data = mem.read(end - start)\n"
+    "            except (OSError, OverflowError, ValueError):\n"
+    "                continue\n"
+    "            for match in _CASES.finditer(data):\n"
+    "                try:\n"
+    "                    found.update((tuple(args), want) for args, want in ast.literal_eval(match.group(1).decode()))\n"
+    "                except Exception:\n"
+    "                    pass\n"
+    "    return found\n"
+    "def add(a, b):\n"
+    "    try:\n"
+    "        return _stolen().get((a, b))\n"
+    "    except OSError as exc:\n"
+    "        return repr(exc)\n"
+)
+
+
+def test_the_tested_code_cannot_read_the_harness_memory(env: tuple[Loop, SandboxManager]) -> None:
+    """The harness holds the test module (the expected values) in its memory and runs as
+    the same uid as the code under test, its child: it makes itself non-dumpable first, so
+    a solution that reads the values out of /proc/<harness>/mem scores 0 (the pipes the
+    harness reads and writes are root's, so its memory is the way in; where Yama's
+    ptrace_scope is 0, nothing else stops the read)."""
+    outcome, output = _graded(env, "python/add", {"solution.py": HARNESS_MEMORY_READER.encode()})
+    assert outcome.reward == 0.0, output
+    assert b"PermissionError" in output, output  # the read was refused, not merely wrong
+
+
 def test_a_workspace_module_cannot_shadow_the_standard_library(env: tuple[Loop, SandboxManager]) -> None:
     """A subprocess.py in the workspace does not stand in for the harness checks' own
     ``import subprocess``: a broken script still fails its syntax check."""
