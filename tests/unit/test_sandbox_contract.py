@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -1097,6 +1098,50 @@ def test_seccomp_denies_what_links_or_escapes_sandboxes(pair) -> None:  # type: 
     assert "fork ok" in text and "hostname sandbox" in text and socket.gethostname() not in text.replace("hostname sandbox", "")
     other, _, _ = loop.run(run(m, bystander, ["id", "-u"]))
     assert text.split("uid ")[1].split()[0] != other.decode().strip(), "two live sandboxes share a uid"
+    loop.run(_healthy(m, bystander))
+
+
+# Each call that reaches into another process, made on the caller itself, where nothing
+# but the seccomp filter refuses it (a process may read, write, compare and take the
+# descriptors of its own).
+SELF_REACH_PROBE = r"""
+import ctypes, os, platform
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {"x86_64": {"process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "pidfd_open": 434, "pidfd_getfd": 438},
+      "aarch64": {"process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "pidfd_open": 434, "pidfd_getfd": 438}}[platform.machine()]
+
+
+class IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+src, dst = ctypes.create_string_buffer(b"x"), ctypes.create_string_buffer(1)
+here, there = IoVec(ctypes.addressof(dst), 1), IoVec(ctypes.addressof(src), 1)
+me, one, none = os.getpid(), ctypes.c_ulong(1), ctypes.c_ulong(0)
+pidfd = libc.syscall(NR["pidfd_open"], me, 0)
+assert pidfd >= 0, os.strerror(ctypes.get_errno())
+calls = {
+    "process_vm_readv": (me, ctypes.byref(here), one, ctypes.byref(there), one, none),
+    "process_vm_writev": (me, ctypes.byref(there), one, ctypes.byref(here), one, none),
+    "kcmp": (me, me, 0, 0, 0),  # KCMP_FILE: is my fd 0 my fd 0
+    "pidfd_getfd": (pidfd, 0, 0),
+}
+for name, args in calls.items():
+    r = libc.syscall(NR[name], *args)
+    print(name, "ALLOWED" if r != -1 else os.strerror(ctypes.get_errno()))
+"""
+
+
+def test_seccomp_denies_reaching_into_processes_even_ones_own(pair) -> None:  # type: ignore[no-untyped-def]
+    """process_vm_readv/writev, kcmp and pidfd_getfd fail with EPERM inside, even on the
+    command's own process, where no uid or ptrace rule would refuse them: only the seccomp
+    filter does, and it must (the harness and the code it tests share a uid)."""
+    loop, m, attacker, bystander = pair
+    out, err, res = loop.run(run(m, attacker, ["python3", "-c", SELF_REACH_PROBE]))
+    assert res.exit_code == 0, out + err
+    denied = os.strerror(errno.EPERM)
+    assert out.decode().splitlines() == [f"{name} {denied}" for name in ("process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd")], out
     loop.run(_healthy(m, bystander))
 
 
