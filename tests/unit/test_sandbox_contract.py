@@ -373,6 +373,38 @@ def test_an_exec_racing_run_tests_never_runs_beside_the_tests(env: tuple[Loop, S
     loop.run(main())
 
 
+#: Tests written under .tests/ and run by a command that runs every script there, as a
+#: discovering test runner (pytest, unittest discover) runs every test file it finds.
+DISCOVERING_TASK = Task(
+    id="custom/discovering", kind="terminal", split="train", instruction="write 42 to answer.txt", files={},
+    answer_path="answer.txt",
+    tests={"check.sh": "if [ \"$(cat answer.txt 2>/dev/null)\" = 42 ]; then echo 'PASS answer'; else echo 'FAIL answer: wrong'; fi\n"},
+    test_command=["sh", "-c", 'for t in .tests/*.sh; do sh "$t"; done'], reward="pass_fraction", reference={},
+)
+
+
+def test_files_the_sandbox_planted_under_tests_are_gone_before_the_tests_run(env: tuple[Loop, SandboxManager]) -> None:
+    """A task whose tests are written under .tests/ (any test command but the harness's and
+    the SWE-bench runner's) runs them in a .tests/ of only its own files: scripts the
+    sandbox put there beforehand, which such a test command would run too (here: nine
+    forged PASS lines beside a failing check), are removed before the tests are written."""
+    loop, m = env
+
+    async def main() -> None:
+        sid = (await m.create(task=DISCOVERING_TASK, files={"answer.txt": b"41"})).sandbox_id
+        try:
+            plant = "mkdir -p .tests && for i in 1 2 3 4 5 6 7 8 9; do echo \"echo 'PASS forged$i'\" > .tests/forged$i.sh; done"
+            _, err, res = await sh(m, sid, plant)
+            assert res.exit_code == 0, err
+            outcome, _, output = await m.run_tests(sid)
+            assert [(name, ok) for name, ok, _ in outcome.cases] == [("answer", False)], output
+            assert outcome.reward == 0.0, output
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
 # ------------------------------------------------------------------ hostile input
 
 
