@@ -405,6 +405,31 @@ def test_files_the_sandbox_planted_under_tests_are_gone_before_the_tests_run(env
     loop.run(main())
 
 
+def test_a_command_whose_caller_stopped_reading_does_not_run_beside_the_tests(env: tuple[Loop, SandboxManager]) -> None:
+    """An exec whose output chunk is still with its caller (a slow or stalled reader) is no
+    work RunTests waits for, but its command runs on: RunTests kills every process of the
+    sandbox before the tests start, so a command that keeps writing the file the tests
+    watch for never runs beside them, and its exec ends killed, not timed out."""
+    loop, m = env
+    forge = ["sh", "-c", "echo started; while :; do : > forged; sleep 0.005; done"]
+
+    async def main() -> None:
+        sid = (await m.create(task=ALONE_TASK)).sandbox_id
+        stream = m.exec(sid, forge, timeout_s=8)
+        try:
+            assert await stream.__anext__() == ("stdout", b"started\n")
+            await asyncio.sleep(0.2)  # the caller holds the chunk; the command goes on
+            outcome, _, output = await m.run_tests(sid)
+            assert outcome.reward == 1.0, output
+            _, _, result = await collect(stream)
+            assert not result.timed_out and (result.signal or result.exit_code), result
+        finally:
+            await stream.aclose()
+            await m.close(sid)
+
+    loop.run(main())
+
+
 # ------------------------------------------------------------------ hostile input
 
 
