@@ -1104,6 +1104,30 @@ def test_a_workspace_module_cannot_shadow_the_standard_library(env: tuple[Loop, 
     assert syntax == [False] and outcome.reward == 0.0, output
 
 
+# Stands in for shutil, which the fix_shell_script task's check_script_output imports
+# inside the check (after the workspace joined sys.path): its copy() writes the report
+# the check wants instead of copying the (still broken) script.
+FAKE_SHUTIL = (
+    "import os\n"
+    "def copy(src, dst):\n"
+    "    os.makedirs(os.path.join(dst, 'build'), exist_ok=True)\n"
+    "    with open(os.path.join(dst, 'build', 'report.txt'), 'w') as fh:\n"
+    "        fh.write('nonempty=3\\n')\n"
+    "def rmtree(*args, **kwargs):\n"
+    "    pass\n"
+)
+
+
+def test_a_workspace_module_cannot_stand_in_for_one_a_check_imports_late(env: tuple[Loop, SandboxManager]) -> None:
+    """The workspace comes last on a check child's sys.path, not only after the test
+    module's top-level imports: a shutil.py in the workspace does not stand in for the
+    standard library's that a check imports in its body, so a broken script still fails
+    the check that runs it."""
+    outcome, output = _graded(env, "terminal/fix_shell_script", {"build.sh": b"if then fi (\n", "shutil.py": FAKE_SHUTIL.encode()})
+    script_output = [ok for name, ok, _ in outcome.cases if name == "script_output"]
+    assert script_output == [False] and outcome.reward == 0.0, output
+
+
 PRINTED_REPORTS = (
     "import sys\n"
     "FAKE = ''.join('{\"case\": %d, \"got\": \"%d\"}\\n' % (i, want) for i, want in enumerate([3, 0, -3, 300, 10]))\n"
