@@ -1603,6 +1603,36 @@ def test_the_cpu_time_limit_kills_each_process_that_spends_it(env: tuple[Loop, S
     loop.run(main())
 
 
+# Spins for two seconds of wall time, then prints the CPU seconds it took and the wall.
+SPIN = (
+    "import os, time\n"
+    "start = time.monotonic()\n"
+    "while time.monotonic() - start < 2.0:\n"
+    "    pass\n"
+    "t = os.times()\n"
+    "print(t.user + t.system, time.monotonic() - start)\n"
+)
+
+
+def test_cpus_bounds_the_cpu_a_sandbox_gets_over_wall_time(env: tuple[Loop, SandboxManager]) -> None:
+    """``cpus`` is the sandbox's share of the CPU (the cgroup's quota on the process backend,
+    Docker's nano_cpus): a command that spins for two seconds of wall time with cpus=0.25
+    gets about half a second of CPU, never a whole core's two."""
+    loop, m = env
+
+    async def main() -> None:
+        sid = (await m.create(limits=m.default_limits.merged(cpus=0.25))).sandbox_id
+        try:
+            out, err, res = await run(m, sid, ["python3", "-c", SPIN], timeout_s=30)
+            assert res.exit_code == 0, (out, err, res)
+            cpu, wall = map(float, out.split())
+            assert cpu <= 0.25 * wall + 0.35, f"{cpu:.2f} s of CPU in {wall:.2f} s with cpus=0.25"
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
 def test_a_command_gets_its_environment_and_signal_dispositions_as_asked(env: tuple[Loop, SandboxManager]) -> None:
     """What sets the CPU limit before the command (Docker's is a Python process) leaves no
     trace in it: the environment exactly as asked (a name no shell keeps, and no LC_CTYPE,
