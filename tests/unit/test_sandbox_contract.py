@@ -855,6 +855,29 @@ def test_no_descriptor_the_service_inherited_reaches_a_command(env: tuple[Loop, 
             os.close(fd)
 
 
+def test_no_group_the_service_holds_reaches_a_command(env: tuple[Loop, SandboxManager]) -> None:
+    """Supplementary groups the service runs with (root's, e.g. disk or docker, from
+    whatever started it) are dropped by the process backend's launcher: the command's
+    only group is its sandbox's own gid. (Docker's commands are started by dockerd, which
+    the service's groups never reach.)"""
+    loop, m = env
+    if m.backend.name == "docker":
+        pytest.skip("the service's groups reach only the process backend's exec chain")
+    box = loop.run(m.create())
+    groups = os.getgroups()
+    try:
+        os.setgroups([6, 27])  # as if the service ran with the disk and sudo groups
+        try:
+            out, err, res = loop.run(run(m, box.sandbox_id, ["sh", "-c", "id -G; id -g"]))
+        finally:
+            os.setgroups(groups)
+        assert res.exit_code == 0, err
+        listed, own = out.decode().splitlines()
+        assert listed.split() == [own], out
+    finally:
+        loop.run(m.close(box.sandbox_id))
+
+
 def test_nothing_outlives_its_exec(pair) -> None:  # type: ignore[no-untyped-def]
     """A process that leaves its session (setsid) is gone when the exec returns: after a
     normal exit and after a timeout alike."""
