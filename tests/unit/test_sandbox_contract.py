@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -442,6 +443,63 @@ def test_an_exec_racing_run_tests_never_runs_beside_the_tests(env: tuple[Loop, S
     loop.run(main())
 
 
+#: Tests written under .tests/ and run by a command that runs every script there, as a
+#: discovering test runner (pytest, unittest discover) runs every test file it finds.
+DISCOVERING_TASK = Task(
+    id="custom/discovering", kind="terminal", split="train", instruction="write 42 to answer.txt", files={},
+    answer_path="answer.txt",
+    tests={"check.sh": "if [ \"$(cat answer.txt 2>/dev/null)\" = 42 ]; then echo 'PASS answer'; else echo 'FAIL answer: wrong'; fi\n"},
+    test_command=["sh", "-c", 'for t in .tests/*.sh; do sh "$t"; done'], reward="pass_fraction", reference={},
+)
+
+
+def test_files_the_sandbox_planted_under_tests_are_gone_before_the_tests_run(env: tuple[Loop, SandboxManager]) -> None:
+    """A task whose tests are written under .tests/ (any test command but the harness's and
+    the SWE-bench runner's) runs them in a .tests/ of only its own files: scripts the
+    sandbox put there beforehand, which such a test command would run too (here: nine
+    forged PASS lines beside a failing check), are removed before the tests are written."""
+    loop, m = env
+
+    async def main() -> None:
+        sid = (await m.create(task=DISCOVERING_TASK, files={"answer.txt": b"41"})).sandbox_id
+        try:
+            plant = "mkdir -p .tests && for i in 1 2 3 4 5 6 7 8 9; do echo \"echo 'PASS forged$i'\" > .tests/forged$i.sh; done"
+            _, err, res = await sh(m, sid, plant)
+            assert res.exit_code == 0, err
+            outcome, _, output = await m.run_tests(sid)
+            assert [(name, ok) for name, ok, _ in outcome.cases] == [("answer", False)], output
+            assert outcome.reward == 0.0, output
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
+def test_a_command_whose_caller_stopped_reading_does_not_run_beside_the_tests(env: tuple[Loop, SandboxManager]) -> None:
+    """An exec whose output chunk is still with its caller (a slow or stalled reader) is no
+    work RunTests waits for, but its command runs on: RunTests kills every process of the
+    sandbox before the tests start, so a command that keeps writing the file the tests
+    watch for never runs beside them, and its exec ends killed, not timed out."""
+    loop, m = env
+    forge = ["sh", "-c", "echo started; while :; do : > forged; sleep 0.005; done"]
+
+    async def main() -> None:
+        sid = (await m.create(task=ALONE_TASK)).sandbox_id
+        stream = m.exec(sid, forge, timeout_s=8)
+        try:
+            assert await stream.__anext__() == ("stdout", b"started\n")
+            await asyncio.sleep(0.2)  # the caller holds the chunk; the command goes on
+            outcome, _, output = await m.run_tests(sid)
+            assert outcome.reward == 1.0, output
+            _, _, result = await collect(stream)
+            assert not result.timed_out and (result.signal or result.exit_code), result
+        finally:
+            await stream.aclose()
+            await m.close(sid)
+
+    loop.run(main())
+
+
 # ------------------------------------------------------------------ hostile input
 
 
@@ -867,6 +925,29 @@ def test_no_descriptor_the_service_inherited_reaches_a_command(env: tuple[Loop, 
             os.close(fd)
 
 
+def test_no_group_the_service_holds_reaches_a_command(env: tuple[Loop, SandboxManager]) -> None:
+    """Supplementary groups the service runs with (root's, e.g. disk or docker, from
+    whatever started it) are dropped by the process backend's launcher: the command's
+    only group is its sandbox's own gid. (Docker's commands are started by dockerd, which
+    the service's groups never reach.)"""
+    loop, m = env
+    if m.backend.name == "docker":
+        pytest.skip("the service's groups reach only the process backend's exec chain")
+    box = loop.run(m.create())
+    groups = os.getgroups()
+    try:
+        os.setgroups([6, 27])  # as if the service ran with the disk and sudo groups
+        try:
+            out, err, res = loop.run(run(m, box.sandbox_id, ["sh", "-c", "id -G; id -g"]))
+        finally:
+            os.setgroups(groups)
+        assert res.exit_code == 0, err
+        listed, own = out.decode().splitlines()
+        assert listed.split() == [own], out
+    finally:
+        loop.run(m.close(box.sandbox_id))
+
+
 def test_nothing_outlives_its_exec(pair) -> None:  # type: ignore[no-untyped-def]
     """A process that leaves its session (setsid) is gone when the exec returns: after a
     normal exit and after a timeout alike."""
@@ -1064,6 +1145,49 @@ def test_the_hidden_tests_are_never_on_the_sandbox_disk(env: tuple[Loop, Sandbox
     assert outcome.reward == 0.0, output
 
 
+# Reads the expected values out of the memory of the process that started it (the
+# harness, which holds the test module's source), through /proc/<pid>/mem.
+HARNESS_MEMORY_READER = (
+    "import ast, os, re\n"
+    "_CASES = re.compile(rb'CASES = (\\[[^\\n]*\\])\\n')\n"
+    "def _stolen():\n"
+    "    found, pid = {}, os.getppid()\n"
+    "    with open(f'/proc/{pid}/maps') as maps, open(f'/proc/{pid}/mem', 'rb', buffering=0) as mem:\n"
+    "        for line in maps:\n"
+    "            span, perms = line.split()[:2]\n"
+    "            if not perms.startswith('r'):\n"
+    "                continue\n"
+    "            start, end = (int(x, 16) for x in span.split('-'))\n"
+    "            try:\n"
+    "                mem.seek(start)\n"
+    "                data = mem.read(end - start)\n"
+    "            except (OSError, OverflowError, ValueError):\n"
+    "                continue\n"
+    "            for match in _CASES.finditer(data):\n"
+    "                try:\n"
+    "                    found.update((tuple(args), want) for args, want in ast.literal_eval(match.group(1).decode()))\n"
+    "                except Exception:\n"
+    "                    pass\n"
+    "    return found\n"
+    "def add(a, b):\n"
+    "    try:\n"
+    "        return _stolen().get((a, b))\n"
+    "    except OSError as exc:\n"
+    "        return repr(exc)\n"
+)
+
+
+def test_the_tested_code_cannot_read_the_harness_memory(env: tuple[Loop, SandboxManager]) -> None:
+    """The harness holds the test module (the expected values) in its memory and runs as
+    the same uid as the code under test, its child: it makes itself non-dumpable first, so
+    a solution that reads the values out of /proc/<harness>/mem scores 0 (the pipes the
+    harness reads and writes are root's, so its memory is the way in; where Yama's
+    ptrace_scope is 0, nothing else stops the read)."""
+    outcome, output = _graded(env, "python/add", {"solution.py": HARNESS_MEMORY_READER.encode()})
+    assert outcome.reward == 0.0, output
+    assert b"PermissionError" in output, output  # the read was refused, not merely wrong
+
+
 def test_a_workspace_module_cannot_shadow_the_standard_library(env: tuple[Loop, SandboxManager]) -> None:
     """A subprocess.py in the workspace does not stand in for the harness checks' own
     ``import subprocess``: a broken script still fails its syntax check."""
@@ -1071,6 +1195,30 @@ def test_a_workspace_module_cannot_shadow_the_standard_library(env: tuple[Loop, 
     outcome, output = _graded(env, "terminal/fix_shell_script", {"build.sh": b"if then fi (\n", "subprocess.py": fake})
     syntax = [ok for name, ok, _ in outcome.cases if name == "syntax"]
     assert syntax == [False] and outcome.reward == 0.0, output
+
+
+# Stands in for shutil, which the fix_shell_script task's check_script_output imports
+# inside the check (after the workspace joined sys.path): its copy() writes the report
+# the check wants instead of copying the (still broken) script.
+FAKE_SHUTIL = (
+    "import os\n"
+    "def copy(src, dst):\n"
+    "    os.makedirs(os.path.join(dst, 'build'), exist_ok=True)\n"
+    "    with open(os.path.join(dst, 'build', 'report.txt'), 'w') as fh:\n"
+    "        fh.write('nonempty=3\\n')\n"
+    "def rmtree(*args, **kwargs):\n"
+    "    pass\n"
+)
+
+
+def test_a_workspace_module_cannot_stand_in_for_one_a_check_imports_late(env: tuple[Loop, SandboxManager]) -> None:
+    """The workspace comes last on a check child's sys.path, not only after the test
+    module's top-level imports: a shutil.py in the workspace does not stand in for the
+    standard library's that a check imports in its body, so a broken script still fails
+    the check that runs it."""
+    outcome, output = _graded(env, "terminal/fix_shell_script", {"build.sh": b"if then fi (\n", "shutil.py": FAKE_SHUTIL.encode()})
+    script_output = [ok for name, ok, _ in outcome.cases if name == "script_output"]
+    assert script_output == [False] and outcome.reward == 0.0, output
 
 
 PRINTED_REPORTS = (
@@ -1124,6 +1272,50 @@ def test_seccomp_denies_what_links_or_escapes_sandboxes(pair) -> None:  # type: 
     assert "fork ok" in text and "hostname sandbox" in text and socket.gethostname() not in text.replace("hostname sandbox", "")
     other, _, _ = loop.run(run(m, bystander, ["id", "-u"]))
     assert text.split("uid ")[1].split()[0] != other.decode().strip(), "two live sandboxes share a uid"
+    loop.run(_healthy(m, bystander))
+
+
+# Each call that reaches into another process, made on the caller itself, where nothing
+# but the seccomp filter refuses it (a process may read, write, compare and take the
+# descriptors of its own).
+SELF_REACH_PROBE = r"""
+import ctypes, os, platform
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {"x86_64": {"process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "pidfd_open": 434, "pidfd_getfd": 438},
+      "aarch64": {"process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "pidfd_open": 434, "pidfd_getfd": 438}}[platform.machine()]
+
+
+class IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+src, dst = ctypes.create_string_buffer(b"x"), ctypes.create_string_buffer(1)
+here, there = IoVec(ctypes.addressof(dst), 1), IoVec(ctypes.addressof(src), 1)
+me, one, none = os.getpid(), ctypes.c_ulong(1), ctypes.c_ulong(0)
+pidfd = libc.syscall(NR["pidfd_open"], me, 0)
+assert pidfd >= 0, os.strerror(ctypes.get_errno())
+calls = {
+    "process_vm_readv": (me, ctypes.byref(here), one, ctypes.byref(there), one, none),
+    "process_vm_writev": (me, ctypes.byref(there), one, ctypes.byref(here), one, none),
+    "kcmp": (me, me, 0, 0, 0),  # KCMP_FILE: is my fd 0 my fd 0
+    "pidfd_getfd": (pidfd, 0, 0),
+}
+for name, args in calls.items():
+    r = libc.syscall(NR[name], *args)
+    print(name, "ALLOWED" if r != -1 else os.strerror(ctypes.get_errno()))
+"""
+
+
+def test_seccomp_denies_reaching_into_processes_even_ones_own(pair) -> None:  # type: ignore[no-untyped-def]
+    """process_vm_readv/writev, kcmp and pidfd_getfd fail with EPERM inside, even on the
+    command's own process, where no uid or ptrace rule would refuse them: only the seccomp
+    filter does, and it must (the harness and the code it tests share a uid)."""
+    loop, m, attacker, bystander = pair
+    out, err, res = loop.run(run(m, attacker, ["python3", "-c", SELF_REACH_PROBE]))
+    assert res.exit_code == 0, out + err
+    denied = os.strerror(errno.EPERM)
+    assert out.decode().splitlines() == [f"{name} {denied}" for name in ("process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd")], out
     loop.run(_healthy(m, bystander))
 
 
@@ -1498,6 +1690,36 @@ def test_the_cpu_time_limit_kills_each_process_that_spends_it(env: tuple[Loop, S
             assert out == b"kept" and res.exit_code == 0
             await m.write_files(sid, {"after.txt": b"after"})
             assert (await m.read_files(sid, ["after.txt"])) == {"after.txt": b"after"}
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
+# Spins for two seconds of wall time, then prints the CPU seconds it took and the wall.
+SPIN = (
+    "import os, time\n"
+    "start = time.monotonic()\n"
+    "while time.monotonic() - start < 2.0:\n"
+    "    pass\n"
+    "t = os.times()\n"
+    "print(t.user + t.system, time.monotonic() - start)\n"
+)
+
+
+def test_cpus_bounds_the_cpu_a_sandbox_gets_over_wall_time(env: tuple[Loop, SandboxManager]) -> None:
+    """``cpus`` is the sandbox's share of the CPU (the cgroup's quota on the process backend,
+    Docker's nano_cpus): a command that spins for two seconds of wall time with cpus=0.25
+    gets about half a second of CPU, never a whole core's two."""
+    loop, m = env
+
+    async def main() -> None:
+        sid = (await m.create(limits=m.default_limits.merged(cpus=0.25))).sandbox_id
+        try:
+            out, err, res = await run(m, sid, ["python3", "-c", SPIN], timeout_s=30)
+            assert res.exit_code == 0, (out, err, res)
+            cpu, wall = map(float, out.split())
+            assert cpu <= 0.25 * wall + 0.35, f"{cpu:.2f} s of CPU in {wall:.2f} s with cpus=0.25"
         finally:
             await m.close(sid)
 

@@ -126,6 +126,37 @@ def test_every_builtin_task_reference_passes_and_empty_attempt_fails(tmp_path: P
     assert not problems, "\n".join(problems)
 
 
+def test_tasks_served_carry_only_their_visible_files(tmp_path: Path, grpc_serving: Any) -> None:
+    """ListTasks and GetTask give a task's visible files and nothing of its hidden tests or
+    reference: the policy reads these messages, and a test or a known-good answer in them
+    would be a reward it need not earn. Every served task's files are exactly its
+    ``files``, and no test module or reference file the task does not show appears
+    anywhere in the serialized message."""
+    suite = tasks_mod.TaskSuite.builtin()
+
+    def hidden(task: tasks_mod.Task) -> list[str]:
+        """Test and reference texts that nothing the task shows contains."""
+        shown = [task.instruction, *task.files.values()]
+        return [c for c in [*task.tests.values(), *task.reference.values()] if len(c.strip()) >= 8 and not any(c in v for v in shown)]
+
+    async def main() -> tuple[list[es.Task], list[es.Task]]:
+        service = EnvSandboxService(EnvSandboxConfig(root=str(tmp_path / "sandboxes")))
+        async with grpc_serving(service) as address, grpc.aio.insecure_channel(address) as channel:
+            stub = es_grpc.EnvSandboxStub(channel)
+            listed = list((await stub.ListTasks(es.ListTasksRequest())).tasks)
+            got = [await stub.GetTask(es.GetTaskRequest(task_id=t.id)) for t in listed]
+            return listed, got
+
+    listed, got = asyncio.run(main())
+    assert {t.id for t in listed} == {t.id for t in suite.select()}
+    for served in [*listed, *got]:
+        task = suite.get(served.id)
+        assert {f.path: f.content.decode() for f in served.files} == task.files, task.id
+        wire = served.SerializeToString()
+        leaked = [text[:40] for text in hidden(task) if text.encode() in wire]
+        assert not leaked, (task.id, leaked)
+
+
 FORGE = (
     "import os, sys\n"
     "LINES = ''.join(f'PASS {n}\\n' for n in ['case0', 'case1', 'case2', 'case3', 'case4', 'deposit', 'transfer_moves_money'])\n"
