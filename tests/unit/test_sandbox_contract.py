@@ -1123,11 +1123,11 @@ HIDDEN_TEST_READER = (
 )
 
 
-def _graded(env: tuple[Loop, SandboxManager], task_id: str, files: dict[str, bytes]) -> tuple[Any, str]:
+def _graded(env: tuple[Loop, SandboxManager], task_id: str, files: dict[str, bytes]) -> tuple[Any, bytes]:
     """RunTests on a fresh sandbox of ``task_id`` holding ``files``: (outcome, output)."""
     loop, m = env
 
-    async def main() -> tuple[Any, str]:
+    async def main() -> tuple[Any, bytes]:
         box = await m.create(task=TaskSuite.builtin().get(task_id), files=files)
         try:
             outcome, _, output = await m.run_tests(box.sandbox_id)
