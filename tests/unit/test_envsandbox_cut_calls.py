@@ -48,7 +48,7 @@ def test_calls_cut_off_at_random_moments_leave_nothing_broken_or_behind(tmp_path
             live: list[str] = []
             requests: list[str] = []
 
-            async def create(timeout: float) -> es.SandboxInfo:
+            async def create(first_deadline_s: float) -> es.SandboxInfo:
                 """A Create, and if it was cut off, its retry (the same request id) at once,
                 as a client does: the retry may find the first call still at work."""
                 request = es.CreateRequest(
@@ -57,7 +57,7 @@ def test_calls_cut_off_at_random_moments_leave_nothing_broken_or_behind(tmp_path
                 )
                 requests.append(request.client_request_id)
                 try:
-                    return await stub.Create(request, timeout=timeout)
+                    return await stub.Create(request, timeout=first_deadline_s)
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         raise
