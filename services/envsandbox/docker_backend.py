@@ -11,8 +11,8 @@ then neither trace, write nor signal, and a label naming this service instance. 
 restarted service removes every container labelled by an instance that no longer runs.
 When an exec ends (and before RunTests) every process in the container but its init and
 keep-alive is killed, and the sweep checks that none is left. Every command starts through
-CPU_LIMIT_MAIN, which gives it (and only it and its descendants) the process backend's
-CPU time limit.
+EXEC_LIMITS_MAIN, which gives it (and only it and its descendants) the process backend's
+per-process limits (CPU time, file size, open files, address space).
 
 The workspace is a tmpfs, which ``docker cp`` cannot reach, so file operations run
 ``workspace_files`` inside the container (python3 is in the image) over an exec's stdin,
@@ -47,7 +47,7 @@ from services.envsandbox import docker_stream, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import instance_name, oom_kill_count, process_start_time
 from services.envsandbox.config import UID_POOL
 from services.envsandbox.sandbox import (
-    COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, cpu_limit_seconds, drain, tmpfs_charge,
+    COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, Drained, ExecItem, ExecResult, Limits, collect, copy_error, drain, exec_rlimits, tmpfs_charge,
     tmpfs_inodes,
 )
 
@@ -126,29 +126,34 @@ else:
 '''
 
 #: Every command an Exec or RunTests runs starts as this, in the container as the sandbox's
-#: user (argv[1]: the CPU limit in seconds, then the command): it sets RLIMIT_CPU, soft and
-#: hard (sandbox.cpu_limit_seconds), and execs the command in its own process, so the limit
-#: is the command's and its descendants' alone. Docker has no per-exec limits, and a
-#: container-wide one (HostConfig.Ulimits, which every exec inherits) would also count
-#: against the container's init, which reaps every orphan (a sandbox making orphans in a
-#: loop spent 70 ms of its CPU per 3000) and whose death ends the container, and against
-#: the file helpers, whose CPU grows with the files they move (a Fork copies up to
-#: disk_bytes). The command gets what the exec got and nothing of Python's: the
-#: environment as it came (/proc/self/environ: Python itself adds LC_CTYPE where LANG is
-#: C), SIGPIPE and SIGXFSZ back to their defaults (Python ignores them, and an ignored
-#: signal stays ignored across exec). The interpreter's start (about 10 ms of CPU) counts
-#: towards the limit. A command that cannot be run ends 127 (not found) or 126 with the
-#: process backend's launcher's message. Another process of the same sandbox could write
-#: this one's memory before the limit is set, and gain nothing by it: every new process
-#: starts a count of its own anyway.
-CPU_LIMIT_MAIN = r'''
+#: user (argv[1]: its rlimits as ``name=value,...``, sandbox.exec_rlimits; then the
+#: command): it sets them, soft and hard, and core dumps off, as the process backend's
+#: launcher does, and execs the command in its own process, so the limits are the
+#: command's and its descendants' alone. Docker has no per-exec limits, and container-wide
+#: ones (HostConfig.Ulimits, which every exec inherits) would also bind the container's
+#: init, which reaps every orphan (a sandbox making orphans in a loop spent 70 ms of its
+#: CPU per 3000) and whose death ends the container, and the file helpers, whose CPU and
+#: file sizes grow with the files they move (a Fork copies up to disk_bytes). The command
+#: gets what the exec got and nothing of Python's: the environment as it came
+#: (/proc/self/environ: Python itself adds LC_CTYPE where LANG is C), SIGPIPE and SIGXFSZ
+#: back to their defaults (Python ignores them, and an ignored signal stays ignored across
+#: exec). The interpreter's start (about 10 ms of CPU) counts towards the CPU limit. A
+#: command that cannot be run ends 127 (not found) or 126 with the process backend's
+#: launcher's message. Another process of the same sandbox could write this one's memory
+#: before the limits are set, and gain little by it: every new process starts a CPU count
+#: of its own anyway, and what the others bound per process the container bounds as a
+#: whole (memory, disk, pids).
+EXEC_LIMITS_MAIN = r'''
 import errno, os, resource, signal, sys
 try:
-    _seconds = int(sys.argv[1])
-    _hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-    if _hard != resource.RLIM_INFINITY:
-        _seconds = min(_seconds, _hard)
-    resource.setrlimit(resource.RLIMIT_CPU, (_seconds, _seconds))
+    _limits = dict(_p.split("=") for _p in sys.argv[1].split(","))
+    _limits["core"] = "0"
+    for _name, _value in _limits.items():
+        _which = getattr(resource, "RLIMIT_" + _name.upper())
+        _value, _hard = int(_value), resource.getrlimit(_which)[1]
+        if _hard != resource.RLIM_INFINITY:
+            _value = min(_value, _hard)
+        resource.setrlimit(_which, (_value, _value))
     for _sig in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(_sig, signal.SIG_DFL)
     with open("/proc/self/environ", "rb") as _fh:
@@ -457,7 +462,8 @@ class DockerBackend(Backend):
         self, sandbox_id: str, argv: list[str], stdin: bytes, env: dict[str, str], cwd: str, wall_s: float, limits: Limits
     ) -> AsyncIterator[ExecItem]:
         # By its path: the caller's PATH must not choose what sets the limit.
-        wrapped = [self._python, "-I", "-S", "-c", CPU_LIMIT_MAIN, str(cpu_limit_seconds(limits)), *argv]
+        rlimits = ",".join(f"{name}={value}" for name, value in exec_rlimits(limits, memory_limit(limits)).items())
+        wrapped = [self._python, "-I", "-S", "-c", EXEC_LIMITS_MAIN, rlimits, *argv]
         return self._exec(sandbox_id, wrapped, stdin, env, cwd, wall_s, limits.max_output_bytes)
 
     async def _exec(

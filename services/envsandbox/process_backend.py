@@ -9,8 +9,8 @@ cgroups and the exec's own cgroup with a builtin ``echo``) → ``nsenter --mount
 ns>`` (where the sandbox roots are mounted) → ``unshare --pid --mount --net --ipc --uts
 --root=<sandbox root> --wd=/workspace`` (fresh namespaces, no fork; the network one has only
 a downed loopback) → ``/.meridian/sandbox-exec`` (launcher/: it forks; the child, process 1
-of the new pid namespace, mounts its /proc and sets the host name, rlimits (the CPU
-one: :func:`~services.envsandbox.sandbox.cpu_limit_seconds`), every
+of the new pid namespace, mounts its /proc and sets the host name, rlimits
+(:func:`~services.envsandbox.sandbox.exec_rlimits`), every
 capability dropped, the sandbox's own uid, no_new_privs, the seccomp filter of
 seccomp_policy.py, and the caller's environment, in that order, then execs the command;
 the parent, outside the namespace, waits for it and ends as it ended, so the chain's status
@@ -51,7 +51,7 @@ from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
 from services.envsandbox.config import UID_POOL
 from services.envsandbox.sandbox import (
-    COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, cpu_limit_seconds, pump_process, tmpfs_charge,
+    COPY_WALL_S, SANDBOX_UID, SHM_BYTES, Backend, ExecItem, ExecResult, Limits, PumpDone, copy_error, exec_rlimits, pump_process, tmpfs_charge,
     tmpfs_inodes,
 )
 from services.envsandbox.spawn import SpawnedProcess, spawn
@@ -70,6 +70,14 @@ COPY_THREADS = 4
 SECCOMP_FD = 3
 
 T = TypeVar("T")
+
+
+def memory_limit(limits: Limits) -> int:
+    """A sandbox's memory cgroup limit: ``memory_bytes`` for its processes plus the room of
+    its tmpfs mounts (the root, holding the workspace and /tmp, and /dev/shm). Their pages
+    and inodes are charged to the cgroup as the sandbox fills them, so without that room a
+    full disk would leave its commands (the tests included) no memory at all."""
+    return limits.memory_bytes + tmpfs_charge(limits.disk_bytes) + tmpfs_charge(SHM_BYTES)
 
 
 class ProcessBackend(Backend):
@@ -206,11 +214,7 @@ class ProcessBackend(Backend):
             "create", sandbox_id=sandbox_id, disk_bytes=limits.disk_bytes, inodes=inodes, uid=self._uid[sandbox_id],
             shm_bytes=SHM_BYTES, shm_inodes=tmpfs_inodes(SHM_BYTES),
         )
-        # The sandbox root tmpfs (workspace and /tmp) and its /dev/shm are charged to this
-        # cgroup as the sandbox fills them: their room comes on top of the memory, or a full
-        # disk would leave the sandbox's commands (the tests included) no memory at all.
-        memory = limits.memory_bytes + tmpfs_charge(limits.disk_bytes) + tmpfs_charge(SHM_BYTES)
-        procs = self._cgroups.create(sandbox_id, CgroupLimits(memory, limits.max_pids, limits.cpus))
+        procs = self._cgroups.create(sandbox_id, CgroupLimits(memory_limit(limits), limits.max_pids, limits.cpus))
         self._procs[sandbox_id] = procs
 
     async def destroy(self, sandbox_id: str) -> None:
@@ -331,7 +335,6 @@ class ProcessBackend(Backend):
         """The full exec chain for ``argv`` in the sandbox (see the module docstring)."""
         assert self._helper is not None
         joins = [*self._procs[sandbox_id], *([str(group / "cgroup.procs")] if group is not None else [])]
-        cpu = cpu_limit_seconds(limits)
         uid = self._uid[sandbox_id]
         t = self._tools
         workdir = "/workspace/" + "/".join(workspace_files.split_relative(cwd)) if cwd else "/workspace"
@@ -342,8 +345,7 @@ class ProcessBackend(Backend):
             t["unshare"], "--pid", "--mount", "--net", "--ipc", "--uts",
             f"--root={self.mount_dir}/{sandbox_id}", f"--wd={workdir}", "--",
             LAUNCHER, "--uid", str(uid), "--gid", str(uid), "--hostname", "sandbox",
-            # Address space per process, not memory: a tmpfs file counts only while mapped.
-            "--as", str(limits.memory_bytes * 2), "--cpu", str(cpu), "--fsize", str(limits.max_file_bytes), "--nofile", "1024",
+            *[arg for name, value in exec_rlimits(limits, memory_limit(limits)).items() for arg in (f"--{name}", str(value))],
             *[arg for key, value in env.items() for arg in ("--env", f"{key}={value}")],
             "--", *argv,
         ]

@@ -146,6 +146,22 @@ def cpu_limit_seconds(limits: Limits) -> int:
     return max(1, int(limits.cpu_seconds))
 
 
+#: Open files per process of an exec, on both backends.
+EXEC_NOFILE = 1024
+
+
+def exec_rlimits(limits: Limits, memory_limit: int) -> dict[str, int]:
+    """The rlimits, soft and hard alike, of every process an exec starts, on both backends
+    (the process backend's launcher options, Docker's exec wrapper): ``as``, twice the
+    sandbox's ``memory_limit`` (its cgroup's: the memory and its tmpfs room; address space,
+    not memory, which runtimes reserve beyond what they touch, so that a command that
+    takes too much meets the cgroup's OOM killer on both backends, not a failed allocation
+    on one), ``cpu`` (:func:`cpu_limit_seconds`), ``fsize``, ``max_file_bytes`` (a write
+    past it fails with EFBIG, and the writer dies of SIGXFSZ unless it handles it) and
+    ``nofile``, :data:`EXEC_NOFILE`. Both also turn core dumps off."""
+    return {"as": 2 * memory_limit, "cpu": cpu_limit_seconds(limits), "fsize": limits.max_file_bytes, "nofile": EXEC_NOFILE}
+
+
 @dataclasses.dataclass(frozen=True)
 class LimitCaps:
     """The most a client may ask for: limits, time-to-live and exec timeouts above these

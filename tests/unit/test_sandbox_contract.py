@@ -1707,6 +1707,39 @@ SPIN = (
 )
 
 
+RLIMITS_PRINTED = (
+    "import resource\n"
+    "print(*(resource.getrlimit(getattr(resource, 'RLIMIT_' + n)) for n in ('CPU', 'FSIZE', 'NOFILE', 'AS', 'CORE')))\n"
+)
+
+
+def test_a_command_has_the_same_per_process_limits_on_both_backends(env: tuple[Loop, SandboxManager]) -> None:
+    """Every process an exec starts has the sandbox's per-process limits, soft and hard
+    alike, on both backends: CPU time, file size (``max_file_bytes``: a write past it fails
+    and the writer dies of SIGXFSZ), open files, address space (twice the sandbox's memory
+    cgroup limit), and no core dumps. Docker set only the CPU one: a command there wrote
+    one file as large as the disk and held 20,000 files open."""
+    loop, m = env
+    limits = m.default_limits.merged(max_file_bytes=1 << 20)
+
+    async def main() -> None:
+        sid = (await m.create(limits=limits)).sandbox_id
+        try:
+            out, err, res = await run(m, sid, ["python3", "-c", RLIMITS_PRINTED])
+            assert res.exit_code == 0, err
+            from services.envsandbox import docker_backend, process_backend
+
+            cgroup_memory = {"process": process_backend.memory_limit, "docker": docker_backend.memory_limit}[m.backend.name](limits)
+            want = [limits.cpu_seconds, limits.max_file_bytes, 1024, 2 * cgroup_memory, 0]
+            assert out.decode().strip() == " ".join(f"({int(v)}, {int(v)})" for v in want), out
+            out, err, res = await sh(m, sid, "head -c 3000000 /dev/zero > big; echo status=$?; python3 -c \"import os; print(os.path.getsize('big'))\"")
+            assert out == b"status=153\n1048576\n", (out, err, res)  # 128 + SIGXFSZ
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
 def test_cpus_bounds_the_cpu_a_sandbox_gets_over_wall_time(env: tuple[Loop, SandboxManager]) -> None:
     """``cpus`` is the sandbox's share of the CPU (the cgroup's quota on the process backend,
     Docker's nano_cpus): a command that spins for two seconds of wall time with cpus=0.25
