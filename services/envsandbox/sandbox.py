@@ -464,7 +464,8 @@ class SandboxManager:
         self.default_limits = default_limits
         self.default_ttl_s = default_ttl_s
         self.slots = FifoSlots(max_sandboxes)
-        self._teardowns = RunToEnd("a sandbox teardown", log)
+        # Steps a caller that goes away must not cut short: teardowns, test runs.
+        self._to_end = RunToEnd("a sandbox teardown or test run", log)
         self._boxes: dict[str, Sandbox] = {}
         #: Slots a live sandbox holds for its forks, beyond its own (CreateRequest.fork_reserve).
         self._reserved: dict[str, int] = {}
@@ -675,7 +676,7 @@ class SandboxManager:
             self._by_request.pop(box.client_request_id, None)
         # A Close whose caller goes away (its deadline) must not cut the teardown short:
         # it would leave processes, mounts or a uid behind that no sandbox accounts for.
-        await self._teardowns.run(self._teardown(box.sandbox_id))
+        await self._to_end.run(self._teardown(box.sandbox_id))
 
     async def _teardown(self, sandbox_id: str) -> None:
         try:
@@ -699,7 +700,7 @@ class SandboxManager:
         """Closes every sandbox and stops the backend."""
         for box in list(self._boxes.values()):
             await self._remove(box)
-        await self._teardowns.wait()  # those whose callers went away
+        await self._to_end.wait()  # those whose callers went away
         if self._started:
             await self.backend.stop()
             self._started = False
@@ -874,16 +875,23 @@ class SandboxManager:
         box.refuse_while_testing()
         box.testing = True
         try:
-            answer = await self._run_tests(box, box.task)
+            # A caller that goes away does not stop the run halfway: from their write to
+            # their removal the tests are on the sandbox's disk, and the sandbox is the
+            # tests' alone until the run is over (bounded by the task's wall time).
+            answer = await self._to_end.run(self._tests_alone(box, box.task))
         except Exception:
             if self._boxes.get(sandbox_id) is not box:
                 raise NotFound(f"sandbox {sandbox_id} was closed while its tests ran") from None
             raise
-        finally:
-            box.testing = False
         if self._boxes.get(sandbox_id) is not box:
             raise NotFound(f"sandbox {sandbox_id} was closed while its tests ran")
         return answer
+
+    async def _tests_alone(self, box: Sandbox, task: Task) -> tuple[TestOutcome, ExecResult, bytes]:
+        try:
+            return await self._run_tests(box, task)
+        finally:
+            box.testing = False
 
     async def _run_tests(self, box: Sandbox, task: Task) -> tuple[TestOutcome, ExecResult, bytes]:
         sandbox_id = box.sandbox_id
@@ -893,18 +901,20 @@ class SandboxManager:
             argv, stdin, hidden = tests_invocation(task)
             await self.backend.remove(sandbox_id, TESTS_DIR)
             try:
-                if hidden:
-                    await self._write(box, hidden)
-            except ResourceExhausted as exc:
-                # The sandbox filled its own workspace: its tests cannot run, and it scores 0
-                # (an error would drop its episode, and with it the failure, from its group).
-                await self.backend.remove(sandbox_id, TESTS_DIR)
-                return _no_room_for_tests(str(exc))
-            try:
+                try:
+                    if hidden:
+                        await self._write(box, hidden)
+                except ResourceExhausted as exc:
+                    # The sandbox filled its own workspace: its tests cannot run, and it
+                    # scores 0 (an error would drop its episode, and with it the failure,
+                    # from its group).
+                    return _no_room_for_tests(str(exc))
                 stdout, stderr, result = await collect(self._harness(box, argv, stdin, task.limits.wall_seconds))
             finally:
-                await self.backend.kill_all(sandbox_id)
-                await self.backend.remove(sandbox_id, TESTS_DIR)
+                try:
+                    await self.backend.kill_all(sandbox_id)
+                finally:
+                    await self.backend.remove(sandbox_id, TESTS_DIR)
         outcome = score_output(task.reward, stdout.decode(errors="replace"), result.exit_code)
         return outcome, result, stdout + stderr
 

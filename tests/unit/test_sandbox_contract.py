@@ -7,6 +7,7 @@ Docker tests are skipped only when dockerd is not installed; with dockerd presen
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import json
@@ -14,6 +15,7 @@ import os
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 import grpc
 import pytest
 
-from meridian.errors import InvalidArgument, NotFound, ResourceExhausted
+from meridian.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from meridian.v1 import envsandbox_pb2 as es
 from meridian.v1 import envsandbox_pb2_grpc as es_grpc
 from services.envsandbox.config import EnvSandboxConfig
@@ -469,6 +471,41 @@ def test_files_the_sandbox_planted_under_tests_are_gone_before_the_tests_run(env
             outcome, _, output = await m.run_tests(sid)
             assert [(name, ok) for name, ok, _ in outcome.cases] == [("answer", False)], output
             assert outcome.reward == 0.0, output
+        finally:
+            await m.close(sid)
+
+    loop.run(main())
+
+
+def test_a_run_tests_whose_caller_goes_away_leaves_no_hidden_test_behind(env: tuple[Loop, SandboxManager]) -> None:
+    """A RunTests cancelled at any moment (its client's deadline, a client gone) does not
+    stop halfway: the sandbox stays the tests' until the run is over, and then no test
+    file is on its disk. (Cut off while the tests were being written, they stayed in
+    .tests/ for the solution to read, and the sandbox took calls again at once.)"""
+    loop, m = env
+    # Tests that take a while to write: the cut lands in the write at several moments.
+    task = dataclasses.replace(DISCOVERING_TASK, tests={**DISCOVERING_TASK.tests, "padding.txt": "#" * (16 << 20)})
+
+    async def main() -> None:
+        sid = (await m.create(task=task, files={"answer.txt": b"41"})).sandbox_id
+        try:
+            # A whole run's time on this machine and backend, then cuts spread over it.
+            began = time.monotonic()
+            await m.run_tests(sid)
+            whole_s = time.monotonic() - began
+            for i in range(12):
+                running = asyncio.ensure_future(m.run_tests(sid))
+                await asyncio.sleep(whole_s * i / 12)
+                running.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await running
+                for _ in range(3000):
+                    try:
+                        out, _, _ = await sh(m, sid, "cat .tests/* 2>/dev/null; echo listed: $(ls -A .tests 2>/dev/null)")
+                        break
+                    except FailedPrecondition:  # still the tests' own
+                        await asyncio.sleep(0.01)
+                assert out == b"listed:\n", (i, whole_s, out[-200:])
         finally:
             await m.close(sid)
 
