@@ -100,6 +100,10 @@ BAD_PUBLISH_STREAMS: dict[str, list[ws.PublishRequest]] = {
     "tensor started twice": [_header(), _piece(0, b"\0" * 8, name="t"), _piece(0, b"\0" * 8, name="t")],
     "incomplete tensor": [_header(), _piece(0, b"\0" * 6, name="t")],
     "empty request": [_header(), ws.PublishRequest()],
+    # A whole-version Publish (part_count 0) that names a part: otherwise a valid version.
+    "part fields on a whole publish": [
+        ws.PublishRequest(header=ws.PublishHeader(version=0, part_index=1, part_tensors=["t"])), _piece(0, b"\0" * 8, name="t"),
+    ],
 }
 
 
