@@ -438,6 +438,9 @@ def test_a_part_retried_while_its_version_is_being_stored_gets_that_versions_ans
 
 
 def test_signed_parts_verify_at_an_origin_with_the_key(tmp_path: Path) -> None:
+    """A verifying origin stores signed parts and refuses unsigned ones (PERMISSION_DENIED);
+    a part of a version it holds is answered from the store only under that version's own
+    signature (Ed25519 is deterministic: identical contents carry exactly that one)."""
     generate_signing_key(tmp_path / "k", tmp_path / "k.pub")
     signer = Signer.load(tmp_path / "k")
     weights = _weights(7)
@@ -447,6 +450,19 @@ def test_signed_parts_verify_at_an_origin_with_the_key(tmp_path: Path) -> None:
             await _publish_parts(address, 0, weights, 2, [1, 0], _header(0, weights, signer))
             manifest = await weightsync.manifest(address, 0)
             assert manifest.signature.content_sha256 == content_digest(weights)
+            # A part of the held version sent again (a rank's late retry) is answered from the
+            # store, but at a verifying origin only under the held version's own signature:
+            # the same tensors unsigned, or signed with another key, are refused.
+            split = _split(weights, 2)
+            again = await weightsync.publish_part(address, _header(0, weights, signer), 1, 2, split[1])
+            assert again.version == 0
+            generate_signing_key(tmp_path / "other", tmp_path / "other.pub")
+            for what, header in (("unsigned", _header(0, weights)), ("another key", _header(0, weights, Signer.load(tmp_path / "other")))):
+                with pytest.raises(grpc.aio.AioRpcError) as retry:
+                    await weightsync.publish_part(address, header, 1, 2, split[1])
+                assert retry.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
+                assert "not the held version's" in (retry.value.details() or ""), what
+            assert await weightsync.manifest(address, 0) == manifest
             unsigned = _header(1, _weights(8))
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await _publish_parts(address, 1, _weights(8), 2, [0, 1], unsigned)
