@@ -204,6 +204,31 @@ def test_late_joiner_gets_the_smallest_catch_up(tmp_path: Path, grpc_serving: An
     run(main())
 
 
+def test_late_joiners_at_different_versions_each_get_a_delta_from_their_own(tmp_path: Path, grpc_serving: Any) -> None:
+    """The compacted deltas kept for late joiners are per (latest, base): a joiner holding
+    v2 after one holding v1 gets the latest compacted against v2, not the cached delta
+    against v1 (which its decoder would refuse), and both end bit-exact."""
+    versions = _chain(6, 200_000)
+
+    async def main() -> None:
+        service = _service(tmp_path, keyframe_every=100)
+        async with grpc_serving(service) as origin:
+            for v, w in enumerate(versions):
+                await client.publish(origin, v, w)
+            for built, held in enumerate((1, 2, 1), start=1):
+                sub = WeightSubscriber(origin, versions[held], held)
+                try:
+                    updates = await _collect(sub, 1, follow=False)
+                finally:
+                    await sub.close()
+                assert [(u.version, u.manifest.base_version) for u in updates] == [(5, held)]
+                assert _same(updates[0].weights, versions[5])
+                # Built once per base; the third joiner (v1 again) is served from the cache.
+                assert (await _status(origin)).compacted_built == min(built, 2)
+
+    run(main())
+
+
 # ---------------------------------------------------------------- relay fan-out
 
 
