@@ -394,6 +394,31 @@ def test_send_cap_limits_the_link(tmp_path: Path, grpc_serving: Any) -> None:
     run(main())
 
 
+def test_upstream_cap_limits_what_a_relay_pulls(tmp_path: Path, grpc_serving: Any) -> None:
+    """A relay's ``upstream_mib_s`` caps what it reads from its upstream: pulling a
+    version takes at least about its encoded size over the cap (the origin sends
+    uncapped), and the version still arrives whole."""
+    v0 = _weights(600_000)
+    cap_mib_s = 0.5
+
+    async def main() -> None:
+        async with grpc_serving(_service(tmp_path)) as origin:
+            relay_service = _service(tmp_path, "relay", role="relay", upstream=origin, upstream_mib_s=cap_mib_s)
+            async with grpc_serving(relay_service) as relay:
+                start = time.monotonic()
+                reply = await client.publish(origin, 0, v0)
+                await _wait_for(lambda: relay_service.store.latest == 0, "the relay storing v0", timeout_s=60)
+                elapsed = time.monotonic() - start
+                status = await _status(relay)
+        assert _same(relay_service.store.weights, v0)
+        assert status.upstream_bytes == reply.encoded_bytes
+        # Loose lower bound only (the bucket starts with a 64 KiB burst): the cap held it back.
+        minimum = (reply.encoded_bytes - 64 * 1024) / (cap_mib_s * (1 << 20))
+        assert elapsed >= 0.5 * minimum
+
+    run(main())
+
+
 def test_link_emulator_adds_latency_and_limits_bandwidth() -> None:
     payload = b"x" * 400_000
 
