@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -164,6 +165,43 @@ def test_corrupted_chunk_is_fetched_again(tmp_path: Path, grpc_serving: Any, in_
                 assert _same(update.undo.previous_weights(update.weights), v0)
             assert sub.stats.refetched == 1
             assert (await _status(origin)).chunk_fetches == 1
+
+    run(main())
+
+
+def _fetch_reply_prefix(version: int, index: int, payload: bytes) -> bytes:
+    """The first bytes of the FetchChunk reply carrying ``payload`` as the link sees them:
+    gRPC's 5-byte message prefix, then the ChunkData's own fields. A Subscribe stream
+    carries the same chunk inside a WeightChunk, never behind this prefix."""
+    reply = pb.ChunkData(version=version, index=index, data=payload).SerializeToString()
+    return b"\x00" + struct.pack(">I", len(reply)) + reply[:24]
+
+
+def test_a_refetched_chunk_is_checked_again_before_it_is_taken(tmp_path: Path, grpc_serving: Any) -> None:
+    """A chunk fetched again after a checksum failure is checked like the streamed one:
+    when the link corrupts the FetchChunk reply too, the subscriber fetches it once more
+    instead of decoding bytes its manifest does not list, and ends bit-exact."""
+    v0, v1 = _chain(2, 300_000)
+
+    async def main() -> None:
+        service = _service(tmp_path)
+        async with grpc_serving(service) as origin:
+            await client.publish(origin, 0, v0)
+            await client.publish(origin, 1, v1)
+            local = encode_version(1, v1, v0, 0, service.store.chunk_bytes)
+            assert [c.sha256 for c in service.store.manifest(1).chunks] == [c.sha256 for c in local.manifest.chunks]
+            async with LinkEmulator(origin) as link:
+                in_stream = link.corrupt_once(local.chunks[3][:16], after=3)
+                in_reply = link.corrupt_once(_fetch_reply_prefix(1, 3, local.chunks[3]))
+                sub = WeightSubscriber(link.address, v0, 0)
+                try:
+                    (update,) = await _collect(sub, 1, follow=False)
+                finally:
+                    await sub.close()
+            assert in_stream.fired and in_reply.fired
+            assert update.version == 1 and _same(update.weights, v1)
+            assert sub.stats.refetched == 2  # the corrupted reply, then a good one
+            assert (await _status(origin)).chunk_fetches == 2
 
     run(main())
 
