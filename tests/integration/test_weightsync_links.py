@@ -10,7 +10,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
+from meridian.errors import DataLoss
 from meridian.grpc_runtime import check_health
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
@@ -202,6 +203,52 @@ def test_a_refetched_chunk_is_checked_again_before_it_is_taken(tmp_path: Path, g
             assert update.version == 1 and _same(update.weights, v1)
             assert sub.stats.refetched == 2  # the corrupted reply, then a good one
             assert (await _status(origin)).chunk_fetches == 2
+
+    run(main())
+
+
+class _SwappingOrigin(WeightSyncService):
+    """A real origin whose Subscribe streams carry every chunk in a message of its own,
+    with chunks 1 and 2 of each version swapped (a faulty or hostile upstream)."""
+
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WeightChunk | bytes]:
+        held: pb.ChunkData | None = None
+        async for item in super().Subscribe(request, context):
+            if not isinstance(item, bytes):
+                yield item  # a manifest
+                continue
+            message = pb.WeightChunk.FromString(item)
+            for chunk in message.batch.chunks if message.HasField("batch") else [message.chunk]:
+                if chunk.index == 1:
+                    held = chunk
+                    continue
+                yield pb.WeightChunk(chunk=chunk)
+                if chunk.index == 2 and held is not None:
+                    yield pb.WeightChunk(chunk=held)
+                    held = None
+
+
+def test_chunks_out_of_order_are_refused_and_the_held_version_kept(tmp_path: Path, grpc_serving: Any) -> None:
+    """A subscriber takes a version's chunks only in order (its resume point is the next
+    chunk): an upstream that sends chunk 2 before chunk 1 is refused with DATA_LOSS
+    naming both, and an in-place subscriber still holds its version, bit for bit."""
+    v0, v1 = _chain(2, 300_000)
+    held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in v0.items()}
+
+    async def main() -> None:
+        origin_service = _SwappingOrigin(WeightSyncConfig(data_dir=str(tmp_path / "origin"), chunk_mb=1 / 64))
+        async with grpc_serving(origin_service) as origin:
+            await client.publish(origin, 0, v0)
+            await client.publish(origin, 1, v1)
+            assert len(origin_service.store.manifest(1).chunks) > 3
+            sub = WeightSubscriber(origin, held, 0, in_place=True)
+            try:
+                with pytest.raises(DataLoss, match="chunk 2 arrived, 1 expected"):
+                    await _collect(sub, 1, follow=False)
+            finally:
+                await sub.close()
+            assert sub.decoder.version == 0
+            assert _same(held, v0) and _same(sub.decoder.weights, v0)
 
     run(main())
 
