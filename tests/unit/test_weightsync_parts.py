@@ -258,6 +258,35 @@ def test_a_version_that_timed_out_while_its_last_part_encoded_is_not_stored(tmp_
     asyncio.run(body())
 
 
+def test_parts_encoded_against_a_version_that_is_no_longer_the_latest_are_aborted(tmp_path: Path) -> None:
+    """The parts of a version are encoded against the latest version when the first came.
+    If a whole-version Publish stores a newer one meanwhile, the assembled version's
+    deltas no longer apply to the latest: every part hears ABORTED (publish again) and
+    nothing of it is stored; published again, it goes in as a delta on the new latest."""
+    w0, w1, w2 = _weights(14), _weights(14, 1), _weights(14, 2)
+
+    async def body() -> None:
+        service = WeightSyncService(_config(tmp_path / "o", part_timeout_s=60.0))
+        joined = _record_pendings(service)
+        async with serving(service) as address:
+            await weightsync.publish(address, 0, w0)
+            header2, split2 = _header(2, w2), _split(w2, 2)
+            first = asyncio.create_task(weightsync.publish_part(address, header2, 0, 2, split2[0]))
+            await _until(lambda: bool(joined) and 0 in joined[-1].done, "part 0 of version 2 received and encoded (on version 0)")
+            assert joined[-1].base_version == 0
+            await weightsync.publish(address, 1, w1)  # the latest moves on under the pending parts
+            last = weightsync.publish_part(address, header2, 1, 2, split2[1])
+            results = await asyncio.wait_for(asyncio.gather(first, last, return_exceptions=True), 30)
+            assert _outcome(results) == ["ABORTED", "ABORTED"]
+            assert all("publish it again" in r.details() for r in results)
+            assert await _latest(address) == 1
+            await _publish_parts(address, 2, w2, 2, [1, 0], header2)
+            manifest = await weightsync.manifest(address, 2)
+            assert (manifest.base_version, manifest.weights_hash) == (1, weights_hash(w2))
+
+    asyncio.run(body())
+
+
 def test_duplicate_foreign_and_inconsistent_parts_are_refused(tmp_path: Path) -> None:
     weights, other = _weights(4), _weights(5)
 
