@@ -629,6 +629,28 @@ def test_a_complete_folder_of_other_bytes_is_rewritten_not_kept(tmp_path: Path, 
     _assert_same(again.weights, other)
 
 
+def test_a_complete_folder_with_the_same_manifest_but_short_chunks_is_rewritten(tmp_path: Path, versions: list[Weights]) -> None:
+    """A folder is kept as the version only when its chunks file has every byte its
+    manifest lists: one with the very manifest but a chunks file cut short (a damaged
+    disk) is rewritten by the publish, and a restart recovers the version bit-exact."""
+    elsewhere = _store(tmp_path / "elsewhere")
+    for v in range(3):
+        elsewhere.publish(v, versions[v])
+    store = _store(tmp_path / "ws")
+    store.publish(0, versions[0])
+    store.publish(1, versions[1])
+    planted = store.data_dir / f"{2:010d}"
+    shutil.copytree(elsewhere.data_dir / f"{2:010d}", planted)
+    chunks = planted / "delta" / "chunks.bin"
+    whole = chunks.read_bytes()
+    chunks.write_bytes(whole[: len(whole) // 2])
+    store.publish(2, versions[2])
+    assert chunks.read_bytes() == whole
+    again = _store(tmp_path / "ws")
+    assert again.latest == 2
+    _assert_same(again.weights, versions[2])
+
+
 def test_recovery_removes_a_complete_folder_that_was_never_renamed_into_place(tmp_path: Path, versions: list[Weights]) -> None:
     elsewhere = _store(tmp_path / "elsewhere", keyframe_every=100)
     for v in range(3):
