@@ -516,6 +516,28 @@ def test_token_bucket_paces_to_its_rate() -> None:
     assert not TokenBucket(0).enabled
 
 
+def test_token_bucket_saves_no_more_than_its_burst_while_idle() -> None:
+    """Idle time refills the bucket only up to its burst: a link quiet between versions
+    must not send the next version uncapped on tokens saved up meanwhile."""
+    import asyncio
+    import time as _time
+
+    from services.weightsync.ratelimit import TokenBucket
+
+    async def main() -> float:
+        bucket = TokenBucket(rate=1_000_000, burst=10_000)
+        await bucket.take(10_000)
+        await asyncio.sleep(0.4)  # idle: 400 kB worth of time at the rate
+        start = _time.monotonic()
+        for _ in range(20):
+            await bucket.take(10_000)
+        return _time.monotonic() - start
+
+    # After the idle time the bucket holds its 10 kB burst, no more: 200 kB still need
+    # at least 0.19 s (a lower bound only).
+    assert asyncio.run(main()) >= 0.5 * 0.19
+
+
 def test_config_rejects_bad_caps() -> None:
     from services.weightsync.config import WeightSyncConfig
 
