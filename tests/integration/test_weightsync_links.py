@@ -389,6 +389,43 @@ def test_a_relay_forwards_only_chunks_it_has_verified(tmp_path: Path, grpc_servi
     run(main())
 
 
+def test_a_relay_serves_the_version_it_is_receiving_only_to_holders_of_its_base(tmp_path: Path, grpc_serving: Any) -> None:
+    """A relay re-serves the version still arriving from upstream (cut-through) only to a
+    subscriber holding that version's base: one that holds the arriving version already
+    (it got it elsewhere) is sent nothing it cannot apply, and gets the next delta."""
+    v0 = _weights(600_000)
+    v1 = _step(v0, 1, frac=0.2)  # a large delta (~74 kB): seconds through the slow link below
+    v2 = _step(v1, 2)
+
+    async def main() -> None:
+        async with grpc_serving(_service(tmp_path)) as origin:
+            await client.publish(origin, 0, v0)
+            async with LinkEmulator(origin) as link:
+                relay_service = _service(tmp_path, "relay", role="relay", upstream=link.address)
+                async with grpc_serving(relay_service) as relay:
+                    await _wait_for(lambda: relay_service.store.latest == 0, "the relay storing v0")
+                    link.set_link(bandwidth=3e4)  # v1 is ~74 kB: over 2 s
+                    await client.publish(origin, 1, v1)
+                    await _wait_for(lambda: 1 in relay_service.available_at, "v1's manifest at the relay")
+                    # A subscriber that holds v1 already, while the relay still receives it.
+                    sub = WeightSubscriber(relay, {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in v1.items()}, 1)
+                    try:
+                        task = asyncio.create_task(_collect(sub, 1))
+                        await asyncio.sleep(0.3)
+                        assert relay_service.store.latest == 0, "the relay stored v1 before the subscriber could ask it mid-version"
+                        assert not task.done(), "the subscriber got (or was refused) something while the relay received v1"
+                        link.set_link(bandwidth=0.0)
+                        await client.publish(origin, 2, v2)
+                        (update,) = await asyncio.wait_for(task, 60)
+                    finally:
+                        await sub.close()
+            assert (update.version, update.manifest.base_version) == (2, 1)
+            assert _same(update.weights, v2)
+            assert sub.stats.reconnects == 0
+
+    run(main())
+
+
 # ---------------------------------------------------------------- origin restart
 
 
