@@ -287,6 +287,27 @@ def test_parts_encoded_against_a_version_that_is_no_longer_the_latest_are_aborte
     asyncio.run(body())
 
 
+def test_parts_that_change_the_tensor_set_are_refused_like_a_whole_publish(tmp_path: Path) -> None:
+    """A version assembled from parts is checked like a whole Publish: one whose tensor
+    names differ from the version before (a tensor missing) is INVALID_ARGUMENT for every
+    part, nothing of it is stored, and the complete version goes in afterwards."""
+    w0, w1 = _weights(15), _weights(15, 1)
+    fewer = {n: t for n, t in w1.items() if n != "norm"}
+
+    async def body() -> None:
+        async with serving(WeightSyncService(_config(tmp_path / "o", part_timeout_s=60.0))) as address:
+            await _publish_parts(address, 0, w0, 2, [0, 1])
+            calls = [weightsync.publish_part(address, _header(1, fewer), i, 2, part) for i, part in enumerate(_split(fewer, 2))]
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
+            assert _outcome(results) == ["INVALID_ARGUMENT", "INVALID_ARGUMENT"]
+            assert all("changes the tensor set" in r.details() and "norm" in r.details() for r in results)
+            assert await _latest(address) == 0
+            await _publish_parts(address, 1, w1, 2, [1, 0])
+            assert (await weightsync.manifest(address, 1)).weights_hash == weights_hash(w1)
+
+    asyncio.run(body())
+
+
 def test_duplicate_foreign_and_inconsistent_parts_are_refused(tmp_path: Path) -> None:
     weights, other = _weights(4), _weights(5)
 
