@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
+from meridian.errors import DataLoss
 from meridian.grpc_runtime import check_health
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
@@ -168,6 +170,89 @@ def test_corrupted_chunk_is_fetched_again(tmp_path: Path, grpc_serving: Any, in_
     run(main())
 
 
+def _fetch_reply_prefix(version: int, index: int, payload: bytes) -> bytes:
+    """The first bytes of the FetchChunk reply carrying ``payload`` as the link sees them:
+    gRPC's 5-byte message prefix, then the ChunkData's own fields. A Subscribe stream
+    carries the same chunk inside a WeightChunk, never behind this prefix."""
+    reply = pb.ChunkData(version=version, index=index, data=payload).SerializeToString()
+    return b"\x00" + struct.pack(">I", len(reply)) + reply[:24]
+
+
+def test_a_refetched_chunk_is_checked_again_before_it_is_taken(tmp_path: Path, grpc_serving: Any) -> None:
+    """A chunk fetched again after a checksum failure is checked like the streamed one:
+    when the link corrupts the FetchChunk reply too, the subscriber fetches it once more
+    instead of decoding bytes its manifest does not list, and ends bit-exact."""
+    v0, v1 = _chain(2, 300_000)
+
+    async def main() -> None:
+        service = _service(tmp_path)
+        async with grpc_serving(service) as origin:
+            await client.publish(origin, 0, v0)
+            await client.publish(origin, 1, v1)
+            local = encode_version(1, v1, v0, 0, service.store.chunk_bytes)
+            assert [c.sha256 for c in service.store.manifest(1).chunks] == [c.sha256 for c in local.manifest.chunks]
+            async with LinkEmulator(origin) as link:
+                in_stream = link.corrupt_once(local.chunks[3][:16], after=3)
+                in_reply = link.corrupt_once(_fetch_reply_prefix(1, 3, local.chunks[3]))
+                sub = WeightSubscriber(link.address, v0, 0)
+                try:
+                    (update,) = await _collect(sub, 1, follow=False)
+                finally:
+                    await sub.close()
+            assert in_stream.fired and in_reply.fired
+            assert update.version == 1 and _same(update.weights, v1)
+            assert sub.stats.refetched == 2  # the corrupted reply, then a good one
+            assert (await _status(origin)).chunk_fetches == 2
+
+    run(main())
+
+
+class _SwappingOrigin(WeightSyncService):
+    """A real origin whose Subscribe streams carry every chunk in a message of its own,
+    with chunks 1 and 2 of each version swapped (a faulty or hostile upstream)."""
+
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WeightChunk | bytes]:
+        held: pb.ChunkData | None = None
+        async for item in super().Subscribe(request, context):
+            if not isinstance(item, bytes):
+                yield item  # a manifest
+                continue
+            message = pb.WeightChunk.FromString(item)
+            for chunk in message.batch.chunks if message.HasField("batch") else [message.chunk]:
+                if chunk.index == 1:
+                    held = chunk
+                    continue
+                yield pb.WeightChunk(chunk=chunk)
+                if chunk.index == 2 and held is not None:
+                    yield pb.WeightChunk(chunk=held)
+                    held = None
+
+
+def test_chunks_out_of_order_are_refused_and_the_held_version_kept(tmp_path: Path, grpc_serving: Any) -> None:
+    """A subscriber takes a version's chunks only in order (its resume point is the next
+    chunk): an upstream that sends chunk 2 before chunk 1 is refused with DATA_LOSS
+    naming both, and an in-place subscriber still holds its version, bit for bit."""
+    v0, v1 = _chain(2, 300_000)
+    held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in v0.items()}
+
+    async def main() -> None:
+        origin_service = _SwappingOrigin(WeightSyncConfig(data_dir=str(tmp_path / "origin"), chunk_mb=1 / 64))
+        async with grpc_serving(origin_service) as origin:
+            await client.publish(origin, 0, v0)
+            await client.publish(origin, 1, v1)
+            assert len(origin_service.store.manifest(1).chunks) > 3
+            sub = WeightSubscriber(origin, held, 0, in_place=True)
+            try:
+                with pytest.raises(DataLoss, match="chunk 2 arrived, 1 expected"):
+                    await _collect(sub, 1, follow=False)
+            finally:
+                await sub.close()
+            assert sub.decoder.version == 0
+            assert _same(held, v0) and _same(sub.decoder.weights, v0)
+
+    run(main())
+
+
 # ---------------------------------------------------------------- late joiners
 
 
@@ -200,6 +285,31 @@ def test_late_joiner_gets_the_smallest_catch_up(tmp_path: Path, grpc_serving: An
                     await sub.close()
                 assert [(u.version, u.manifest.base_version) for u in got] == want
                 assert _same(got[0].weights, versions[5])
+
+    run(main())
+
+
+def test_late_joiners_at_different_versions_each_get_a_delta_from_their_own(tmp_path: Path, grpc_serving: Any) -> None:
+    """The compacted deltas kept for late joiners are per (latest, base): a joiner holding
+    v2 after one holding v1 gets the latest compacted against v2, not the cached delta
+    against v1 (which its decoder would refuse), and both end bit-exact."""
+    versions = _chain(6, 200_000)
+
+    async def main() -> None:
+        service = _service(tmp_path, keyframe_every=100)
+        async with grpc_serving(service) as origin:
+            for v, w in enumerate(versions):
+                await client.publish(origin, v, w)
+            for built, held in enumerate((1, 2, 1), start=1):
+                sub = WeightSubscriber(origin, versions[held], held)
+                try:
+                    updates = await _collect(sub, 1, follow=False)
+                finally:
+                    await sub.close()
+                assert [(u.version, u.manifest.base_version) for u in updates] == [(5, held)]
+                assert _same(updates[0].weights, versions[5])
+                # Built once per base; the third joiner (v1 again) is served from the cache.
+                assert (await _status(origin)).compacted_built == min(built, 2)
 
     run(main())
 
@@ -275,6 +385,43 @@ def test_a_relay_forwards_only_chunks_it_has_verified(tmp_path: Path, grpc_servi
             assert sub.stats.refetched == 0, "the relay passed a corrupted chunk on"
             assert (await _status(origin)).chunk_fetches == 1  # the relay fetched chunk 3 again
             assert relay_chunks == local.chunks
+
+    run(main())
+
+
+def test_a_relay_serves_the_version_it_is_receiving_only_to_holders_of_its_base(tmp_path: Path, grpc_serving: Any) -> None:
+    """A relay re-serves the version still arriving from upstream (cut-through) only to a
+    subscriber holding that version's base: one that holds the arriving version already
+    (it got it elsewhere) is sent nothing it cannot apply, and gets the next delta."""
+    v0 = _weights(600_000)
+    v1 = _step(v0, 1, frac=0.2)  # a large delta (~74 kB): seconds through the slow link below
+    v2 = _step(v1, 2)
+
+    async def main() -> None:
+        async with grpc_serving(_service(tmp_path)) as origin:
+            await client.publish(origin, 0, v0)
+            async with LinkEmulator(origin) as link:
+                relay_service = _service(tmp_path, "relay", role="relay", upstream=link.address)
+                async with grpc_serving(relay_service) as relay:
+                    await _wait_for(lambda: relay_service.store.latest == 0, "the relay storing v0")
+                    link.set_link(bandwidth=3e4)  # v1 is ~74 kB: over 2 s
+                    await client.publish(origin, 1, v1)
+                    await _wait_for(lambda: 1 in relay_service.available_at, "v1's manifest at the relay")
+                    # A subscriber that holds v1 already, while the relay still receives it.
+                    sub = WeightSubscriber(relay, {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in v1.items()}, 1)
+                    try:
+                        task = asyncio.create_task(_collect(sub, 1))
+                        await asyncio.sleep(0.3)
+                        assert relay_service.store.latest == 0, "the relay stored v1 before the subscriber could ask it mid-version"
+                        assert not task.done(), "the subscriber got (or was refused) something while the relay received v1"
+                        link.set_link(bandwidth=0.0)
+                        await client.publish(origin, 2, v2)
+                        (update,) = await asyncio.wait_for(task, 60)
+                    finally:
+                        await sub.close()
+            assert (update.version, update.manifest.base_version) == (2, 1)
+            assert _same(update.weights, v2)
+            assert sub.stats.reconnects == 0
 
     run(main())
 
@@ -363,6 +510,31 @@ def test_send_cap_limits_the_link(tmp_path: Path, grpc_serving: Any) -> None:
         assert _same(update.weights, v0)
         assert carried >= reply.encoded_bytes
         # Loose lower bound only: the cap must have held the transfer back.
+        minimum = (reply.encoded_bytes - 64 * 1024) / (cap_mib_s * (1 << 20))
+        assert elapsed >= 0.5 * minimum
+
+    run(main())
+
+
+def test_upstream_cap_limits_what_a_relay_pulls(tmp_path: Path, grpc_serving: Any) -> None:
+    """A relay's ``upstream_mib_s`` caps what it reads from its upstream: pulling a
+    version takes at least about its encoded size over the cap (the origin sends
+    uncapped), and the version still arrives whole."""
+    v0 = _weights(600_000)
+    cap_mib_s = 0.5
+
+    async def main() -> None:
+        async with grpc_serving(_service(tmp_path)) as origin:
+            relay_service = _service(tmp_path, "relay", role="relay", upstream=origin, upstream_mib_s=cap_mib_s)
+            async with grpc_serving(relay_service) as relay:
+                start = time.monotonic()
+                reply = await client.publish(origin, 0, v0)
+                await _wait_for(lambda: relay_service.store.latest == 0, "the relay storing v0", timeout_s=60)
+                elapsed = time.monotonic() - start
+                status = await _status(relay)
+        assert _same(relay_service.store.weights, v0)
+        assert status.upstream_bytes == reply.encoded_bytes
+        # Loose lower bound only (the bucket starts with a 64 KiB burst): the cap held it back.
         minimum = (reply.encoded_bytes - 64 * 1024) / (cap_mib_s * (1 << 20))
         assert elapsed >= 0.5 * minimum
 

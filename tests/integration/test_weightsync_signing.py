@@ -121,6 +121,10 @@ def test_origin_with_a_verify_key_refuses_unsigned_and_badly_signed_publish(tmp_
                 "canary edited": (v0, pb.PublishHeader(
                     version=0, weights_hash=weights_hash(v0), canary=pb.Canary(), signature=keys.trainer.sign(0, weights_hash(v0), v0, CANARY)
                 )),
+                # Signed by the trainer's key over an empty weights hash: the manifest would
+                # carry the store's own hash, which that signature does not cover, so no
+                # verifying receiver could take the version.
+                "weights hash left out": (v0, pb.PublishHeader(version=0, canary=CANARY, signature=keys.trainer.sign(0, "", v0, CANARY))),
             }
             for what, (weights, header) in refused.items():
                 with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -100,6 +100,10 @@ BAD_PUBLISH_STREAMS: dict[str, list[ws.PublishRequest]] = {
     "tensor started twice": [_header(), _piece(0, b"\0" * 8, name="t"), _piece(0, b"\0" * 8, name="t")],
     "incomplete tensor": [_header(), _piece(0, b"\0" * 6, name="t")],
     "empty request": [_header(), ws.PublishRequest()],
+    # A whole-version Publish (part_count 0) that names a part: otherwise a valid version.
+    "part fields on a whole publish": [
+        ws.PublishRequest(header=ws.PublishHeader(version=0, part_index=1, part_tensors=["t"])), _piece(0, b"\0" * 8, name="t"),
+    ],
 }
 
 
@@ -292,6 +296,35 @@ def test_weightsync_get_manifest_missing_is_not_found(tmp_path: Path, grpc_servi
                 await client.publish(address, 0, _weights(0))
                 await expect_code(grpc.StatusCode.NOT_FOUND, stub.GetManifest(ws.GetManifestRequest(version=7)))
                 assert (await stub.GetManifest(ws.GetManifestRequest(version=-1))).version == 0
+
+    run(main())
+
+
+def test_weightsync_fetch_chunk_outside_the_version_is_invalid_argument(tmp_path: Path, grpc_serving: Serving) -> None:
+    """FetchChunk serves only chunks of the version's manifest: an index at or past the
+    chunk count is INVALID_ARGUMENT (a bad request, not a chunk still to come: NOT_FOUND
+    would have a subscriber wait for it), and the last chunk inside the bound is served."""
+    v0 = _weights(0)
+    v1 = _nudged(v0, 1)
+
+    async def main() -> None:
+        async with grpc_serving(_weightsync(tmp_path)) as address:
+            await client.publish(address, 0, v0)
+            await client.publish(address, 1, v1)
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = ws_grpc.WeightSyncStub(channel)
+                manifest = await stub.GetManifest(ws.GetManifestRequest(version=1))
+                count = len(manifest.chunks)
+                assert count > 1
+                for index in (count, count + 1):
+                    details = await expect_code(
+                        grpc.StatusCode.INVALID_ARGUMENT, stub.FetchChunk(ws.FetchChunkRequest(version=1, base_version=0, index=index))
+                    )
+                    assert f"chunk {index} is outside version 1" in details
+                last = await stub.FetchChunk(ws.FetchChunkRequest(version=1, base_version=0, index=count - 1))
+                assert (last.index, len(last.data)) == (count - 1, manifest.chunks[count - 1].size)
+                status = await stub.Status(ws.WeightSyncStatusRequest())
+                assert status.chunk_fetches == 1  # the refused requests sent nothing
 
     run(main())
 

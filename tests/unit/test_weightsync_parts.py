@@ -258,6 +258,56 @@ def test_a_version_that_timed_out_while_its_last_part_encoded_is_not_stored(tmp_
     asyncio.run(body())
 
 
+def test_parts_encoded_against_a_version_that_is_no_longer_the_latest_are_aborted(tmp_path: Path) -> None:
+    """The parts of a version are encoded against the latest version when the first came.
+    If a whole-version Publish stores a newer one meanwhile, the assembled version's
+    deltas no longer apply to the latest: every part hears ABORTED (publish again) and
+    nothing of it is stored; published again, it goes in as a delta on the new latest."""
+    w0, w1, w2 = _weights(14), _weights(14, 1), _weights(14, 2)
+
+    async def body() -> None:
+        service = WeightSyncService(_config(tmp_path / "o", part_timeout_s=60.0))
+        joined = _record_pendings(service)
+        async with serving(service) as address:
+            await weightsync.publish(address, 0, w0)
+            header2, split2 = _header(2, w2), _split(w2, 2)
+            first = asyncio.create_task(weightsync.publish_part(address, header2, 0, 2, split2[0]))
+            await _until(lambda: bool(joined) and 0 in joined[-1].done, "part 0 of version 2 received and encoded (on version 0)")
+            assert joined[-1].base_version == 0
+            await weightsync.publish(address, 1, w1)  # the latest moves on under the pending parts
+            last = weightsync.publish_part(address, header2, 1, 2, split2[1])
+            results = await asyncio.wait_for(asyncio.gather(first, last, return_exceptions=True), 30)
+            assert _outcome(results) == ["ABORTED", "ABORTED"]
+            assert all("publish it again" in r.details() for r in results)
+            assert await _latest(address) == 1
+            await _publish_parts(address, 2, w2, 2, [1, 0], header2)
+            manifest = await weightsync.manifest(address, 2)
+            assert (manifest.base_version, manifest.weights_hash) == (1, weights_hash(w2))
+
+    asyncio.run(body())
+
+
+def test_parts_that_change_the_tensor_set_are_refused_like_a_whole_publish(tmp_path: Path) -> None:
+    """A version assembled from parts is checked like a whole Publish: one whose tensor
+    names differ from the version before (a tensor missing) is INVALID_ARGUMENT for every
+    part, nothing of it is stored, and the complete version goes in afterwards."""
+    w0, w1 = _weights(15), _weights(15, 1)
+    fewer = {n: t for n, t in w1.items() if n != "norm"}
+
+    async def body() -> None:
+        async with serving(WeightSyncService(_config(tmp_path / "o", part_timeout_s=60.0))) as address:
+            await _publish_parts(address, 0, w0, 2, [0, 1])
+            calls = [weightsync.publish_part(address, _header(1, fewer), i, 2, part) for i, part in enumerate(_split(fewer, 2))]
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
+            assert _outcome(results) == ["INVALID_ARGUMENT", "INVALID_ARGUMENT"]
+            assert all("changes the tensor set" in r.details() and "norm" in r.details() for r in results)
+            assert await _latest(address) == 0
+            await _publish_parts(address, 1, w1, 2, [1, 0])
+            assert (await weightsync.manifest(address, 1)).weights_hash == weights_hash(w1)
+
+    asyncio.run(body())
+
+
 def test_duplicate_foreign_and_inconsistent_parts_are_refused(tmp_path: Path) -> None:
     weights, other = _weights(4), _weights(5)
 
@@ -438,6 +488,9 @@ def test_a_part_retried_while_its_version_is_being_stored_gets_that_versions_ans
 
 
 def test_signed_parts_verify_at_an_origin_with_the_key(tmp_path: Path) -> None:
+    """A verifying origin stores signed parts and refuses unsigned ones (PERMISSION_DENIED);
+    a part of a version it holds is answered from the store only under that version's own
+    signature (Ed25519 is deterministic: identical contents carry exactly that one)."""
     generate_signing_key(tmp_path / "k", tmp_path / "k.pub")
     signer = Signer.load(tmp_path / "k")
     weights = _weights(7)
@@ -447,6 +500,19 @@ def test_signed_parts_verify_at_an_origin_with_the_key(tmp_path: Path) -> None:
             await _publish_parts(address, 0, weights, 2, [1, 0], _header(0, weights, signer))
             manifest = await weightsync.manifest(address, 0)
             assert manifest.signature.content_sha256 == content_digest(weights)
+            # A part of the held version sent again (a rank's late retry) is answered from the
+            # store, but at a verifying origin only under the held version's own signature:
+            # the same tensors unsigned, or signed with another key, are refused.
+            split = _split(weights, 2)
+            again = await weightsync.publish_part(address, _header(0, weights, signer), 1, 2, split[1])
+            assert again.version == 0
+            generate_signing_key(tmp_path / "other", tmp_path / "other.pub")
+            for what, header in (("unsigned", _header(0, weights)), ("another key", _header(0, weights, Signer.load(tmp_path / "other")))):
+                with pytest.raises(grpc.aio.AioRpcError) as retry:
+                    await weightsync.publish_part(address, header, 1, 2, split[1])
+                assert retry.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
+                assert "not the held version's" in (retry.value.details() or ""), what
+            assert await weightsync.manifest(address, 0) == manifest
             unsigned = _header(1, _weights(8))
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await _publish_parts(address, 1, _weights(8), 2, [0, 1], unsigned)

@@ -231,10 +231,15 @@ def test_forged_or_malformed_encoded_parts_are_refused_and_lose_nothing(tmp_path
             name = sorted(split[1][1])[0]
             extra = encoded(1, split[1][1])
             extra[name] = [*extra[name], extra[name][-1]]
-            for requests in (mixed, part_requests(1, extra)):
+            # ... and a chunk payload larger than any chunk of the origin's size can be
+            # (refused as it arrives, before it is held or decoded).
+            oversized = encoded(1, split[1][1])
+            oversized[name] = [oversized[name][0] + bytes(int(0.002 * (1 << 20)) + (4 << 10)), *oversized[name][1:]]
+            for requests in (mixed, part_requests(1, extra), part_requests(1, oversized)):
                 with pytest.raises(grpc.aio.AioRpcError) as bad:
                     await _send(address, requests)
                 assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.value.details()
+            assert "more than a chunk of" in (bad.value.details() or "")
             assert await weightsync.latest_version(address) == 0, "nothing refused was stored"
             # The version still goes in whole: both parts, honest and encoded (part 0 one
             # chunk per message, part 1 each tensor's chunks in one).

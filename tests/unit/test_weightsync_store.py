@@ -516,6 +516,28 @@ def test_token_bucket_paces_to_its_rate() -> None:
     assert not TokenBucket(0).enabled
 
 
+def test_token_bucket_saves_no_more_than_its_burst_while_idle() -> None:
+    """Idle time refills the bucket only up to its burst: a link quiet between versions
+    must not send the next version uncapped on tokens saved up meanwhile."""
+    import asyncio
+    import time as _time
+
+    from services.weightsync.ratelimit import TokenBucket
+
+    async def main() -> float:
+        bucket = TokenBucket(rate=1_000_000, burst=10_000)
+        await bucket.take(10_000)
+        await asyncio.sleep(0.4)  # idle: 400 kB worth of time at the rate
+        start = _time.monotonic()
+        for _ in range(20):
+            await bucket.take(10_000)
+        return _time.monotonic() - start
+
+    # After the idle time the bucket holds its 10 kB burst, no more: 200 kB still need
+    # at least 0.19 s (a lower bound only).
+    assert asyncio.run(main()) >= 0.5 * 0.19
+
+
 def test_config_rejects_bad_caps() -> None:
     from services.weightsync.config import WeightSyncConfig
 
@@ -627,6 +649,28 @@ def test_a_complete_folder_of_other_bytes_is_rewritten_not_kept(tmp_path: Path, 
     again = _store(tmp_path / "ws")
     assert again.latest == 2
     _assert_same(again.weights, other)
+
+
+def test_a_complete_folder_with_the_same_manifest_but_short_chunks_is_rewritten(tmp_path: Path, versions: list[Weights]) -> None:
+    """A folder is kept as the version only when its chunks file has every byte its
+    manifest lists: one with the very manifest but a chunks file cut short (a damaged
+    disk) is rewritten by the publish, and a restart recovers the version bit-exact."""
+    elsewhere = _store(tmp_path / "elsewhere")
+    for v in range(3):
+        elsewhere.publish(v, versions[v])
+    store = _store(tmp_path / "ws")
+    store.publish(0, versions[0])
+    store.publish(1, versions[1])
+    planted = store.data_dir / f"{2:010d}"
+    shutil.copytree(elsewhere.data_dir / f"{2:010d}", planted)
+    chunks = planted / "delta" / "chunks.bin"
+    whole = chunks.read_bytes()
+    chunks.write_bytes(whole[: len(whole) // 2])
+    store.publish(2, versions[2])
+    assert chunks.read_bytes() == whole
+    again = _store(tmp_path / "ws")
+    assert again.latest == 2
+    _assert_same(again.weights, versions[2])
 
 
 def test_recovery_removes_a_complete_folder_that_was_never_renamed_into_place(tmp_path: Path, versions: list[Weights]) -> None:
