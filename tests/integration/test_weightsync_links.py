@@ -1,6 +1,8 @@
 """Weightsync over real gRPC servers and the emulated WAN link (meridian/link_emulator.py):
-resume after a cut, a corrupted chunk fetched again, late joiners, relay fan-out, an
-origin restarted with SIGKILL, and the bandwidth cap."""
+resume after a cut, a corrupted chunk fetched again (and its refetch checked again),
+chunks out of order refused, late joiners each caught up from their own version, relay
+fan-out (forwarding only verified chunks, re-serving a version still arriving only to
+holders of its base), an origin restarted with SIGKILL, and the send and upstream caps."""
 from __future__ import annotations
 
 import asyncio
