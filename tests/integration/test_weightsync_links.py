@@ -258,6 +258,15 @@ def test_chunks_out_of_order_are_refused_and_the_held_version_kept(tmp_path: Pat
 # ---------------------------------------------------------------- late joiners
 
 
+async def _join(origin: str, held: int, weights: Weights | None) -> list[VersionUpdate]:
+    """What a late joiner holding ``held`` (-1: nothing) is sent first."""
+    sub = WeightSubscriber(origin, weights, held)
+    try:
+        return await _collect(sub, 1, follow=False)
+    finally:
+        await sub.close()
+
+
 def test_late_joiner_gets_the_smallest_catch_up(tmp_path: Path, grpc_serving: Any) -> None:
     versions = _chain(6, 200_000)
 
@@ -268,11 +277,7 @@ def test_late_joiner_gets_the_smallest_catch_up(tmp_path: Path, grpc_serving: An
                 await client.publish(origin, v, w)
             chain_bytes = sum(service.store.deltas[v].size for v in range(2, 6))
             # Holder of v1, four versions behind: one compacted delta 1 -> 5 beats the chain.
-            sub = WeightSubscriber(origin, versions[1], 1)
-            try:
-                updates = await _collect(sub, 1, follow=False)
-            finally:
-                await sub.close()
+            updates = await _join(origin, 1, versions[1])
             assert [(u.version, u.manifest.base_version) for u in updates] == [(5, 1)]
             assert _same(updates[0].weights, versions[5])
             assert updates[0].manifest.encoded_bytes < chain_bytes
@@ -280,11 +285,7 @@ def test_late_joiner_gets_the_smallest_catch_up(tmp_path: Path, grpc_serving: An
             assert status.compacted_built == 1
             # Holder of v4 gets the one delta; a newcomer a keyframe of the latest.
             for held, weights, want in ((4, versions[4], [(5, 4)]), (-1, None, [(5, -1)])):
-                sub = WeightSubscriber(origin, weights, held)
-                try:
-                    got = await _collect(sub, 1, follow=False)
-                finally:
-                    await sub.close()
+                got = await _join(origin, held, weights)
                 assert [(u.version, u.manifest.base_version) for u in got] == want
                 assert _same(got[0].weights, versions[5])
 
@@ -303,11 +304,7 @@ def test_late_joiners_at_different_versions_each_get_a_delta_from_their_own(tmp_
             for v, w in enumerate(versions):
                 await client.publish(origin, v, w)
             for built, held in enumerate((1, 2, 1), start=1):
-                sub = WeightSubscriber(origin, versions[held], held)
-                try:
-                    updates = await _collect(sub, 1, follow=False)
-                finally:
-                    await sub.close()
+                updates = await _join(origin, held, versions[held])
                 assert [(u.version, u.manifest.base_version) for u in updates] == [(5, held)]
                 assert _same(updates[0].weights, versions[5])
                 # Built once per base; the third joiner (v1 again) is served from the cache.

@@ -635,15 +635,22 @@ def test_a_failed_keyframe_step_leaves_no_trace_of_the_version(tmp_path: Path, v
     _assert_same(_store(tmp_path).weights, other)
 
 
-def test_a_complete_folder_of_other_bytes_is_rewritten_not_kept(tmp_path: Path, versions: list[Weights]) -> None:
+def _store_with_v2_planted(tmp_path: Path, versions: list[Weights]) -> tuple[VersionStore, Path]:
+    """A store holding v0 and v1, and v2's complete folder from another store copied in
+    (as a failed add or a crash leaves one, never acknowledged): (store, that folder)."""
     elsewhere = _store(tmp_path / "elsewhere")
     for v in range(3):
         elsewhere.publish(v, versions[v])
     store = _store(tmp_path / "ws")
     store.publish(0, versions[0])
     store.publish(1, versions[1])
-    # Left by a failed add or a crash, never acknowledged: v2 with other weights.
-    shutil.copytree(elsewhere.data_dir / f"{2:010d}", store.data_dir / f"{2:010d}")
+    planted = store.data_dir / f"{2:010d}"
+    shutil.copytree(elsewhere.data_dir / f"{2:010d}", planted)
+    return store, planted
+
+
+def test_a_complete_folder_of_other_bytes_is_rewritten_not_kept(tmp_path: Path, versions: list[Weights]) -> None:
+    store, _ = _store_with_v2_planted(tmp_path, versions)  # the trainer's v2 is another
     other = _step(versions[1], np.random.default_rng(99))
     store.publish(2, other)
     again = _store(tmp_path / "ws")
@@ -655,14 +662,7 @@ def test_a_complete_folder_with_the_same_manifest_but_short_chunks_is_rewritten(
     """A folder is kept as the version only when its chunks file has every byte its
     manifest lists: one with the very manifest but a chunks file cut short (a damaged
     disk) is rewritten by the publish, and a restart recovers the version bit-exact."""
-    elsewhere = _store(tmp_path / "elsewhere")
-    for v in range(3):
-        elsewhere.publish(v, versions[v])
-    store = _store(tmp_path / "ws")
-    store.publish(0, versions[0])
-    store.publish(1, versions[1])
-    planted = store.data_dir / f"{2:010d}"
-    shutil.copytree(elsewhere.data_dir / f"{2:010d}", planted)
+    store, planted = _store_with_v2_planted(tmp_path, versions)
     chunks = planted / "delta" / "chunks.bin"
     whole = chunks.read_bytes()
     chunks.write_bytes(whole[: len(whole) // 2])
