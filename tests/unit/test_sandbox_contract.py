@@ -612,7 +612,13 @@ def test_hostile_network(pair) -> None:  # type: ignore[no-untyped-def]
     listener.listen()
     port = listener.getsockname()[1]
     accepted: list[object] = []
-    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+
+    def accept_one() -> None:
+        with contextlib.suppress(OSError):  # the listener closed under it: nothing came
+            accepted.append(listener.accept())
+
+    waiter = threading.Thread(target=accept_one, daemon=True)
+    waiter.start()
     probe = (
         "import socket\n"
         f"for host, port in [('127.0.0.1', {port}), ('10.0.0.1', 80), ('1.1.1.1', 53)]:\n"
@@ -623,7 +629,9 @@ def test_hostile_network(pair) -> None:  # type: ignore[no-untyped-def]
     try:
         out, _, res = loop.run(run(m, attacker, ["python3", "-c", probe], timeout_s=9))
     finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
         listener.close()
+        waiter.join(10)
     assert b"CONNECTED" not in out and out.count(b"refused") == 3, out
     assert not accepted
     loop.run(_healthy(m, bystander))
