@@ -153,15 +153,19 @@ def main() -> int:
     sys.stdout.write(json.dumps({"ready": True}) + "\n")
     sys.stdout.flush()
     for line in sys.stdin:
+        seq = None
         try:
             request = json.loads(line)
+            seq = request.pop("seq", None)
             op = request.pop("op")
             if op not in ("create", "destroy", "list"):
                 raise ValueError(f"unknown op {op!r}")
             reply = getattr(helper, op)(**request)
         except Exception as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
+        # The request's number comes back with its reply: the service drops replies to
+        # requests whose callers went away before reading them.
+        sys.stdout.write(json.dumps({**reply, "seq": seq}) + "\n")
         sys.stdout.flush()
     return 0
 

@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
-from meridian.run_to_end import RunToEnd
 from services.envsandbox import launcher, seccomp_policy, workspace_files
 from services.envsandbox.cgroups import CgroupLimits, Cgroups
 from services.envsandbox.config import UID_POOL
@@ -95,7 +94,7 @@ class ProcessBackend(Backend):
         self._tools: dict[str, str] = {}
         self._helper: SpawnedProcess | None = None
         self._helper_lock = asyncio.Lock()
-        self._exchanges = RunToEnd("a mount helper exchange", log)
+        self._helper_seq = 0  # the number of the last request to the mount helper
         self._cgroups: Cgroups | None = None
         self._procs: dict[str, list[str]] = {}
         self._running: dict[str, set[SpawnedProcess]] = {}
@@ -161,29 +160,29 @@ class ProcessBackend(Backend):
         return json.loads(line)
 
     async def _helper_call(self, op: str, **args: object) -> dict:
-        """One request to the mount helper and its reply. A caller cancelled meanwhile (its
-        client went away) does not cut the exchange short: the helper answers in order, so
-        a reply left unread would become the next caller's answer (a ``list`` was handed a
-        ``create``'s reply); the exchange runs to its end on its own and the helper's work
-        is in place for the caller's cleanup, which queues behind it."""
-        reply = await self._exchanges.run(self._helper_exchange(op, args))
-        if "error" in reply:
-            raise OSError(f"mount helper {op}: {reply['error']}")
-        return reply
-
-    async def _helper_exchange(self, op: str, args: dict[str, object]) -> dict:
+        """One request to the mount helper and its reply. The helper answers in order, each
+        reply with its request's number: a caller cancelled before it read its reply (its
+        client went away) leaves that reply behind, and the next caller drops it instead of
+        taking it for its own (a ``list`` was handed a ``create``'s reply). The helper's
+        work for the cancelled request is done before any later request's, so the caller's
+        cleanup, which comes later, finds it in place."""
         async with self._helper_lock:
             if self._helper is None or self._helper.returncode is not None:
                 raise Unavailable("the sandbox mount helper is not running")
             assert self._helper.stdin is not None
-            self._helper.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
+            self._helper_seq += 1
+            seq = self._helper_seq
+            self._helper.stdin.write(json.dumps({"op": op, "seq": seq, **args}).encode() + b"\n")
             await self._helper.stdin.drain()
-            return await self._read_reply()
+            while (reply := await self._read_reply()).get("seq") != seq:
+                log.debug("mount helper: dropped the reply to request %s, whose caller went away", reply.get("seq"))
+        if "error" in reply:
+            raise OSError(f"mount helper {op}: {reply['error']}")
+        return reply
 
     async def stop(self) -> None:
         for sandbox_id in list(self._procs):
             await self.destroy(sandbox_id)
-        await self._exchanges.wait()  # the helper answers what it was asked before its input closes
         if self._helper is not None and self._helper.returncode is None:
             assert self._helper.stdin is not None
             self._helper.stdin.close()
