@@ -2,9 +2,9 @@
 
 A gRPC handler is cancelled when its client goes away (a deadline, a dropped
 connection). Most work may stop there; some may not: a teardown cut short leaves
-processes, mounts or a uid behind while the count says they are free, a request to a
-helper process whose reply is never read becomes the next request's answer, and a
-version stored but never announced leaves every subscriber waiting. :class:`RunToEnd`
+processes, mounts or a uid behind while the count says they are free, a test run cut
+short leaves hidden tests on a sandbox's disk, and a version stored but never announced
+leaves every subscriber waiting. :class:`RunToEnd`
 runs such a step as a task of its own, lets the caller stop waiting at once, and keeps
 the task (the event loop holds only weak references) until it ends.
 """
