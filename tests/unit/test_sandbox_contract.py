@@ -157,7 +157,7 @@ def test_a_retried_create_answers_with_a_sandbox_that_is_ready(env: tuple[Loop, 
     async def main() -> None:
         held = m.slots.held
         first = asyncio.ensure_future(m.create(files=files, client_request_id=request_id))
-        while m.slots.held == held:  # the first call has registered its sandbox
+        while m.slots.held == held and not first.done():  # until it has registered its sandbox
             await asyncio.sleep(0)
         retry = asyncio.ensure_future(m.create(files=files, client_request_id=request_id))
         await asyncio.sleep(0)  # the retry reaches the manager while the first is at work
@@ -505,6 +505,8 @@ def test_a_run_tests_whose_caller_goes_away_leaves_no_hidden_test_behind(env: tu
                         break
                     except FailedPrecondition:  # still the tests' own
                         await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError(f"the cut run {i} never ended")
                 assert out == b"listed:\n", (i, whole_s, out[-200:])
         finally:
             await m.close(sid)
