@@ -1,8 +1,10 @@
 """Atomic checkpoints: complete ones are found, half-written ones never count, old ones go."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from services.trainer import checkpoint as ckpt
@@ -69,3 +71,15 @@ def test_a_crash_inside_a_same_step_rewrite_keeps_that_step(tmp_path: Path) -> N
     ckpt.restore_replaced(tmp_path)
     ckpt.prune(tmp_path, keep=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002", "step-000000003"]
+
+
+def test_a_checkpoint_without_its_marker_is_not_loaded(tmp_path: Path) -> None:
+    """A torn checkpoint (its files there, its COMPLETE marker not) must never be loaded,
+    even when named directly: its state may be half-written."""
+    path = _save(tmp_path, 5)
+    torn = tmp_path / "step-000000006"
+    shutil.copytree(path, torn)
+    (torn / ckpt.MARKER).unlink()
+    with pytest.raises(FileNotFoundError, match=ckpt.MARKER):
+        ckpt.load_checkpoint(torn)
+
