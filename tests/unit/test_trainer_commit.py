@@ -147,6 +147,41 @@ def test_acks_follow_checkpoints_and_a_replay_republishes_the_same_versions(tmp_
     asyncio.run(body())
 
 
+def test_a_checkpoint_that_fails_acks_nothing_and_its_groups_come_back_after_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint write that fails (a full disk) covers nothing: the groups of its
+    step stay pending, a trainer that dies then gets them again, and the next checkpoint
+    that is written acks them."""
+
+    def disk_full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    async def body() -> None:
+        streams = MemoryStreams()
+        ckpt_dir = tmp_path / "ckpt"
+        async with serving(WeightSyncService(WeightSyncConfig(role="origin", data_dir=str(tmp_path / "ws")))) as address:
+            first = Trainer(streams, address, ckpt_dir, CountingLearner(), checkpoint_every=1)
+            for name in ("g1", "g2"):
+                await first.transport.publish_group(_group(name))
+            await first.start()
+            with monkeypatch.context() as patch:
+                patch.setattr(ckpt, "save_checkpoint", disk_full)
+                await first.train_one()
+            assert ckpt.read_meta(ckpt.latest_checkpoint(ckpt_dir))["step"] == 0  # type: ignore[arg-type]
+            assert list(first.consumer.unacked()) == ["g1"] and await first.transport.pending() == 2
+
+            # The trainer dies here: its successor resumes at step 0 and gets g1 back first.
+            second = Trainer(streams, address, ckpt_dir, CountingLearner(), checkpoint_every=1)
+            await second.start()
+            assert [g.group_id for _, g in second.consumer.take(2)] == ["g1", "g2"]
+
+            # Without the crash, the next checkpoint written covers and acks both steps.
+            await first.train_one()
+            assert ckpt.read_meta(ckpt.latest_checkpoint(ckpt_dir))["step"] == 2  # type: ignore[arg-type]
+            assert first.consumer.unacked() == {} and await first.transport.pending() == 0
+
+    asyncio.run(body())
+
+
 def test_checkpoints_copy_the_state_the_next_step_changes(tmp_path: Path) -> None:
     """The background write must not see the step that follows it."""
 
