@@ -210,6 +210,33 @@ def test_checkpoints_copy_the_state_the_next_step_changes(tmp_path: Path) -> Non
     asyncio.run(body())
 
 
+def test_a_checkpoint_acks_only_the_groups_its_state_holds(tmp_path: Path) -> None:
+    """The groups a checkpoint acks are those trained on when its state was copied: a
+    step that runs while the checkpoint is written is not in it, so its groups stay
+    pending for the next checkpoint (acked now, a crash would lose them)."""
+
+    async def body() -> None:
+        learner = CountingLearner()
+        progress = Progress(counters=collections.Counter())
+        consumer = GroupConsumer(InMemoryGroupTransport(TRANSPORT, MemoryStreams()), ConsumerConfig("c", 10, 60_000, 3600), progress.counters)
+        committer = Committer(CommitConfig("unused:1", str(tmp_path), 5, checkpoint_every=1), learner, consumer, progress)
+        await consumer.start()
+        for name in ("g1", "g2"):
+            await consumer.transport.publish_group(_group(name))
+        await consumer.poll(10, 0)
+        consumer.trained_on(consumer.take(1))
+        learner.step([])
+        committer._since_checkpoint = 1
+        await committer.checkpoint()
+        consumer.trained_on(consumer.take(1))  # the next step, while the checkpoint is being written
+        learner.step([])
+        await committer.flush()
+        assert ckpt.read_meta(ckpt.latest_checkpoint(tmp_path))["trained_groups"] == ["g1"]  # type: ignore[arg-type]
+        assert list(consumer.unacked()) == ["g2"] and await consumer.transport.pending() == 1
+
+    asyncio.run(body())
+
+
 def test_an_idle_trainer_publishes_again_a_version_whose_publish_gave_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Weightsync down for every retry of the last step's publish: without a next step
     nothing would ever send that version, so the idle trainer does."""
