@@ -237,6 +237,22 @@ def test_a_checkpoint_acks_only_the_groups_its_state_holds(tmp_path: Path) -> No
     asyncio.run(body())
 
 
+def test_resume_takes_back_a_checkpoint_a_crashed_same_step_rewrite_moved_aside(tmp_path: Path) -> None:
+    """A trainer killed inside a same-step rewrite leaves that step's checkpoint moved
+    aside: the restarted trainer resumes from it (its groups may be acked), never from
+    the older step, and knows its groups as trained."""
+    for step in (2, 3):
+        meta = {"step": step, "version": step, "trained_groups": [f"g{k}" for k in range(1, step + 1)]}
+        ckpt.save_checkpoint(tmp_path, step, {"version": step, "step": step}, meta, 10)
+    (tmp_path / "step-000000003").rename(tmp_path / ".tmp-replaced-step-000000003-4242")  # the state the crash leaves
+    learner = CountingLearner()
+    consumer = GroupConsumer(InMemoryGroupTransport(TRANSPORT, MemoryStreams()), ConsumerConfig("c", 10, 60_000, 3600))
+    committer = Committer(CommitConfig("unused:1", str(tmp_path), 5), learner, consumer, Progress())
+    assert committer.resume()
+    assert learner.version == 3 and learner.step_count == 3
+    assert "g3" in consumer.trained and committer.progress.resumed_from_step == 3
+
+
 def test_an_idle_trainer_publishes_again_a_version_whose_publish_gave_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Weightsync down for every retry of the last step's publish: without a next step
     nothing would ever send that version, so the idle trainer does."""
