@@ -1,8 +1,11 @@
 """Atomic checkpoints: complete ones are found, half-written ones never count, old ones go."""
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from services.trainer import checkpoint as ckpt
@@ -69,3 +72,37 @@ def test_a_crash_inside_a_same_step_rewrite_keeps_that_step(tmp_path: Path) -> N
     ckpt.restore_replaced(tmp_path)
     ckpt.prune(tmp_path, keep=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002", "step-000000003"]
+
+
+def test_a_checkpoint_without_its_marker_is_not_loaded(tmp_path: Path) -> None:
+    """A torn checkpoint (its files there, its COMPLETE marker not) must never be loaded,
+    even when named directly: its state may be half-written."""
+    path = _save(tmp_path, 5)
+    torn = tmp_path / "step-000000006"
+    shutil.copytree(path, torn)
+    (torn / ckpt.MARKER).unlink()
+    with pytest.raises(FileNotFoundError, match=ckpt.MARKER):
+        ckpt.load_checkpoint(torn)
+
+
+def test_a_crash_between_the_renames_of_a_same_step_rewrite_keeps_that_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rewrite of step 3 dies after step 3 was moved aside and before the new one
+    took its place: the restarted trainer finds step 3 (whose groups may be acked), never
+    step 2; the old checkpoint is moved aside, not deleted, before the rename."""
+    _save(tmp_path, 2)
+    _save(tmp_path, 3)
+    rename = os.rename
+
+    def crash_on_the_rewrite(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        if Path(src).name.startswith(".tmp-step-"):
+            raise OSError("killed")  # the process dies here
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_the_rewrite)
+    with pytest.raises(OSError, match="killed"):
+        ckpt.save_checkpoint(tmp_path, 3, {"w": torch.zeros(2)}, {"step": 3, "trained_groups": ["g"]}, 3)
+    monkeypatch.undo()
+    ckpt.restore_replaced(tmp_path)
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step-000000003"
+    state, meta = ckpt.load_checkpoint(tmp_path / "step-000000003")
+    assert meta == {"step": 3} and torch.equal(state["w"], torch.full((2,), 3.0))

@@ -147,6 +147,41 @@ def test_acks_follow_checkpoints_and_a_replay_republishes_the_same_versions(tmp_
     asyncio.run(body())
 
 
+def test_a_checkpoint_that_fails_acks_nothing_and_its_groups_come_back_after_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint write that fails (a full disk) covers nothing: the groups of its
+    step stay pending, a trainer that dies then gets them again, and the next checkpoint
+    that is written acks them."""
+
+    def disk_full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    async def body() -> None:
+        streams = MemoryStreams()
+        ckpt_dir = tmp_path / "ckpt"
+        async with serving(WeightSyncService(WeightSyncConfig(role="origin", data_dir=str(tmp_path / "ws")))) as address:
+            first = Trainer(streams, address, ckpt_dir, CountingLearner(), checkpoint_every=1)
+            for name in ("g1", "g2"):
+                await first.transport.publish_group(_group(name))
+            await first.start()
+            with monkeypatch.context() as patch:
+                patch.setattr(ckpt, "save_checkpoint", disk_full)
+                await first.train_one()
+            assert ckpt.read_meta(ckpt.latest_checkpoint(ckpt_dir))["step"] == 0  # type: ignore[arg-type]
+            assert list(first.consumer.unacked()) == ["g1"] and await first.transport.pending() == 2
+
+            # The trainer dies here: its successor resumes at step 0 and gets g1 back first.
+            second = Trainer(streams, address, ckpt_dir, CountingLearner(), checkpoint_every=1)
+            await second.start()
+            assert [g.group_id for _, g in second.consumer.take(2)] == ["g1", "g2"]
+
+            # Without the crash, the next checkpoint written covers and acks both steps.
+            await first.train_one()
+            assert ckpt.read_meta(ckpt.latest_checkpoint(ckpt_dir))["step"] == 2  # type: ignore[arg-type]
+            assert first.consumer.unacked() == {} and await first.transport.pending() == 0
+
+    asyncio.run(body())
+
+
 def test_checkpoints_copy_the_state_the_next_step_changes(tmp_path: Path) -> None:
     """The background write must not see the step that follows it."""
 
@@ -173,6 +208,49 @@ def test_checkpoints_copy_the_state_the_next_step_changes(tmp_path: Path) -> Non
         assert state["step"] == 1
 
     asyncio.run(body())
+
+
+def test_a_checkpoint_acks_only_the_groups_its_state_holds(tmp_path: Path) -> None:
+    """The groups a checkpoint acks are those trained on when its state was copied: a
+    step that runs while the checkpoint is written is not in it, so its groups stay
+    pending for the next checkpoint (acked now, a crash would lose them)."""
+
+    async def body() -> None:
+        learner = CountingLearner()
+        progress = Progress(counters=collections.Counter())
+        consumer = GroupConsumer(InMemoryGroupTransport(TRANSPORT, MemoryStreams()), ConsumerConfig("c", 10, 60_000, 3600), progress.counters)
+        committer = Committer(CommitConfig("unused:1", str(tmp_path), 5, checkpoint_every=1), learner, consumer, progress)
+        await consumer.start()
+        for name in ("g1", "g2"):
+            await consumer.transport.publish_group(_group(name))
+        await consumer.poll(10, 0)
+        consumer.trained_on(consumer.take(1))
+        learner.step([])
+        committer._since_checkpoint = 1
+        await committer.checkpoint()
+        consumer.trained_on(consumer.take(1))  # the next step, while the checkpoint is being written
+        learner.step([])
+        await committer.flush()
+        assert ckpt.read_meta(ckpt.latest_checkpoint(tmp_path))["trained_groups"] == ["g1"]  # type: ignore[arg-type]
+        assert list(consumer.unacked()) == ["g2"] and await consumer.transport.pending() == 1
+
+    asyncio.run(body())
+
+
+def test_resume_takes_back_a_checkpoint_a_crashed_same_step_rewrite_moved_aside(tmp_path: Path) -> None:
+    """A trainer killed inside a same-step rewrite leaves that step's checkpoint moved
+    aside: the restarted trainer resumes from it (its groups may be acked), never from
+    the older step, and knows its groups as trained."""
+    for step in (2, 3):
+        meta = {"step": step, "version": step, "trained_groups": [f"g{k}" for k in range(1, step + 1)]}
+        ckpt.save_checkpoint(tmp_path, step, {"version": step, "step": step}, meta, 10)
+    (tmp_path / "step-000000003").rename(tmp_path / ".tmp-replaced-step-000000003-4242")  # the state the crash leaves
+    learner = CountingLearner()
+    consumer = GroupConsumer(InMemoryGroupTransport(TRANSPORT, MemoryStreams()), ConsumerConfig("c", 10, 60_000, 3600))
+    committer = Committer(CommitConfig("unused:1", str(tmp_path), 5), learner, consumer, Progress())
+    assert committer.resume()
+    assert learner.version == 3 and learner.step_count == 3
+    assert "g3" in consumer.trained and committer.progress.resumed_from_step == 3
 
 
 def test_an_idle_trainer_publishes_again_a_version_whose_publish_gave_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,19 @@ import collections
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from meridian.trajectory_transport import GroupEntry, InMemoryGroupTransport, MemoryStreams, TransportConfig, encode_fields, make_group
+import pytest
+from redis import exceptions as redis_errors
+
+from meridian.trajectory_transport import (
+    DEAD_LETTER_SUFFIX,
+    GroupEntry,
+    InMemoryGroupTransport,
+    MemoryStreams,
+    RedisGroupTransport,
+    TransportConfig,
+    encode_fields,
+    make_group,
+)
 from meridian.v1 import common_pb2
 from services.trainer.consumer import ConsumerConfig, GroupConsumer, TrainedIds
 
@@ -128,6 +140,36 @@ def test_poison_entries_are_dead_lettered_and_acked() -> None:
         dead = streams.entries[CONFIG.stream + ":dead"]
         reasons = [fields[b"reason"].decode() for _, fields in dead]
         assert "3" in reasons[0] and "before groups" in reasons[1]
+
+    run(body)
+
+
+def test_a_batch_whose_dead_lettering_fails_goes_back_to_the_front_unacked(redis_url: str) -> None:
+    """Dead-lettering a failing batch on a real redis-server whose dead-letter stream
+    cannot be written: the error is raised, nothing is acked, and the groups are back at
+    the front of the ready queue in their order, to be tried again, never lost."""
+
+    async def body() -> None:
+        transport = RedisGroupTransport(TransportConfig(url=redis_url, stream=CONFIG.stream))
+        c = GroupConsumer(transport, ConsumerConfig("trainer-0", dedupe_window=100, claim_idle_ms=60_000, claim_every_s=3600))
+        try:
+            await c.start()
+            for name in ("g0", "g1", "g2"):
+                await transport.publish_group(_group(name))
+            await c.poll(10, 0)
+            taken = c.take(2)
+            await transport.redis.set(CONFIG.stream + DEAD_LETTER_SUFFIX, "not a stream")  # XADD there fails
+            with pytest.raises(redis_errors.ResponseError, match="WRONGTYPE"):
+                await c.dead_letter_taken(taken, "the step kept failing")
+            assert await transport.pending() == 3 and c.counters["dead_lettered"] == 0
+            again = c.take(2)
+            assert again == taken
+            await transport.redis.delete(CONFIG.stream + DEAD_LETTER_SUFFIX)
+            await c.dead_letter_taken(again, "the step kept failing")
+            assert await transport.pending() == 1 and c.counters["dead_lettered"] == 2
+            assert _ids(c.take(1)) == ["g2"]
+        finally:
+            await transport.close()
 
     run(body)
 

@@ -244,6 +244,30 @@ def test_claim_stale_respects_count(make_transport: Callable[..., GroupTransport
     run(body)
 
 
+def test_claim_stale_finds_a_stale_entry_behind_many_fresh_ones(make_transport: Callable[..., GroupTransport]) -> None:
+    """A dead consumer's entry is claimed however many recently delivered entries sit
+    before it in the pending list: XAUTOCLAIM examines at most ten times COUNT entries a
+    call, so claim_stale must follow its cursor through the whole list, or the entry
+    stays pending, never trained, for as long as the fresh ones keep coming first."""
+
+    async def body() -> None:
+        t = make_transport()
+        try:
+            await t.ensure_consumer_group()
+            ids = [await t.publish_group(_group(g)) for g in range(12)]
+            await t.read("dead-consumer", count=12, block_ms=100)
+            await asyncio.sleep(0.5)
+            # A live consumer took the first eleven just now: only the last one is stale.
+            assert [e.entry_id for e in await t.claim_stale("live", min_idle_ms=0, count=11)] == ids[:11]
+            claimed = await t.claim_stale("survivor", min_idle_ms=250, count=1)
+            assert [e.entry_id for e in claimed] == ids[11:]
+            assert [e.entry_id for e in await t.read_own_pending("survivor", 10)] == ids[11:]
+        finally:
+            await t.close()
+
+    run(body)
+
+
 def _bad_fields() -> dict[str, dict[str, bytes]]:
     mismatch = make_group(_group(9))
     mismatch.trajectories[0].logprobs.pop()  # 3 tokens, 2 logprobs
