@@ -1,6 +1,7 @@
 """The trainer's exactly-once ledger (GroupConsumer) on the in-memory transport:
 redelivery, claims, poison entries, and crashes at each point of the commit order.
-The same cases run against redis-server in tests/integration/test_trainer_recovery.py."""
+The same cases run against redis-server in tests/integration/test_trainer_recovery.py;
+a dead-letter stream that cannot be written is made on a real redis-server here."""
 from __future__ import annotations
 
 import asyncio

@@ -256,10 +256,11 @@ def test_claim_stale_finds_a_stale_entry_behind_many_fresh_ones(make_transport: 
             await t.ensure_consumer_group()
             ids = [await t.publish_group(_group(g)) for g in range(12)]
             await t.read("dead-consumer", count=12, block_ms=100)
-            await asyncio.sleep(0.5)
-            # A live consumer took the first eleven just now: only the last one is stale.
+            await asyncio.sleep(2.5)
+            # A live consumer took the first eleven just now: only the last one is stale (the
+            # margin: the next call comes well within 2 s even on a busy machine).
             assert [e.entry_id for e in await t.claim_stale("live", min_idle_ms=0, count=11)] == ids[:11]
-            claimed = await t.claim_stale("survivor", min_idle_ms=250, count=1)
+            claimed = await t.claim_stale("survivor", min_idle_ms=2000, count=1)
             assert [e.entry_id for e in claimed] == ids[11:]
             assert [e.entry_id for e in await t.read_own_pending("survivor", 10)] == ids[11:]
         finally:
