@@ -1,17 +1,23 @@
-"""The server that meridian.grpc_runtime.run_server builds, as `meridian serve` runs it."""
+"""The server lifecycle of meridian.grpc_runtime.run_server (NOT_SERVING until the
+warm-up returns; on SIGTERM NOT_SERVING, in-flight calls drained, then the service's own
+stop) and the error boundary's mapping of what a dependency answers and of bidi streams.
+The boundary's other cases are in test_grpc_services, warm-up and later failures in
+test_container_startup and test_service_failure."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from meridian import grpc_runtime
+from meridian import errors, grpc_runtime
 from meridian.grpc_runtime import ServerConfig, check_health
 
 T = TypeVar("T")
@@ -68,8 +74,39 @@ def _sigterm_fallback() -> threading.Timer:
     return timer
 
 
+def run_serving(body: Callable[[LifecycleService, str, asyncio.Task[None]], Awaitable[None]], service: LifecycleService, config: ServerConfig) -> None:
+    """Runs ``body`` beside run_server (in one event loop, as `meridian serve` does); a
+    server the body left running is stopped as a deployment stops it, with SIGTERM."""
+    async def main() -> None:
+        server = asyncio.create_task(grpc_runtime.run_server("toy", service, config))
+        try:
+            await _until(lambda: _answers(config.port))
+            await body(service, f"127.0.0.1:{config.port}", server)
+        finally:
+            if not server.done():
+                service.warmed.set()
+                service.release.set()
+                os.kill(os.getpid(), signal.SIGTERM)
+                with contextlib.suppress(SystemExit, Exception):
+                    await server
+
+    fallback = _sigterm_fallback()
+    try:
+        run(main())
+    finally:
+        fallback.cancel()
+
+
+async def _answers(port: int) -> bool:
+    return await check_health(f"127.0.0.1:{port}", auth=None) != "UNREACHABLE"
+
+
 async def _is_serving(address: str) -> bool:
     return await check_health(address, auth=None) == "SERVING"
+
+
+async def _refuses(address: str) -> bool:
+    return await check_health(address, auth=None) == "UNREACHABLE"
 
 
 def test_health_watch_streams_on_a_server_run_server_builds(pick_port: Callable[[], int]) -> None:
@@ -79,21 +116,203 @@ def test_health_watch_streams_on_a_server_run_server_builds(pick_port: Callable[
     instead of ending in UNKNOWN with a TypeError."""
     service = LifecycleService()
     service.warmed.set()
-    config = ServerConfig(host="127.0.0.1", port=pick_port(), insecure=True, grace_s=1.0)
-    address = f"127.0.0.1:{config.port}"
 
-    async def main() -> None:
-        server = asyncio.create_task(grpc_runtime.run_server("toy", service, config))
+    async def body(service: LifecycleService, address: str, server: asyncio.Task[None]) -> None:
         await _until(lambda: _is_serving(address))
         async with grpc.aio.insecure_channel(address) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE))
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
             watch.cancel()
-        os.kill(os.getpid(), signal.SIGTERM)
-        await server
 
+    run_serving(body, service, ServerConfig(host="127.0.0.1", port=pick_port(), insecure=True, grace_s=1.0))
+
+
+def test_health_is_not_serving_until_the_warm_up_returns(pick_port: Callable[[], int]) -> None:
+    """Load balancers and `meridian up` route traffic on health: a service still loading
+    its model must not be sent calls it cannot answer."""
+    service = LifecycleService()
+
+    async def body(service: LifecycleService, address: str, server: asyncio.Task[None]) -> None:
+        assert await check_health(address, auth=None) == "NOT_SERVING"
+        assert await check_health(address, SERVICE, auth=None) == "NOT_SERVING"
+        service.warmed.set()
+        await _until(lambda: _is_serving(address))
+        assert await check_health(address, SERVICE, auth=None) == "SERVING"
+
+    run_serving(body, service, ServerConfig(host="127.0.0.1", port=pick_port(), insecure=True, grace_s=1.0))
+    assert service.stopped
+
+
+class FailingWarmUp(LifecycleService):
+    async def start(self) -> None:
+        await self.warmed.wait()
+        raise RuntimeError("cannot load the model")
+
+
+def test_a_failed_warm_up_never_reports_serving_and_exits_1(pick_port: Callable[[], int]) -> None:
+    """A service that could not warm up stays NOT_SERVING to the end and exits 1, for its
+    supervisor to restart it; it must not take traffic in between."""
+    service = FailingWarmUp()
+    config = ServerConfig(host="127.0.0.1", port=pick_port(), insecure=True, grace_s=0.5)
+    address = f"127.0.0.1:{config.port}"
+    statuses: list[int] = []
+
+    async def watch_then_fail_the_warm_up() -> None:
+        await _until(lambda: _answers(config.port))
+        async with grpc.aio.insecure_channel(address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            statuses.append((await watch.read()).status)
+            service.warmed.set()
+            with contextlib.suppress(grpc.aio.AioRpcError):  # the stream ends with the server
+                while statuses[-1] != health_pb2.HealthCheckResponse.SERVING and (message := await watch.read()) != grpc.aio.EOF:
+                    statuses.append(message.status)
+        if statuses[-1] == health_pb2.HealthCheckResponse.SERVING:
+            os.kill(os.getpid(), signal.SIGTERM)  # it serves: stop it, the assertion below says why
+
+    async def main() -> None:
+        watcher = asyncio.create_task(watch_then_fail_the_warm_up())
+        try:
+            await grpc_runtime.run_server("toy", service, config)
+        except SystemExit as exc:  # caught in the task: one escaping it left pytest unable to parse a module later (CPython 3.11)
+            exits.append(exc.code)
+        finally:
+            await asyncio.wait({watcher}, timeout=10)
+
+    exits: list[object] = []
     fallback = _sigterm_fallback()
     try:
         run(main())
     finally:
         fallback.cancel()
+    assert statuses[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert health_pb2.HealthCheckResponse.SERVING not in statuses, statuses
+    assert exits == [1] and service.stopped
+
+
+def test_sigterm_reports_not_serving_drains_calls_then_stops_the_service(pick_port: Callable[[], int]) -> None:
+    """The order of a shutdown: health watchers hear NOT_SERVING first (so traffic moves
+    away), the server stops taking calls, a call already in flight still completes with
+    the service's resources intact, and only then does the service's own stop run."""
+    service = LifecycleService()
+    service.warmed.set()
+
+    async def body(service: LifecycleService, address: str, server: asyncio.Task[None]) -> None:
+        await _until(lambda: _is_serving(address))
+        async with grpc.aio.insecure_channel(address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE))
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            slow = asyncio.ensure_future(channel.unary_unary(f"/{SERVICE}/Slow")(b"", timeout=50))
+            await service.entered.wait()
+            os.kill(os.getpid(), signal.SIGTERM)
+            update = await watch.read()
+            assert update != grpc.aio.EOF and update.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()  # a watcher that heard it goes away; the drain waits for the rest
+            # Released only once the server has refused new calls a few times over: a
+            # server that cut its calls short instead of draining them has cut this one
+            # by then (no clock involved: each refusal is a round trip through its loop).
+            for _ in range(3):
+                await _until(lambda: _refuses(address))
+            assert not service.stopped
+            service.release.set()
+            assert await slow == b"done"
+        await server
+
+    run_serving(body, service, ServerConfig(host="127.0.0.1", port=pick_port(), insecure=True, grace_s=20.0))
+    assert service.stopped
+
+
+# ---------------------------------------------------------------- error boundary
+
+
+class Upstream:
+    """A dependency that answers each method with one status."""
+
+    service_names = ("test.Upstream",)
+
+    def register(self, server: grpc.aio.Server) -> None:
+        def failing(exc: Exception) -> Any:
+            async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+                raise exc
+
+            return grpc.unary_unary_rpc_method_handler(handler)
+
+        handlers = {"Full": failing(errors.ResourceExhausted("the upstream is full")), "Bad": failing(errors.InvalidArgument("field x is bad"))}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Upstream", handlers),))
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+class Front:
+    """A service that forwards Call to the upstream's method named in the request, and a
+    bidi stream that fails after its first answer."""
+
+    service_names = ("test.Front",)
+    secret = "secret-detail-must-not-leak"
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+
+    def register(self, server: grpc.aio.Server) -> None:
+        async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            async with grpc.aio.insecure_channel(self.upstream) as channel:
+                return await channel.unary_unary(f"/test.Upstream/{request.decode()}")(b"", timeout=10)  # type: ignore[no-any-return]
+
+        async def chat(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            async for request in requests:
+                yield request
+                raise RuntimeError(self.secret)
+
+        handlers = {"Call": grpc.unary_unary_rpc_method_handler(call), "Chat": grpc.stream_stream_rpc_method_handler(chat)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Front", handlers),))
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+async def _code(call: Awaitable[Any]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value.code(), info.value.details() or ""
+
+
+def test_a_full_dependency_is_resource_exhausted_and_its_other_answers_internal(grpc_serving: Serving) -> None:
+    """A dependency's RESOURCE_EXHAUSTED means "retry later" to our caller too, so it is
+    passed on; its INVALID_ARGUMENT is about our request to it, not the caller's, so the
+    caller must not read it as its own mistake: INTERNAL, with a reference."""
+    async def main() -> None:
+        async with grpc_serving(Upstream()) as upstream, grpc_serving(Front(upstream)) as front:
+            async with grpc.aio.insecure_channel(front) as channel:
+                code, details = await _code(channel.unary_unary("/test.Front/Call")(b"Full", timeout=10))
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert details.startswith("a service this call depends on answered RESOURCE_EXHAUSTED") and "the upstream is full" in details
+                code, details = await _code(channel.unary_unary("/test.Front/Call")(b"Bad", timeout=10))
+                assert code == grpc.StatusCode.INTERNAL and "ref=" in details and "field x" not in details
+
+    run(main())
+
+
+def test_a_bidi_stream_that_raises_is_internal_without_the_exception(grpc_serving: Serving) -> None:
+    """grpcio's own answer to an escaping exception is UNKNOWN with the exception's text:
+    a stream-stream method must pass the boundary like every other kind."""
+    async def main() -> None:
+        async with grpc_serving(Front("unused")) as front:
+            async with grpc.aio.insecure_channel(front) as channel:
+                call = channel.stream_stream("/test.Front/Chat")(iter([b"a", b"b"]), timeout=10)
+                got: list[bytes] = []
+
+                async def drain() -> None:
+                    async for item in call:
+                        got.append(item)
+
+                code, details = await _code(drain())
+                assert got == [b"a"]
+                assert code == grpc.StatusCode.INTERNAL and "ref=" in details and Front.secret not in details
+
+    run(main())
