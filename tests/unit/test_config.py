@@ -166,6 +166,17 @@ def test_server_config_rejects_bad_grace_or_size(kwargs: dict[str, float]) -> No
         ServerConfig(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"port": 65536}, "port"), ({"grace_s": -0.1}, "grace_s"), ({"max_message_mb": 0}, "max_message_mb"), ({"max_concurrent_rpcs": 0}, "max_concurrent_rpcs")],
+)
+def test_server_config_refusals_name_the_field(kwargs: dict[str, float], field: str) -> None:
+    """A server with a limit of 0 calls would refuse every call RESOURCE_EXHAUSTED while
+    its health says SERVING: refused at start, with the setting to fix named."""
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**kwargs)  # type: ignore[arg-type]
+
+
 def test_weightsync_relay_needs_upstream() -> None:
     with pytest.raises(ValueError, match="upstream"):
         WeightSyncConfig(role="relay")
