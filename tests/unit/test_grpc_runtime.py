@@ -1,7 +1,7 @@
 """The server lifecycle of meridian.grpc_runtime.run_server (NOT_SERVING until the
 warm-up returns; on SIGTERM NOT_SERVING, in-flight calls drained, then the service's own
-stop) and the error boundary's mapping of what a dependency answers and of bidi streams.
-The boundary's other cases are in test_grpc_services, warm-up and later failures in
+stop), the error boundary's mapping of what a dependency answers and of bidi streams,
+and the roles of callers a service adds. The boundary's other cases are in test_grpc_services, warm-up and later failures in
 test_container_startup and test_service_failure."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -314,5 +315,58 @@ def test_a_bidi_stream_that_raises_is_internal_without_the_exception(grpc_servin
                 code, details = await _code(drain())
                 assert got == [b"a"]
                 assert code == grpc.StatusCode.INTERNAL and "ref=" in details and Front.secret not in details
+
+    run(main())
+
+
+# ---------------------------------------------------------------- callers a service adds
+
+
+class RolloutLike:
+    """Two rollout methods (RunEpisodes: the operator's alone; Status: production's too)
+    and callers of the service's own, as rollout adds its API keys' holders."""
+
+    service_names = ("meridian.v1.Rollout",)
+
+    def __init__(self, caller_roles: dict[str, str]) -> None:
+        self.caller_roles = caller_roles
+
+    def register(self, server: grpc.aio.Server) -> None:
+        async def reached(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            return b"reached"
+
+        handlers = {name: grpc.unary_unary_rpc_method_handler(reached) for name in ("RunEpisodes", "Status")}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("meridian.v1.Rollout", handlers),))
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+def test_a_services_own_callers_cannot_change_a_deployment_tokens_role(grpc_serving: Serving, credentials_dir: Path) -> None:
+    """`meridian certs` lists the operator's token among rollout's production API keys
+    (api-keys.json), so rollout's callers map it to production: the deployment's role
+    for the same token must win, or the operator could no longer start episodes."""
+    from meridian import access, credentials
+
+    tokens = credentials.load_tokens(credentials_dir)
+    service = RolloutLike({access.token_digest(tokens["operator"]): "production", access.token_digest("batch-eval-key"): "production"})
+    ca, cert, key = credentials.client_pem(credentials_dir)
+    tls = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    async def main() -> None:
+        async with grpc_serving(service, secure=("rollout", credentials_dir)) as address, grpc.aio.secure_channel(address, tls) as channel:
+            async def call(method: str, token: str) -> grpc.StatusCode:
+                try:
+                    await channel.unary_unary(f"/meridian.v1.Rollout/{method}")(b"", metadata=(("authorization", f"Bearer {token}"),), timeout=10)
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+                return grpc.StatusCode.OK
+
+            assert await call("RunEpisodes", tokens["operator"]) == grpc.StatusCode.OK
+            assert await call("Status", "batch-eval-key") == grpc.StatusCode.OK  # the service's own caller
+            assert await call("RunEpisodes", "batch-eval-key") == grpc.StatusCode.PERMISSION_DENIED
 
     run(main())
