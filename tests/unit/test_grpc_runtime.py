@@ -1,8 +1,9 @@
 """The server lifecycle of meridian.grpc_runtime.run_server (NOT_SERVING until the
 warm-up returns; on SIGTERM NOT_SERVING, in-flight calls drained, then the service's own
-stop), the error boundary's mapping of what a dependency answers and of bidi streams,
-and the roles of callers a service adds. The boundary's other cases are in test_grpc_services, warm-up and later failures in
-test_container_startup and test_service_failure."""
+stop), the error boundary's mapping of what a dependency answers and of bidi streams, and
+the roles of callers a service adds. The boundary's other cases are in
+test_grpc_services, warm-up and later failures in test_container_startup and
+test_service_failure."""
 from __future__ import annotations
 
 import asyncio
