@@ -371,3 +371,22 @@ def test_a_services_own_callers_cannot_change_a_deployment_tokens_role(grpc_serv
             assert await call("RunEpisodes", "batch-eval-key") == grpc.StatusCode.PERMISSION_DENIED
 
     run(main())
+
+
+# ---------------------------------------------------------------- plaintext clients
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:5", "[::1]:5", "localhost:5", "dns:///localhost:5", "ipv6:///[::1]:5"])
+def test_plaintext_goes_to_every_spelling_of_loopback(address: str) -> None:
+    """A local stack without credentials is reached by whatever target form the caller
+    uses (gRPC resolver prefixes, IPv6 in brackets)."""
+    async def main() -> None:
+        await grpc_runtime.open_channel(address, auth=None).close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("address", ["10.0.0.7:5", "dns:///10.0.0.7:5", "[2001:db8::1]:5", "meridian.internal:5", "dns:///localhost.example.com:5"])
+def test_plaintext_is_refused_to_anything_else(address: str) -> None:
+    with pytest.raises(ValueError, match="only loopback"):
+        grpc_runtime.open_channel(address, auth=None)
