@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 
@@ -175,6 +176,15 @@ def test_server_config_refusals_name_the_field(kwargs: dict[str, float], field: 
     its health says SERVING: refused at start, with the setting to fix named."""
     with pytest.raises(ValueError, match=field):
         ServerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_server_credentials_flag_beats_meridian_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A flag is the more specific setting: one host serving two deployments (or a test
+    beside an operator's shell) picks its folder with --credentials whatever the
+    environment names."""
+    monkeypatch.setenv("MERIDIAN_CREDENTIALS", str(tmp_path / "from-env"))
+    assert ServerConfig(credentials=str(tmp_path / "from-flag")).credentials_folder() == tmp_path / "from-flag"
+    assert ServerConfig().credentials_folder() == tmp_path / "from-env"
 
 
 def test_weightsync_relay_needs_upstream() -> None:
