@@ -92,3 +92,20 @@ def test_remade_secrets_are_private_even_where_the_old_file_was_not(tmp_path: Pa
     credentials.make_credentials(folder, overwrite=True)
     for name in ("tokens.json", "trainer.token", "ca-key.pem"):
         assert stat.S_IMODE(os.stat(folder / name).st_mode) == 0o600, name
+
+
+def test_certs_without_force_adds_files_and_rewrites_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Deployed services hold the per-role files (Kubernetes Secrets are made from them):
+    completing a folder must not rewrite one from the operator's copies, even where the two
+    no longer agree (a role's token replaced in its own file)."""
+    from meridian.cli import main
+
+    folder = credentials.make_credentials(tmp_path / "creds")
+    (folder / "relay.token").write_text("rotated-by-hand")
+    (folder / "redis-rollout.password").unlink()  # a file an earlier release did not make
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert main(["certs", "--out", str(folder)]) == 0
+    assert "added redis-rollout.password" in capsys.readouterr().out
+    after = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert {name: after[name] for name in before} == before
+    assert after["redis-rollout.password"].decode() == credentials.redis_passwords(folder)["rollout"]
