@@ -184,6 +184,24 @@ def test_endpoint_serves_http_on_a_free_port_and_closes() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(("flag", "own", "label"), [("eu", "b", "eu"), ("", "b", "b"), ("", "", "local")])
+def test_the_region_label_is_the_flag_else_the_services_region_else_local(flag: str, own: str, label: str) -> None:
+    """--metrics-region is how an operator relabels a service (a region's second rollout
+    pool, say); it must win over the service's own --region, which is only the default."""
+    async def main() -> None:
+        m = metrics.ServiceMetrics("rollout")
+        service = type("Svc", (), {"metrics": m, "config": type("Cfg", (), {"region": own})()})()
+        endpoint = metrics.start_endpoint("rollout", service, ServerConfig(metrics_port=0, metrics_region=flag), asyncio.get_running_loop())
+        assert endpoint is not None
+        try:
+            got = samples(await asyncio.to_thread(fetch, endpoint.url))
+            assert one(got, "meridian_service_up", service="rollout", region=label) == 1
+        finally:
+            endpoint.close()
+
+    asyncio.run(main())
+
+
 def test_an_endpoint_that_cannot_start_leaves_the_service_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
