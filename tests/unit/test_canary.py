@@ -74,3 +74,18 @@ def test_canary_token_ids_are_cut_to_max_tokens_and_drop_sequences_too_short_to_
     assert ids == [list(text.encode()[:5]) for text in canary.CANARY_TEXTS]
     assert canary.canary_token_ids(encode, max_tokens=1) == []  # one token scores nothing
     assert canary.canary_token_ids(lambda text: [] if "fox" in text else [1, 2]) == [[1, 2]] * (len(canary.CANARY_TEXTS) - 1)
+
+
+def test_default_tolerances_accept_measured_bf16_noise_and_reject_one_token_far_off() -> None:
+    """The defaults are the module's measured bounds: two bf16 implementations of one model
+    differ by up to ~0.09 nats per token on average and ~0.3 on a single token, and must
+    pass; a single token 2 nats off, far beyond that noise, must not, even when the
+    average over the canary stays low."""
+    expected = [0.0] + [-1.0] * 20
+    probe = canary.build([list(range(21))], [expected])
+    noisy = [0.0] + [-1.08] * 19 + [-1.3]
+    verdict = canary.compare(probe, [noisy])
+    assert verdict.ok and 0.09 <= verdict.mean_diff < 0.1, verdict
+    one_far = [0.0] + [-1.0] * 19 + [-3.0]
+    verdict = canary.compare(probe, [one_far])
+    assert not verdict.ok and verdict.mean_diff < canary.DEFAULT_MEAN_TOLERANCE and "a canary token" in verdict.reason
