@@ -223,6 +223,55 @@ def test_sigterm_reports_not_serving_drains_calls_then_stops_the_service(pick_po
     assert service.stopped
 
 
+class BrokenFailureCheck(LifecycleService):
+    """A service whose failure check itself raises once it serves."""
+
+    async def failure(self) -> str:
+        raise RuntimeError("status poll broke")
+
+
+def test_a_failure_check_that_raises_is_a_failure_with_an_orderly_exit_1(pick_port: Callable[[], int], capsys: pytest.CaptureFixture[str]) -> None:
+    """The check that watches a service's background task can break too: that is a service
+    that can no longer tell whether it serves, so it stops as any failed one does (health
+    NOT_SERVING, the server stopped, the service's own stop run, exit 1), not with the
+    check's exception escaping past the shutdown."""
+    service = BrokenFailureCheck()
+    service.warmed.set()
+    config = ServerConfig(host="127.0.0.1", port=pick_port(), insecure=True, grace_s=0.5)
+    exits: list[object] = []
+
+    async def main() -> None:
+        try:
+            await grpc_runtime.run_server("toy", service, config)
+        except SystemExit as exc:  # caught in the task: one escaping it left pytest unable to parse a module later (CPython 3.11)
+            exits.append(exc.code)
+
+    fallback = _sigterm_fallback()
+    try:
+        run(main())
+    finally:
+        fallback.cancel()
+    assert exits == [1] and service.stopped
+    assert "meridian toy failed: its failure check raised RuntimeError: status poll broke" in capsys.readouterr().out
+
+
+def test_failure_of_says_why_the_task_ended() -> None:
+    """A cancelled background task is a failure like a crashed one: the reason must say so
+    rather than the check raising CancelledError, which reads as a plain stop (exit 0)."""
+    async def main() -> None:
+        async def crash() -> None:
+            raise OSError(28, "No space left on device")
+
+        crashed = asyncio.create_task(crash())
+        assert await grpc_runtime.failure_of(crashed, "the loop") == "the loop stopped: OSError: [Errno 28] No space left on device"
+        cancelled = asyncio.create_task(asyncio.Event().wait())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        assert await grpc_runtime.failure_of(cancelled, "the loop") == "the loop was cancelled"
+
+    run(main())
+
+
 # ---------------------------------------------------------------- error boundary
 
 
