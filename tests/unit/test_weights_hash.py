@@ -92,3 +92,17 @@ def test_element_count_bound_is_inclusive() -> None:
     assert element_count((1 << 20, 1 << 20)) == MAX_ELEMENTS
     with pytest.raises(ValueError, match="more than"):
         element_count((MAX_ELEMENTS + 1,))
+
+
+@pytest.mark.parametrize(("dtype", "wire"), [("bf16", "DTYPE_BF16"), ("fp16", "DTYPE_FP16"), ("fp32", "DTYPE_FP32")])
+def test_each_dtype_goes_on_the_wire_as_its_own_enum_value(dtype: str, wire: str) -> None:
+    """bf16 and fp16 are both 16-bit patterns: a release that swapped them would still
+    agree with itself, but a peer that follows the proto (another release, another
+    language's client) would read one as the other: every version refused on its hash,
+    or every number wrong where a client does not check it."""
+    from meridian.tensors import PB_DTYPE_NAMES
+    from meridian.v1 import weightsync_pb2 as pb
+
+    bits = np.zeros(2, dtype=np.uint32 if dtype == "fp32" else np.uint16)
+    meta = RawTensor(dtype, (2,), bits).meta("w")
+    assert pb.DType.Name(meta.dtype) == wire and PB_DTYPE_NAMES[meta.dtype] == dtype
