@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import re
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -367,6 +369,27 @@ def test_a_bidi_stream_that_raises_is_internal_without_the_exception(grpc_servin
                 assert code == grpc.StatusCode.INTERNAL and "ref=" in details and Front.secret not in details
 
     run(main())
+
+
+def test_the_reference_in_an_internal_answer_finds_its_traceback_in_the_log(grpc_serving: Serving, caplog: pytest.LogCaptureFixture) -> None:
+    """The caller sees only "internal error (ref=...); see the service log": that reference
+    must lead an operator to the one log record holding the exception."""
+    async def main() -> str:
+        async with grpc_serving(Front("unused")) as front, grpc.aio.insecure_channel(front) as channel:
+            call = channel.stream_stream("/test.Front/Chat")(iter([b"a"]), timeout=10)
+
+            async def drain() -> None:
+                async for _ in call:
+                    pass
+
+            return (await _code(drain()))[1]
+
+    with caplog.at_level(logging.ERROR, logger="meridian.grpc_runtime"):
+        details = run(main())
+    match = re.search(r"ref=([0-9a-f]{12})", details)
+    assert match is not None, details
+    [record] = [r for r in caplog.records if match.group(1) in r.getMessage()]
+    assert record.exc_info is not None and Front.secret in str(record.exc_info[1])
 
 
 # ---------------------------------------------------------------- callers a service adds
