@@ -24,3 +24,25 @@ def test_blanks_around_the_token_are_not_part_of_it() -> None:
     assert access.decide("/meridian.v1.WeightSync/Subscribe", ["Bearer  t-relay "], ROLES) is None
     refusal = access.decide("/meridian.v1.WeightSync/Subscribe", ["Bearer    "], ROLES)
     assert refusal is not None and refusal.code == "UNAUTHENTICATED" and "Bearer <token>" in refusal.message
+
+
+SANDBOX_METHODS = {f"/meridian.v1.EnvSandbox/{m}" for m in ("ListTasks", "GetTask", "Create", "Exec", "WriteFiles", "ReadFiles", "Fork", "RunTests", "Close", "List", "Renew")}
+FOLLOW_WEIGHTS = {f"/meridian.v1.WeightSync/{m}" for m in ("Subscribe", "GetManifest", "FetchChunk", "Status")}
+#: What each role besides the operator may call, spelled out: the table is the
+#: deployment's security policy, and the other tests read it rather than check it.
+POLICY = {
+    # The one writer of weights: nothing else may publish a version every rollout serves.
+    "trainer": {"/meridian.v1.WeightSync/Publish", "/meridian.v1.WeightSync/GetManifest", "/meridian.v1.WeightSync/Status"},
+    # Sandboxes run model-written code: only rollout's episode workers drive them.
+    "rollout": FOLLOW_WEIGHTS | SANDBOX_METHODS,
+    "relay": FOLLOW_WEIGHTS,
+    # Production callers reach the generation API and nothing behind it.
+    "production": {"/meridian.v1.Rollout/Generate", "/meridian.v1.Rollout/Score", "/meridian.v1.Rollout/Status"},
+}
+
+
+@pytest.mark.parametrize("role", sorted(POLICY))
+def test_each_role_may_call_exactly_its_methods(role: str) -> None:
+    """Widening a role (a relay that may publish, production reaching sandboxes or weight
+    chunks) must be a decision made here, not a line slipped into the table."""
+    assert {method for method in access.METHOD_ROLES if access.allowed(role, method)} == POLICY[role]
