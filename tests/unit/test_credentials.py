@@ -109,3 +109,21 @@ def test_certs_without_force_adds_files_and_rewrites_none(tmp_path: Path, capsys
     after = {p.name: p.read_bytes() for p in folder.iterdir()}
     assert {name: after[name] for name in before} == before
     assert after["redis-rollout.password"].decode() == credentials.redis_passwords(folder)["rollout"]
+
+
+@pytest.mark.parametrize("service", sorted(credentials.SERVICE_ROLES))
+def test_a_service_calls_as_the_role_whose_token_its_secret_holds(service: str) -> None:
+    """Deployments set no MERIDIAN_ROLE: a `meridian serve` process calls the others as
+    SERVICE_ROLES names, with that role's token from its own Kubernetes Secret (compose
+    mounts the same files). A role whose token the Secret lacks stops it at start; a
+    broader one (operator) would need a token no service may hold."""
+    import yaml
+
+    kustomization = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "credentials" / "kustomization.yaml"
+    secrets = {s["name"]: set(s["files"]) for s in yaml.safe_load(kustomization.read_text())["secretGenerator"]}
+    held = {role for role in credentials.ROLES if credentials.token_file(role) in secrets[f"meridian-{service}-credentials"]}
+    role = credentials.SERVICE_ROLES[service]
+    if service == "envsandbox":
+        assert held == set()  # it calls nobody: its role is never used
+    else:
+        assert held == {role} and role != "operator"
