@@ -392,6 +392,47 @@ def test_the_reference_in_an_internal_answer_finds_its_traceback_in_the_log(grpc
     assert record.exc_info is not None and Front.secret in str(record.exc_info[1])
 
 
+ERRORS = sorted(
+    (obj for obj in vars(errors).values() if isinstance(obj, type) and issubclass(obj, errors.MeridianError) and obj is not errors.MeridianError),
+    key=lambda cls: cls.__name__,
+)
+
+
+class Raiser:
+    """Raises the meridian.errors class named in the request, with a message of its own."""
+
+    service_names = ("test.Raiser",)
+
+    def register(self, server: grpc.aio.Server) -> None:
+        async def raise_named(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            raise getattr(errors, request.decode())(f"{request.decode()} on purpose")
+
+        handlers = {"Raise": grpc.unary_unary_rpc_method_handler(raise_named)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Raiser", handlers),))
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+def test_each_meridian_error_answers_the_status_its_name_says(grpc_serving: Serving) -> None:
+    """Callers act on the code (retry on UNAVAILABLE or ABORTED, give up on
+    INVALID_ARGUMENT, re-authenticate on UNAUTHENTICATED): every error class must reach
+    them as the gRPC status it is named after, with its message."""
+    assert len(ERRORS) >= 10
+
+    async def main() -> None:
+        async with grpc_serving(Raiser()) as address, grpc.aio.insecure_channel(address) as channel:
+            for cls in ERRORS:
+                want = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).upper()  # DeadlineExceeded -> DEADLINE_EXCEEDED
+                code, details = await _code(channel.unary_unary("/test.Raiser/Raise")(cls.__name__.encode(), timeout=10))
+                assert (code.name, details) == (want, f"{cls.__name__} on purpose"), cls
+
+    run(main())
+
+
 # ---------------------------------------------------------------- callers a service adds
 
 
