@@ -78,14 +78,13 @@ def _sigterm_fallback() -> threading.Timer:
     return timer
 
 
-def run_serving(body: Callable[[LifecycleService, str, asyncio.Task[None]], Awaitable[None]], service: LifecycleService, config: ServerConfig) -> None:
+def run_serving(body: Callable[[LifecycleService, str, asyncio.Task[None]], Awaitable[None]], service: LifecycleService, config: ServerConfig, capsys: pytest.CaptureFixture[str]) -> None:
     """Runs ``body`` beside run_server (in one event loop, as `meridian serve` does); a
     server the body left running is stopped as a deployment stops it, with SIGTERM."""
     async def main() -> None:
         server = asyncio.create_task(grpc_runtime.run_server("toy", service, config))
         try:
-            await _until(lambda: _answers(config.port))
-            await body(service, f"127.0.0.1:{config.port}", server)
+            await body(service, await _listening(capsys), server)
         finally:
             if not server.done():
                 service.warmed.set()
@@ -101,8 +100,14 @@ def run_serving(body: Callable[[LifecycleService, str, asyncio.Task[None]], Awai
         fallback.cancel()
 
 
-async def _answers(port: int) -> bool:
-    return await check_health(f"127.0.0.1:{port}", auth=None) != "UNREACHABLE"
+async def _listening(capsys: pytest.CaptureFixture[str]) -> str:
+    """The address run_server announces (it listens on port 0: the OS picks a free one,
+    so no other process can take it between choosing and binding)."""
+    printed = ""
+    while (found := re.search(r"meridian toy listening on (\S+)", printed)) is None:
+        printed += capsys.readouterr().out
+        await asyncio.sleep(0.01)
+    return found.group(1)
 
 
 async def _is_serving(address: str) -> bool:
@@ -113,7 +118,7 @@ async def _refuses(address: str) -> bool:
     return await check_health(address, auth=None) == "UNREACHABLE"
 
 
-def test_health_watch_streams_on_a_server_run_server_builds(pick_port: Callable[[], int]) -> None:
+def test_health_watch_streams_on_a_server_run_server_builds(capsys: pytest.CaptureFixture[str]) -> None:
     """run_server puts OpenTelemetry's interceptor outside the error boundary; grpcio's
     health Watch (a coroutine that writes with context.write) must still stream its
     statuses through it, as gRPC's client-side health checking and watchers expect,
@@ -128,10 +133,10 @@ def test_health_watch_streams_on_a_server_run_server_builds(pick_port: Callable[
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
             watch.cancel()
 
-    run_serving(body, service, ServerConfig(host="127.0.0.1", port=pick_port(), insecure=True, grace_s=1.0))
+    run_serving(body, service, ServerConfig(host="127.0.0.1", port=0, insecure=True, grace_s=1.0), capsys)
 
 
-def test_health_is_not_serving_until_the_warm_up_returns(pick_port: Callable[[], int]) -> None:
+def test_health_is_not_serving_until_the_warm_up_returns(capsys: pytest.CaptureFixture[str]) -> None:
     """Load balancers and `meridian up` route traffic on health: a service still loading
     its model must not be sent calls it cannot answer."""
     service = LifecycleService()
@@ -143,7 +148,7 @@ def test_health_is_not_serving_until_the_warm_up_returns(pick_port: Callable[[],
         await _until(lambda: _is_serving(address))
         assert await check_health(address, SERVICE, auth=None) == "SERVING"
 
-    run_serving(body, service, ServerConfig(host="127.0.0.1", port=pick_port(), insecure=True, grace_s=1.0))
+    run_serving(body, service, ServerConfig(host="127.0.0.1", port=0, insecure=True, grace_s=1.0), capsys)
     assert service.stopped
 
 
@@ -153,23 +158,25 @@ class FailingWarmUp(LifecycleService):
         raise RuntimeError("cannot load the model")
 
 
-def test_a_failed_warm_up_never_reports_serving_and_exits_1(pick_port: Callable[[], int]) -> None:
+def test_a_failed_warm_up_never_reports_serving_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     """A service that could not warm up stays NOT_SERVING to the end and exits 1, for its
     supervisor to restart it; it must not take traffic in between."""
     service = FailingWarmUp()
-    config = ServerConfig(host="127.0.0.1", port=pick_port(), insecure=True, grace_s=0.5)
-    address = f"127.0.0.1:{config.port}"
+    config = ServerConfig(host="127.0.0.1", port=0, insecure=True, grace_s=0.5)
     statuses: list[int] = []
 
     async def watch_then_fail_the_warm_up() -> None:
-        await _until(lambda: _answers(config.port))
-        async with grpc.aio.insecure_channel(address) as channel:
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
-            statuses.append((await watch.read()).status)
-            service.warmed.set()
-            with contextlib.suppress(grpc.aio.AioRpcError):  # the stream ends with the server
-                while statuses[-1] != health_pb2.HealthCheckResponse.SERVING and (message := await watch.read()) != grpc.aio.EOF:
-                    statuses.append(message.status)
+        address = await _listening(capsys)
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+                statuses.append((await watch.read()).status)
+                service.warmed.set()
+                with contextlib.suppress(grpc.aio.AioRpcError):  # the stream ends with the server
+                    while statuses[-1] != health_pb2.HealthCheckResponse.SERVING and (message := await watch.read()) != grpc.aio.EOF:
+                        statuses.append(message.status)
+        finally:
+            service.warmed.set()  # a watch that failed must not leave the warm-up waiting for ever
         if statuses[-1] == health_pb2.HealthCheckResponse.SERVING:
             os.kill(os.getpid(), signal.SIGTERM)  # it serves: stop it, the assertion below says why
 
@@ -188,12 +195,12 @@ def test_a_failed_warm_up_never_reports_serving_and_exits_1(pick_port: Callable[
         run(main())
     finally:
         fallback.cancel()
-    assert statuses[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert statuses[:1] == [health_pb2.HealthCheckResponse.NOT_SERVING], statuses
     assert health_pb2.HealthCheckResponse.SERVING not in statuses, statuses
     assert exits == [1] and service.stopped
 
 
-def test_sigterm_reports_not_serving_drains_calls_then_stops_the_service(pick_port: Callable[[], int]) -> None:
+def test_sigterm_reports_not_serving_drains_calls_then_stops_the_service(capsys: pytest.CaptureFixture[str]) -> None:
     """The order of a shutdown: health watchers hear NOT_SERVING first (so traffic moves
     away), the server stops taking calls, a call already in flight still completes with
     the service's resources intact, and only then does the service's own stop run."""
@@ -221,7 +228,7 @@ def test_sigterm_reports_not_serving_drains_calls_then_stops_the_service(pick_po
             assert await slow == b"done"
         await server
 
-    run_serving(body, service, ServerConfig(host="127.0.0.1", port=pick_port(), insecure=True, grace_s=20.0))
+    run_serving(body, service, ServerConfig(host="127.0.0.1", port=0, insecure=True, grace_s=20.0), capsys)
     assert service.stopped
 
 
@@ -232,14 +239,14 @@ class BrokenFailureCheck(LifecycleService):
         raise RuntimeError("status poll broke")
 
 
-def test_a_failure_check_that_raises_is_a_failure_with_an_orderly_exit_1(pick_port: Callable[[], int], capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_failure_check_that_raises_is_a_failure_with_an_orderly_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
     """The check that watches a service's background task can break too: that is a service
     that can no longer tell whether it serves, so it stops as any failed one does (health
     NOT_SERVING, the server stopped, the service's own stop run, exit 1), not with the
     check's exception escaping past the shutdown."""
     service = BrokenFailureCheck()
     service.warmed.set()
-    config = ServerConfig(host="127.0.0.1", port=pick_port(), insecure=True, grace_s=0.5)
+    config = ServerConfig(host="127.0.0.1", port=0, insecure=True, grace_s=0.5)
     exits: list[object] = []
 
     async def main() -> None:
