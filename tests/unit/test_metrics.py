@@ -310,6 +310,16 @@ def test_trainer_values_and_step_times() -> None:
     asyncio.run(main())
 
 
+def test_trainer_step_gauges_are_the_last_steps() -> None:
+    """Status lists the recent steps oldest first: the reward, pass rate and lag gauges show
+    the newest, or a dashboard shows a learning curve running late by the whole window."""
+    steps = [trainer_pb2.StepMetrics(step=n, reward_mean=n / 10, pass_rate=n / 20, policy_lag_mean=n, policy_lag_max=2 * n) for n in (1, 2, 3)]
+    got = {(v.spec.name, v.labels): v.value for v in metrics.trainer_values(trainer_pb2.TrainerStatus(step=3, recent_steps=steps), 0, 0)}
+    assert got[("meridian_trainer_reward_mean", ())] == 0.3 and got[("meridian_trainer_pass_ratio", ())] == 0.15
+    assert got[("meridian_trainer_sample_policy_lag_versions", (("stat", "mean"),))] == 3
+    assert got[("meridian_trainer_sample_policy_lag_versions", (("stat", "max"),))] == 6
+
+
 # ---------------------------------------------------------------- real services
 
 
