@@ -7,9 +7,11 @@ exports nothing. Trace context crosses Redis inside each stream entry as a W3C
 """
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
+import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -46,9 +48,32 @@ def tracer(name: str) -> trace.Tracer:
 
 
 def server_interceptors() -> list[Any]:
+    """OpenTelemetry's server interceptor, passing by streaming handlers it would break."""
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return [aio_server_interceptor()]
+    return [_SkipCoroutineStreams(aio_server_interceptor())]
+
+
+class _SkipCoroutineStreams(grpc.aio.ServerInterceptor):
+    """Hands every call to ``inner`` except those of a streaming handler written as a
+    coroutine (it writes with ``context.write``; grpcio's own health Watch is one):
+    OpenTelemetry's wrapper iterates a streaming handler with ``async for``, so such a call
+    would end in UNKNOWN with a TypeError instead of streaming. They go untraced."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is not None and handler.response_streaming:
+            behavior = handler.stream_stream if handler.request_streaming else handler.unary_stream
+            if not inspect.isasyncgenfunction(behavior):
+                return handler
+
+        async def resolved(_details: Any) -> Any:
+            return handler
+
+        return await self.inner.intercept_service(resolved, handler_call_details)
 
 
 def client_interceptors() -> list[Any]:

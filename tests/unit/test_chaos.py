@@ -1,6 +1,7 @@
 """The pieces of ``meridian chaos`` that need no stack: the seeded fault schedule, the
 audit, the trainer's trained-ids log (through crashes at each point of the commit
-order), restarting one process of a stack on its port, and the link's corrupt control."""
+order), restarting one process of a stack on its port, the link's corrupt control, and
+the injector's checks for a fault's moment and for recovery."""
 from __future__ import annotations
 
 import asyncio
@@ -387,3 +388,42 @@ def test_a_group_dropped_whole_is_acked_and_logged_as_dropped_at_once(tmp_path: 
         assert missing == [] and set(trained) == {"g0-0", "g0-1"}
 
     asyncio.run(body())
+
+
+# ---------------------------------------------------------------- watching for moments and recovery
+
+
+def test_the_version_served_everywhere_is_held_back_by_a_rollout_that_does_not_answer() -> None:
+    """A killed region's rollout must keep "served everywhere" low; otherwise the injector
+    takes the other regions' progress for recovery while that region is still down."""
+    from meridian.v1 import rollout_pb2
+
+    snap = chaos.Snapshot(rollouts={"rollout": rollout_pb2.RolloutStatus(policy_version=5), "rollout-b": None})
+    assert snap.served() == -1
+    snap.rollouts["rollout-b"] = rollout_pb2.RolloutStatus(policy_version=3)
+    assert snap.served() == 3
+
+
+def test_a_corrupted_chunk_is_recovered_from_only_once_the_corruption_fired() -> None:
+    """A newer version at the relay proves nothing about the corruption if no corrupted
+    chunk ever crossed the link: the fault would be counted without having happened."""
+    fault = chaos.Fault(0, "corrupt_chunk", "link-b", 0.0, 0.0)
+    before = chaos.Snapshot(weightsync={"weightsync": 3, "weightsync-b": 2}, corruptions_fired=0)
+    after = chaos.Snapshot(weightsync={"weightsync": 3, "weightsync-b": 3})
+    assert not chaos.progressed(fault, after, before, {"corruptions_fired": 0})
+    assert not chaos.progressed(fault, after, before, None)  # no stats from the link yet
+    assert chaos.progressed(fault, after, before, {"corruptions_fired": 1})
+
+
+def test_before_checkpoint_is_a_moment_only_while_a_step_is_not_yet_checkpointed() -> None:
+    from meridian.v1 import trainer_pb2
+
+    fault = chaos.Fault(0, "trainer_before_checkpoint", "trainer", 0.0, 1.0)
+    armed = chaos.Snapshot()
+
+    def at(step: int, checkpoint_step: int) -> bool:
+        snap = chaos.Snapshot(trainer=trainer_pb2.TrainerStatus(step=step, checkpoint_step=checkpoint_step))
+        return chaos.moment(fault, snap, armed, collections.Counter(), None)  # type: ignore[arg-type] - this kind reads no address
+
+    assert not at(3, 3)
+    assert at(4, 3)

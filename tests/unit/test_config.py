@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 
@@ -164,6 +165,26 @@ def test_server_config_port_out_of_range(port: int) -> None:
 def test_server_config_rejects_bad_grace_or_size(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         ServerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"port": 65536}, "port"), ({"grace_s": -0.1}, "grace_s"), ({"max_message_mb": 0}, "max_message_mb"), ({"max_concurrent_rpcs": 0}, "max_concurrent_rpcs")],
+)
+def test_server_config_refusals_name_the_field(kwargs: dict[str, float], field: str) -> None:
+    """A server with a limit of 0 calls would refuse every call RESOURCE_EXHAUSTED while
+    its health says SERVING: refused at start, with the setting to fix named."""
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_server_credentials_flag_beats_meridian_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A flag is the more specific setting: one host serving two deployments (or a test
+    beside an operator's shell) picks its folder with --credentials whatever the
+    environment names."""
+    monkeypatch.setenv("MERIDIAN_CREDENTIALS", str(tmp_path / "from-env"))
+    assert ServerConfig(credentials=str(tmp_path / "from-flag")).credentials_folder() == tmp_path / "from-flag"
+    assert ServerConfig().credentials_folder() == tmp_path / "from-env"
 
 
 def test_weightsync_relay_needs_upstream() -> None:

@@ -30,6 +30,24 @@ def test_describe_error_keeps_the_path_and_the_cause() -> None:
     assert "OSError: [Errno 30] Read-only file system: '/sys/fs/cgroup/memory/meridian-envsandbox'" in text
 
 
+def test_describe_error_follows_an_implicit_context_unless_it_was_suppressed() -> None:
+    """An error raised while handling another (a cleanup that failed too) says both; one
+    raised ``from None`` was written to replace its context, which stays out."""
+    def failing(suppress: bool) -> BaseException:
+        try:
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError:
+                if suppress:
+                    raise RuntimeError("checkpoint failed") from None
+                raise RuntimeError("checkpoint failed")  # noqa: B904 - the implicit context is the case under test
+        except RuntimeError as exc:
+            return exc
+
+    assert grpc_runtime.describe_error(failing(False)) == "RuntimeError: checkpoint failed (from) OSError: [Errno 28] No space left on device"
+    assert grpc_runtime.describe_error(failing(True)) == "RuntimeError: checkpoint failed"
+
+
 def test_describe_error_of_an_exception_without_message() -> None:
     assert grpc_runtime.describe_error(TimeoutError()) == "TimeoutError: TimeoutError()"
     assert grpc_runtime.describe_error(None) == "unknown error"

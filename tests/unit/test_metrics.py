@@ -184,6 +184,24 @@ def test_endpoint_serves_http_on_a_free_port_and_closes() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(("flag", "own", "label"), [("eu", "b", "eu"), ("", "b", "b"), ("", "", "local")])
+def test_the_region_label_is_the_flag_else_the_services_region_else_local(flag: str, own: str, label: str) -> None:
+    """--metrics-region is how an operator relabels a service (a region's second rollout
+    pool, say); it must win over the service's own --region, which is only the default."""
+    async def main() -> None:
+        m = metrics.ServiceMetrics("rollout")
+        service = type("Svc", (), {"metrics": m, "config": type("Cfg", (), {"region": own})()})()
+        endpoint = metrics.start_endpoint("rollout", service, ServerConfig(metrics_port=0, metrics_region=flag), asyncio.get_running_loop())
+        assert endpoint is not None
+        try:
+            got = samples(await asyncio.to_thread(fetch, endpoint.url))
+            assert one(got, "meridian_service_up", service="rollout", region=label) == 1
+        finally:
+            endpoint.close()
+
+    asyncio.run(main())
+
+
 def test_an_endpoint_that_cannot_start_leaves_the_service_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -290,6 +308,16 @@ def test_trainer_values_and_step_times() -> None:
         assert one(got, "meridian_trainer_step_seconds_sum", phase="publish") == 1.5
 
     asyncio.run(main())
+
+
+def test_trainer_step_gauges_are_the_last_steps() -> None:
+    """Status lists the recent steps oldest first: the reward, pass rate and lag gauges show
+    the newest, or a dashboard shows a learning curve running late by the whole window."""
+    steps = [trainer_pb2.StepMetrics(step=n, reward_mean=n / 10, pass_rate=n / 20, policy_lag_mean=n, policy_lag_max=2 * n) for n in (1, 2, 3)]
+    got = {(v.spec.name, v.labels): v.value for v in metrics.trainer_values(trainer_pb2.TrainerStatus(step=3, recent_steps=steps), 0, 0)}
+    assert got[("meridian_trainer_reward_mean", ())] == 0.3 and got[("meridian_trainer_pass_ratio", ())] == 0.15
+    assert got[("meridian_trainer_sample_policy_lag_versions", (("stat", "mean"),))] == 3
+    assert got[("meridian_trainer_sample_policy_lag_versions", (("stat", "max"),))] == 6
 
 
 # ---------------------------------------------------------------- real services

@@ -199,6 +199,14 @@ def test_a_removed_map_field_is_one_break(tmp_path: Path) -> None:
     assert len(breaks) == 1 and ": field demo.v1.SayRequest.labels (8): field removed" in breaks[0]
 
 
+@pytest.mark.parametrize("edit", [("optional float temperature = 7;", "float temperature = 7;"), ("int32 count = 2;", "optional int32 count = 2;")])
+def test_a_change_of_explicit_presence_is_one_break(tmp_path: Path, edit: tuple[str, str]) -> None:
+    # proto3 `optional` is a synthetic oneof in the descriptor: it is presence (cardinality),
+    # not a oneof the field joined or left.
+    [only] = _breaks(tmp_path, _edit(*edit))
+    assert "cardinality changed" in only
+
+
 def test_several_breaks_are_all_reported(tmp_path: Path) -> None:
     text = _edit("int32 count = 2;", "int64 count = 2;")
     text = _edit("MOOD_SAD = 2;", "MOOD_GLUM = 2;", text)

@@ -120,3 +120,32 @@ def test_the_link_process_delays_counts_cuts_and_restores(echo: str, tmp_path: P
 def test_the_link_process_refuses_a_bad_target(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "meridian.cli", "link", "--target", "nowhere"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "host:port" in out.stderr
+
+
+def test_region_status_reads_each_region_from_its_own_services(tmp_path: Path) -> None:
+    """`meridian status` per region: the version a region's rollout serves, what its own
+    weightsync (the relay, for a remote region) holds, how far the rollout is behind the
+    origin's newest version, and the link's counters; a rollout out of reach is shown as
+    unknown, not as caught up."""
+    import asyncio
+
+    from meridian.v1 import rollout_pb2, weightsync_pb2
+
+    addresses = {"weightsync": "o:1", "rollout": "r:1", "weightsync-b": "w:2", "rollout-b": "r:2", "weightsync-c": "w:3", "rollout-c": "r:3"}
+    replies = {
+        "o:1": weightsync_pb2.WeightSyncStatus(latest_version=9),
+        "r:1": rollout_pb2.RolloutStatus(policy_version=8),
+        "w:2": weightsync_pb2.WeightSyncStatus(latest_version=7),
+        "r:2": rollout_pb2.RolloutStatus(policy_version=5),
+        "w:3": weightsync_pb2.WeightSyncStatus(latest_version=9),
+        # region c's rollout does not answer
+    }
+    regions.stats_path(tmp_path, "b").write_text(json.dumps({"bytes_down": 123, "cuts": 1}))  # as the link process writes it
+
+    async def status_of(service: str, address: str) -> object | None:
+        return replies.get(address)
+
+    got = asyncio.run(regions.region_status(tmp_path, addresses, "a", status_of))
+    assert got["a"] == {"served_version": 8, "weightsync_version": 9, "lag_versions": 1}
+    assert got["b"] == {"served_version": 5, "weightsync_version": 7, "lag_versions": 4, "link": {"bytes_down": 123, "cuts": 1}}
+    assert got["c"] == {"served_version": None, "weightsync_version": 9, "lag_versions": None, "link": None}

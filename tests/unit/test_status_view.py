@@ -77,6 +77,13 @@ def test_rates_come_from_two_scrapes() -> None:
     assert status_view.figures({"rollout": _scrape(5, 0, 0)}, second, 2.0)["rl_tokens_s"] == 0
 
 
+def test_two_scrapes_with_no_time_between_give_no_rate() -> None:
+    """A clock that has not moved (a coarse one, or --interval 0) must leave the rates out
+    rather than end the view with a ZeroDivisionError."""
+    figs = status_view.figures({"rollout": _scrape(300, 50, 4e6)}, {"rollout": _scrape(100, 10, 0)}, elapsed_s=0.0)
+    assert "rl_tokens_s" not in figs and "sync_bytes_s" not in figs and figs["max_rollout_lag"] == 1
+
+
 def test_draw_redraws_in_place() -> None:
     out = io.StringIO()
     status_view.draw("a\nbb", out)

@@ -71,6 +71,18 @@ def test_the_edge_list_names_each_required_edge_before_it() -> None:
         assert edge.doc and edge.how in ("rpc", "link")
 
 
+def test_a_server_span_of_another_method_is_no_edge() -> None:
+    """A CLIENT span's SERVER child must be the same call on the callee's side: a child of
+    another name shows some other call (a span the instrumentation mis-parented), not this one."""
+    spans, episode = _life()
+    for s in [s for s in spans if s.service == "meridian-envsandbox"]:
+        spans = _replace(spans, s, name="/meridian.v1.EnvSandbox/Close")
+    for s in [s for s in spans if s.name.startswith("/meridian.v1.EnvSandbox/") and s.kind == "CLIENT"]:
+        assert s.name != "/meridian.v1.EnvSandbox/Close"
+    report = check_edges(spans, episode.trace_id)
+    assert report.missing == ["rollout → envsandbox"]
+
+
 def test_a_server_span_with_a_broken_parent_id_is_no_edge() -> None:
     spans, episode = _life()
     for s in [s for s in spans if s.service == "meridian-envsandbox"]:
