@@ -118,6 +118,14 @@ async def _refuses(address: str) -> bool:
     return await check_health(address, auth=None) == "UNREACHABLE"
 
 
+async def _watch_serving(address: str, channel: grpc.aio.Channel) -> Any:
+    """A health Watch on the toy service, once it serves, past its first (SERVING) update."""
+    await _until(lambda: _is_serving(address))
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE))
+    assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+    return watch
+
+
 def test_health_watch_streams_on_a_server_run_server_builds(capsys: pytest.CaptureFixture[str]) -> None:
     """run_server puts OpenTelemetry's interceptor outside the error boundary; grpcio's
     health Watch (a coroutine that writes with context.write) must still stream its
@@ -127,10 +135,8 @@ def test_health_watch_streams_on_a_server_run_server_builds(capsys: pytest.Captu
     service.warmed.set()
 
     async def body(service: LifecycleService, address: str, server: asyncio.Task[None]) -> None:
-        await _until(lambda: _is_serving(address))
         async with grpc.aio.insecure_channel(address) as channel:
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE))
-            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            watch = await _watch_serving(address, channel)
             watch.cancel()
 
     run_serving(body, service, ServerConfig(host="127.0.0.1", port=0, insecure=True, grace_s=1.0), capsys)
@@ -208,10 +214,8 @@ def test_sigterm_reports_not_serving_drains_calls_then_stops_the_service(capsys:
     service.warmed.set()
 
     async def body(service: LifecycleService, address: str, server: asyncio.Task[None]) -> None:
-        await _until(lambda: _is_serving(address))
         async with grpc.aio.insecure_channel(address) as channel:
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE))
-            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            watch = await _watch_serving(address, channel)
             slow = asyncio.ensure_future(channel.unary_unary(f"/{SERVICE}/Slow")(b"", timeout=50))
             await service.entered.wait()
             os.kill(os.getpid(), signal.SIGTERM)
