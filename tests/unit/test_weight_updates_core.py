@@ -117,6 +117,24 @@ def test_change_set_across_rejected_versions_is_the_union_with_todays_values() -
         ChangeSet.from_undos(decoder.weights, [decoder.last_undo, first])
 
 
+def test_change_set_holds_a_tensor_a_delta_rewrote_chunk_by_chunk() -> None:
+    """A delta whose chunk is so dense it travels as a keyframe chunk records the rewrite
+    as an undo *range*, not as changed positions: the change set must still carry those
+    elements, or the engine keeps the old values there and serves a mix of versions."""
+    v0 = _weights(0)
+    v1 = _moved(v0, 1)
+    v1["q"] = _weights(7)["q"]  # every element of q new: cheaper as a keyframe chunk
+    decoder = Decoder({n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in v0.items()}, 0, in_place=True)
+    _decode(decoder, 1, v1, v0, 0)
+    assert [name for name, _, _ in decoder.last_undo.ranges] == ["q"], "the setup must produce a keyframe chunk inside a delta"
+    changes = ChangeSet.from_undos(decoder.weights, [decoder.last_undo])
+    for name in CHECKPOINT:
+        engine = v0[name].bits.copy()
+        positions, values = changes.sparse[name]
+        engine[positions] = values
+        assert engine.tolist() == v1[name].bits.tolist(), f"v0 plus the change set must be v1 ({name})"
+
+
 def test_change_set_of_a_keyframe_carries_whole_tensors() -> None:
     v0 = _weights(0)
     decoder = Decoder({}, -1, in_place=True)
