@@ -144,6 +144,25 @@ def test_change_set_of_a_keyframe_carries_whole_tensors() -> None:
     assert all(changes.dense[n].tolist() == v0[n].bits.tolist() for n in CHECKPOINT)
 
 
+def test_change_set_lists_an_element_two_versions_changed_once() -> None:
+    """Across rejected versions an element changed by both is written once: positions
+    are ascending and unique (as ``ChangeSet.sparse`` promises) and ``elements`` counts
+    what the engine writes, not the sum of the versions' changes."""
+    v0 = _weights(0)
+    v1 = _moved(v0, 1)
+    v2 = _moved(v1, 2)  # norm has 3 elements: both versions change all of them
+    decoder = Decoder({n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in v0.items()}, 0, in_place=True)
+    _decode(decoder, 1, v1, v0, 0)
+    first = decoder.last_undo
+    _decode(decoder, 2, v2, v1, 1)
+    changes = ChangeSet.from_undos(decoder.weights, [first, decoder.last_undo])
+    for name, (positions, _) in changes.sparse.items():
+        assert np.all(np.diff(positions) > 0), f"{name}: positions {positions.tolist()} not ascending and unique"
+    union = {n: (v0[n].bits != v1[n].bits) | (v1[n].bits != v2[n].bits) for n in CHECKPOINT}
+    assert changes.positions()["norm"].tolist() == [0, 1, 2]
+    assert changes.elements == sum(int(np.count_nonzero(m)) for m in union.values())
+
+
 def test_read_back_comparison_finds_a_wrong_element_through_the_layout() -> None:
     truth = _weights(0)
     layout = _fused()
