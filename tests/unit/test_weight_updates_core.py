@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from meridian import canary
+from meridian.errors import FailedPrecondition
 from services.rollout.served_weights import Sample
 from services.rollout.weight_changes import ChangeSet
 from services.rollout.weight_layout import LayoutError, Run, WeightLayout
@@ -161,6 +162,17 @@ def test_change_set_lists_an_element_two_versions_changed_once() -> None:
     union = {n: (v0[n].bits != v1[n].bits) | (v1[n].bits != v2[n].bits) for n in CHECKPOINT}
     assert changes.positions()["norm"].tolist() == [0, 1, 2]
     assert changes.elements == sum(int(np.count_nonzero(m)) for m in union.values())
+
+
+def test_a_version_that_drops_a_tensor_is_refused_as_a_failed_precondition() -> None:
+    """An engine cannot drop a tensor in place. The refusal must be FailedPrecondition,
+    naming the tensor: the follower answers that by asking for a keyframe, where any
+    other error (a KeyError on the missing tensor) would stop it."""
+    v0 = _weights(0)
+    decoder = Decoder({n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in v0.items()}, 0, in_place=True)
+    _decode(decoder, 1, {n: t for n, t in _weights(1).items() if n != "norm"}, None, -1)
+    with pytest.raises(FailedPrecondition, match="'norm'"):
+        ChangeSet.from_undos(decoder.weights, [decoder.last_undo])
 
 
 def test_read_back_comparison_finds_a_wrong_element_through_the_layout() -> None:
