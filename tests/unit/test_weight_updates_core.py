@@ -164,6 +164,25 @@ def test_change_set_lists_an_element_two_versions_changed_once() -> None:
     assert changes.elements == sum(int(np.count_nonzero(m)) for m in union.values())
 
 
+def test_change_set_across_a_rejected_delta_and_a_keyframe_is_the_keyframe() -> None:
+    """A follower that rejected a delta and is then sent a keyframe (the server's plan
+    when the chain is not held or is larger) must apply it: the keyframe replaces every
+    tensor, so each travels whole and only whole, from the version the engine serves.
+    Refusing the pair as not consecutive stopped the follower, and the service with it."""
+    v0 = _weights(0)
+    v1 = _moved(v0, 1)
+    v2 = _weights(2)
+    decoder = Decoder({n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in v0.items()}, 0, in_place=True)
+    _decode(decoder, 1, v1, v0, 0)
+    first = decoder.last_undo
+    _decode(decoder, 2, v2, None, -1)
+    changes = ChangeSet.from_undos(decoder.weights, [first, decoder.last_undo])
+    assert (changes.version, changes.base_version) == (2, 0)
+    assert changes.sparse == {} and changes.is_full(len(CHECKPOINT))
+    assert all(changes.dense[n].tolist() == v2[n].bits.tolist() for n in CHECKPOINT)
+    assert changes.elements == sum(int(np.prod(s)) for s in CHECKPOINT.values())
+
+
 def test_a_version_that_drops_a_tensor_is_refused_as_a_failed_precondition() -> None:
     """An engine cannot drop a tensor in place. The refusal must be FailedPrecondition,
     naming the tensor: the follower answers that by asking for a keyframe, where any
