@@ -124,3 +124,40 @@ def test_a_keyframe_after_a_rejected_version_is_applied_from_the_served_one(tmp_
         assert updater.engine.version == 4 and follower.updates_rejected == 1 and follower.updates_applied == 1
 
     asyncio.run(main())
+
+
+def test_after_an_accepted_version_the_next_one_starts_from_it(tmp_path: Path) -> None:
+    """Version 1 is accepted, version 2 rejected. Version 2's change set starts from 1
+    and holds only 2's elements; a roll-back of it restores 1, not 0 (restoring 0 would
+    serve weights older than the label). The follower reports version 1's hash, the
+    rejection, and a lag of one version."""
+    versions = {0: _weights(0)}
+    for v in (1, 2):
+        versions[v] = _step(versions[v - 1], v)
+
+    async def main() -> WeightFollower:
+        updater = ScriptedUpdater({1: True, 2: False})
+        async with serving(_origin(tmp_path / "ws")) as origin:
+            await client.publish(origin, 0, versions[0])
+            follower = WeightFollower(origin, updater, _copy(versions[0]), weights_hash(versions[0]))  # type: ignore[arg-type]
+            task = asyncio.create_task(follower.run())
+            try:
+                for v in (1, 2):  # one at a time: two at once may come as one compacted delta
+                    await client.publish(origin, v, versions[v])
+                    await _until(lambda v=v: len(updater.seen) == v, task, f"version {v}")
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        return follower
+
+    follower = asyncio.run(main())
+    updater = follower.updater
+    changes, previous = updater.seen[1]  # type: ignore[attr-defined]
+    assert (changes.version, changes.base_version) == (2, 1)
+    for name, t in versions[2].items():
+        changed = np.flatnonzero(t.bits != versions[1][name].bits)
+        assert changes.positions()[name].tolist() == changed.tolist(), f"{name}: version 1's changes were written again"
+    assert _same(previous, versions[1]), "a roll-back of version 2 must restore version 1, the one served"
+    assert updater.engine.version == 1 and follower.weights_hash == weights_hash(versions[1])
+    assert (follower.updates_applied, follower.updates_rejected, follower.rejected_version) == (1, 1, 2)
+    assert follower.last_update_error == "scripted rejection" and follower.lag() == 1
