@@ -50,6 +50,11 @@ def test_layout_with_runs_split_across_targets() -> None:
     ("runs", "message"),
     [
         ({"q": [Run("qkv", 0, 0, 11)]}, "cover"),  # one element never lands
+        ({"q": [Run("qkv", 1, 1, 11)]}, "cover"),  # the first element never lands
+        ({"q": [Run("qkv", 0, 0, 6), Run("qkv", 8, 8, 4)]}, "cover"),  # a gap inside
+        ({"q": [Run("qkv", 0, 0, 8), Run("qkv", 6, 12, 6)]}, "cover"),  # elements 6, 7 land twice
+        ({"q": [Run("qkv", 0, 0, 14), Run("qkv", 14, 14, -2)]}, "cover"),  # a negative run "ending" at 12
+        ({"q": [Run("qkv", 0, -2, 12)]}, "outside"),
         ({"q": [Run("qkv", 0, 0, 12)], "k": [Run("qkv", 0, 10, 6)]}, "same elements"),  # overlap
         ({"q": [Run("qkv", 0, 20, 12)]}, "outside"),
         ({"q": [Run("nope", 0, 0, 12)]}, "unknown engine tensor"),
