@@ -46,6 +46,23 @@ def test_layout_with_runs_split_across_targets() -> None:
     assert layout.uncovered() == {"b": 2}
 
 
+def test_layout_with_split_runs_translates_each_element_through_its_own_run() -> None:
+    """Checkpoint tensor w lands in two engine tensors, the second run starting at w's
+    element 4 and b's element 2: every translation must subtract its run's own source
+    start and add its own destination start, and an element on a run's end belongs to the
+    next run only. The plain form (what crosses to the worker processes) keeps it all."""
+    layout = WeightLayout({"w": [Run("a", 0, 0, 4), Run("b", 4, 2, 4)]}, {"a": (4,), "b": (2, 3)})
+    layout.validate({"w": (8,)})
+    placed = {p.target: (p.positions.tolist(), p.index.tolist()) for p in layout.place("w", np.array([3, 4], dtype=np.int64))}
+    assert placed == {"a": ([3], [0]), "b": ([2], [1])}
+    assert list(layout.place_range("w", 2, 4)) == [("a", 2, 0, 2), ("b", 2, 2, 2)]
+    assert list(layout.place_range("w", 5, 3)) == [("b", 3, 0, 3)]
+    back = [(name, pos.tolist(), index.tolist()) for name, pos, index in layout.to_checkpoint("b", np.array([0, 2, 5], dtype=np.int64))]
+    assert back == [("w", [4, 7], [1, 2])], "b's elements 0, 1 are padding; 2 is w's 4"
+    again = WeightLayout.from_plain(layout.as_plain())
+    assert (again.runs, again.targets) == (layout.runs, layout.targets)
+
+
 @pytest.mark.parametrize(
     ("runs", "message"),
     [
