@@ -21,7 +21,7 @@ from services.rollout import rpc_arrays
 from services.rollout.served_weights import Sample
 from services.rollout.weight_changes import ChangeSet
 from services.rollout.weight_layout import Run, WeightLayout
-from services.rollout.weight_updates import WeightUpdater
+from services.rollout.weight_updates import WeightUpdater, same_value
 from tests.unit.test_service_failure import FakeEngine, FakeLLM
 
 # q (2x3) and k (1x3) fused into qkv (3x3); norm on its own.
@@ -176,3 +176,36 @@ def test_a_roll_back_the_worker_cannot_prove_reloads_the_served_version_and_leav
     v2, changes2 = _delta(v0, 1)
     report = asyncio.run(updater.update(changes2, v2, _canary(), lambda: v0))
     assert report.accepted and report.path == "full" and _engine_holds(llm, v2)
+
+
+# ------------------------------------------------------------ pure parts
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bits", "normal", "subnormal", "nan", "inf"),
+    [
+        ("bf16", np.uint16, 0x3F80, 0x0001, 0x7FC0, 0x7F80),
+        ("fp16", np.uint16, 0x3C00, 0x0001, 0x7E00, 0x7C00),
+        ("fp32", np.uint32, 0x3F800000, 0x00000001, 0x7FC00000, 0x7F800000),
+    ],
+)
+def test_read_back_equality_is_bitwise_but_for_flushed_subnormals_and_nan_payloads(dtype: str, bits: type, normal: int, subnormal: int, nan: int, inf: int) -> None:
+    """What a kernel may compute with instead of the published bits: a subnormal as a
+    (signed) zero, another NaN. Nothing else passes: a subnormal as another value, a zero
+    as a subnormal, a NaN as an infinity, a normal number one bit off."""
+    sign = 1 << (16 if bits is np.uint16 else 32) - 1
+    pairs = {
+        (normal, normal): True,
+        (normal, normal + 1): False,
+        (subnormal, 0): True,
+        (subnormal, sign): True,
+        (subnormal, subnormal + 1): False,
+        (0, subnormal): False,
+        (nan, nan + 1): True,
+        (nan, inf): False,
+        (inf, nan): False,
+        (inf, inf): True,
+    }
+    want = np.array([w for w, _ in pairs], dtype=bits)
+    got = np.array([g for _, g in pairs], dtype=bits)
+    assert same_value(want, got, dtype).tolist() == list(pairs.values())
