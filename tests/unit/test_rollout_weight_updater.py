@@ -21,7 +21,7 @@ from services.rollout import rpc_arrays
 from services.rollout.served_weights import Sample
 from services.rollout.weight_changes import ChangeSet
 from services.rollout.weight_layout import Run, WeightLayout
-from services.rollout.weight_updates import WeightUpdater, same_value
+from services.rollout.weight_updates import WeightUpdater, compare_samples, expected_positions, same_value
 from tests.unit.test_service_failure import FakeEngine, FakeLLM
 
 # q (2x3) and k (1x3) fused into qkv (3x3); norm on its own.
@@ -209,3 +209,26 @@ def test_read_back_equality_is_bitwise_but_for_flushed_subnormals_and_nan_payloa
     want = np.array([w for w, _ in pairs], dtype=bits)
     got = np.array([g for _, g in pairs], dtype=bits)
     assert same_value(want, got, dtype).tolist() == list(pairs.values())
+
+
+def test_read_back_of_an_engine_running_fp32_is_compared_in_its_dtype() -> None:
+    """A bf16 checkpoint in an engine that computes in fp32: the published bits are
+    converted before the comparison, so equal values compare equal and one wrong element
+    is counted once."""
+    truth = {"norm": RawTensor("bf16", (3,), np.array([0x3F80, 0xC000, 0x3E00], dtype=np.uint16))}
+    layout = WeightLayout({"norm": [Run("norm", 0, 0, 3)]}, {"norm": (3,)})
+    engine = truth["norm"].bits.astype(np.uint32) << 16  # bf16 is the top half of fp32
+    positions = np.arange(3, dtype=np.int64)
+    assert compare_samples([Sample("norm", positions, engine, "fp32", "norm")], layout, truth) == (3, 0)
+    engine[2] ^= 1
+    assert compare_samples([Sample("norm", positions, engine, "fp32", "norm")], layout, truth) == (3, 1)
+
+
+def test_the_read_back_checks_tensors_that_travel_whole() -> None:
+    """A tensor in a change set's dense part (a keyframe) is read back too -- at a sample
+    of its positions, in the engine's coordinates -- not left unchecked."""
+    weights = _weights(0)
+    changes = ChangeSet(3, 2, {}, {"k": weights["k"].bits}, {"k": ("bf16", (1, 3))})
+    positions = expected_positions(changes, LAYOUT)
+    assert set(positions) == {"qkv"} and positions["qkv"].size > 0
+    assert set(positions["qkv"].tolist()) <= {6, 7, 8}, "k lands on qkv's last row"
