@@ -55,6 +55,8 @@ class ElementLLM(FakeLLM):
         self.revert_mismatches = revert_mismatches
         self.undo: list[tuple[str, np.ndarray, np.ndarray]] = []
         self.reloaded: list[Weights] = []
+        self.layout_error = ""  # what meridian_prepare answers instead of a layout
+        self.readable = 1 << 30  # elements per engine tensor meridian_prepare reads back
 
     def _load(self, weights: Weights) -> None:
         for name, t in weights.items():
@@ -80,6 +82,11 @@ class ElementLLM(FakeLLM):
             if self.corrupt:
                 self.engine["qkv"][7] ^= 1  # k's element 1, as the kernels would compute with it
             return [{"samples": self._samples(verify), "write_ms": 0.0, "process_ms": 0.0, "readback_ms": 0.0}]
+        if method == "meridian_prepare":
+            if self.layout_error:
+                return [{"error": self.layout_error}]
+            verify = {t: rpc_arrays.pack_positions(np.arange(a.shape[0], dtype=np.int64)[: self.readable]) for t, a in self.engine.items()}
+            return [{"layout": LAYOUT.as_plain(), "samples": self._samples(verify), "shadow_bytes": 0}]
         if method == "meridian_commit":
             self.undo = []
         if method == "meridian_revert":
@@ -176,6 +183,30 @@ def test_a_roll_back_the_worker_cannot_prove_reloads_the_served_version_and_leav
     v2, changes2 = _delta(v0, 1)
     report = asyncio.run(updater.update(changes2, v2, _canary(), lambda: v0))
     assert report.accepted and report.path == "full" and _engine_holds(llm, v2)
+
+
+@pytest.mark.parametrize("fault", ["none", "loaded differently", "nothing read back", "loader not followable"])
+def test_the_element_path_is_taken_only_when_the_loaded_model_reads_back_as_the_checkpoint(fault: str) -> None:
+    """``prepare`` trusts the element path only if every element the engine read back is
+    the checkpoint's, and at least one was: else updates take the full path, and
+    ``fallback_reason`` says why."""
+    v0 = _weights(0)
+    llm = ElementLLM(v0)
+    if fault == "loaded differently":
+        llm.engine["norm"][2] ^= 1
+    elif fault == "nothing read back":
+        llm.readable = 0
+    elif fault == "loader not followable":
+        llm.layout_error = "the loader copies a strided view"
+    engine = FakeEngine(set())
+    engine.llm = llm  # type: ignore[assignment]
+    updater = WeightUpdater(engine, "delta")  # type: ignore[arg-type]
+    asyncio.run(updater.prepare(v0, []))
+    if fault == "none":
+        assert updater.layout is not None and updater.layout.runs == LAYOUT.runs and updater.fallback_reason == ""
+        return
+    assert updater.layout is None
+    assert {"loaded differently": "in 1 of 12 elements", "nothing read back": "in 0 of 0 elements", "loader not followable": "strided view"}[fault] in updater.fallback_reason
 
 
 # ------------------------------------------------------------ pure parts
