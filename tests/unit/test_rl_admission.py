@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 
 import pytest
 
@@ -136,3 +138,65 @@ def test_bad_settings_are_refused() -> None:
         AdmissionConfig(decrease=1.5)
     with pytest.raises(ValueError, match="positive"):
         AdmissionConfig(itl_s=0)
+
+
+async def _settle() -> None:
+    """Lets every ready task run until none is (a woken admit_rl needs a few turns)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+# A control window of an hour: an RL request waiting for a slot is admitted only when
+# something wakes it, never by its periodic re-check within a test.
+PATIENT = AdmissionConfig(ttft_s=0.5, itl_s=0.05, window_s=3600.0, max_rl=4, quiet_s=0.2)
+
+
+def test_rl_waits_out_the_quiet_period_after_production_ends() -> None:
+    """Production just ended: RL stays at the controller's limit until ``quiet_s`` has
+    passed (a burst often has a next request), then may use every slot."""
+
+    async def body() -> None:
+        clock = Clock()
+        s = RlScheduler(CONFIG, clock)
+        s.controller.limit = 1
+        async with s.production():
+            first = await s.admit_rl()
+        waiting = asyncio.create_task(s.admit_rl())
+        await _settle()
+        assert not waiting.done() and s.allowed(clock.now) == 1, "admitted before the quiet period ran out"
+        clock.now += 0.25
+        assert s.allowed(clock.now) == CONFIG.max_rl
+        await asyncio.wait_for(waiting, 30)
+        s.release(first)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("event", ["release", "raised limit", "production end"])
+def test_a_waiting_rl_request_is_woken_by_what_frees_a_slot(event: str) -> None:
+    """An RL request waiting for a slot is admitted as soon as one frees: a release, a
+    raised limit, production going quiet -- not at its next periodic check."""
+
+    async def body() -> None:
+        clock = Clock()
+        # Without a quiet period, production's end frees every slot at once.
+        s = RlScheduler(dataclasses.replace(PATIENT, quiet_s=0.0) if event == "production end" else PATIENT, clock)
+        s.controller.limit = 1
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(s.production())
+            held = await s.admit_rl()
+            waiting = asyncio.create_task(s.admit_rl())
+            await _settle()
+            assert not waiting.done()
+            if event == "release":
+                s.release(held)
+            elif event == "raised limit":
+                s.observe(clock.now, itl_s=0.01)  # within its targets
+                clock.now += PATIENT.window_s
+                s.observe(clock.now, itl_s=0.01)  # closes a window that met them: the limit grows
+                assert s.controller.limit == 2
+            else:
+                await stack.aclose()
+            await asyncio.wait_for(waiting, 30)
+
+    asyncio.run(body())
