@@ -200,3 +200,25 @@ def test_a_waiting_rl_request_is_woken_by_what_frees_a_slot(event: str) -> None:
             await asyncio.wait_for(waiting, 30)
 
     asyncio.run(body())
+
+
+def test_an_rl_request_cancelled_as_a_slot_frees_is_cancelled_and_holds_no_slot() -> None:
+    """The caller of a waiting admit_rl is cancelled (its client went away, the service
+    stops) in the same turn as a release wakes it. The cancellation must win: on Python
+    3.11 ``asyncio.wait_for`` returned the woken wait instead, so the cancelled request
+    was admitted and ran on, holding a slot for no one."""
+
+    async def body() -> None:
+        s = RlScheduler(PATIENT, Clock())
+        s.controller.limit = 1
+        async with s.production():
+            held = await s.admit_rl()
+            waiting = asyncio.create_task(s.admit_rl())
+            await _settle()
+            s.release(held)
+            waiting.cancel()
+            await asyncio.wait({waiting}, timeout=30)
+            assert waiting.cancelled(), "the cancelled request was admitted"
+            assert s.rl_running == 0
+
+    asyncio.run(body())
