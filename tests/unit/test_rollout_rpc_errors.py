@@ -86,3 +86,59 @@ def test_a_bad_request_is_invalid_argument_naming_the_problem(case: str, rollout
             assert chunks[-1].finished
 
     run(main())
+
+
+class RejectsFirstEpisode(FakeEngine):
+    """The stand-in engine, whose first RL generation is labelled with a version that was
+    then rejected (what the engine reports for tokens a rolled-back candidate sampled)."""
+
+    rl_calls = 0
+
+    async def generate(self, prompt_ids: list[int], sampling: Any, priority: int, request_id: str = "") -> Any:
+        from services.rollout.engine import PRIORITY_RL, REJECTED_VERSION, Delta
+
+        if priority != PRIORITY_RL:
+            async for delta in super().generate(prompt_ids, sampling, priority, request_id):
+                yield delta
+            return
+        RejectsFirstEpisode.rl_calls += 1
+        version = REJECTED_VERSION if RejectsFirstEpisode.rl_calls == 1 else 0
+        yield Delta([7, 8], [-0.5, -0.5], 0, "```python\nx = 1\n```", True, "stop", [version, version])
+
+
+def test_run_episodes_drops_a_group_with_tokens_of_a_rejected_version(rollout: Callable[..., Any], grpc_serving: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Two groups; one episode of the first was sampled (in part) by a candidate that was
+    then rolled back. No policy produced those samples: that whole group is dropped, the
+    other is returned, and only the kept episodes count as completed."""
+    from services.rollout import server
+    from tests.unit.test_rollout_episodes import Boxes
+
+    class Tasks(Boxes):
+        async def GetTask(self, request: Any, context: object) -> Any:
+            from meridian.v1 import envsandbox_pb2 as sbx
+
+            return sbx.Task(id=request.task_id, instruction="add", answer_path="answer.py")
+
+    monkeypatch.setattr(server, "Engine", RejectsFirstEpisode)
+    RejectsFirstEpisode.rl_calls = 0
+
+    async def main() -> tuple[Any, Any]:
+        from meridian.v1 import envsandbox_pb2_grpc as sbx_grpc
+
+        boxes = grpc.aio.server()
+        sbx_grpc.add_EnvSandboxServicer_to_server(Tasks(), boxes)
+        port = boxes.add_insecure_port("127.0.0.1:0")
+        await boxes.start()
+        try:
+            service = rollout(envsandbox=f"127.0.0.1:{port}")
+            async with grpc_serving(service) as address, grpc.aio.insecure_channel(address) as channel:
+                stub = ro_grpc.RolloutStub(channel)
+                reply = await stub.RunEpisodes(ro.RunEpisodesRequest(task_ids=["first", "second"], group_size=2, sampling=ro.SamplingParams(seed=1)))
+                return reply, service
+        finally:
+            await boxes.stop(grace=None)
+
+    reply, service = run(main())
+    assert len(reply.trajectories) == 2 and len({t.group_id for t in reply.trajectories}) == 1
+    assert all(-2 not in t.policy_versions for t in reply.trajectories)
+    assert (service.episodes_completed, service.episodes_discarded) == (2, 2)
