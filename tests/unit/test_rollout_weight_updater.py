@@ -209,6 +209,37 @@ def test_the_element_path_is_taken_only_when_the_loaded_model_reads_back_as_the_
     assert {"loaded differently": "in 1 of 12 elements", "nothing read back": "in 0 of 0 elements", "loader not followable": "strided view"}[fault] in updater.fallback_reason
 
 
+class OrderedEngine(FakeEngine):
+    """The stand-in engine, logging its pauses and resumes among the worker calls."""
+
+    async def pause(self) -> None:
+        self.llm.calls.append("pause")
+
+    async def freeze(self) -> None:
+        self.llm.calls.append("freeze")
+
+    async def resume(self) -> None:
+        self.llm.calls.append("resume")
+
+
+def test_a_roll_back_runs_with_the_engine_frozen_and_drops_the_candidates_kv() -> None:
+    """Requests in flight resumed with the candidate during its trial: the revert must
+    happen frozen (no step computes on half-reverted weights), the KV the candidate
+    computed is dropped before anything runs again, and the engine resumes last."""
+    v0 = _weights(0)
+    v1, changes = _delta(v0, 1)
+    llm = ElementLLM(v0)
+    engine = OrderedEngine(set())
+    engine.llm = llm  # type: ignore[assignment]
+    updater = WeightUpdater(engine, "delta")  # type: ignore[arg-type]
+    updater.layout = LAYOUT
+    report = asyncio.run(updater.update(changes, v1, _canary(-1.0), lambda: v0))
+    assert not report.accepted
+    trial = llm.calls.index("resume")  # the candidate is served past the gate for its canary
+    assert llm.calls[:trial] == ["pause", "meridian_apply", "reset_prefix_cache"]
+    assert llm.calls[trial + 1 :] == ["freeze", "meridian_revert", "reset_prefix_cache", "resume"]
+
+
 # ------------------------------------------------------------ pure parts
 
 
