@@ -222,3 +222,36 @@ def test_an_rl_request_cancelled_as_a_slot_frees_is_cancelled_and_holds_no_slot(
             assert s.rl_running == 0
 
     asyncio.run(body())
+
+
+def test_the_limit_stays_within_max_rl_and_a_latency_at_its_target_meets_it() -> None:
+    """However long production meets its targets the limit never passes ``max_rl`` (nor
+    starts above it); a latency exactly at its target is met, not missed."""
+    assert AimdController(CONFIG, now=0.0, initial=100).limit == CONFIG.max_rl
+    c = AimdController(dataclasses.replace(CONFIG, increase=3), now=0.0)
+    for step in range(1, 201):  # 20 windows, each within the targets
+        c.observe(step * 0.1, itl_s=CONFIG.itl_s, ttft_s=CONFIG.ttft_s)
+    assert c.limit == CONFIG.max_rl and c.increases == 3, "0, 3, 6, then 8 (not 9), then no more increases"
+    assert c.decreases == 0 and c.attainment == 1.0
+
+
+def test_production_latency_is_per_token_and_an_empty_delta_is_not_a_latency() -> None:
+    """A delta of several tokens is measured per token (four tokens in 0.16 s meet a
+    50 ms target); a delta with no tokens records nothing (and later divides by nothing)."""
+
+    async def body() -> None:
+        clock = Clock()
+        s = RlScheduler(CONFIG, clock)
+        async with s.production() as latency:
+            latency.tokens(1)  # the first token: time to first token, 0 s
+            clock.now += 0.16
+            latency.tokens(0)
+            latency.tokens(4)
+        assert (s.controller.observed, s.controller.met) == (2, 2)
+
+    asyncio.run(body())
+
+
+def test_an_increase_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="increase >= 1"):
+        AdmissionConfig(increase=0)
