@@ -207,8 +207,11 @@ class RlScheduler:
             self._changed.clear()
             # Woken by a release, a production end or a raised limit; the timeout covers
             # the quiet period running out and windows closing with no event at all.
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation
+            # that arrives in the turn the event is set, and the cancelled caller is admitted.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout=self._next_check(now))
+                async with asyncio.timeout(self._next_check(now)):
+                    await self._changed.wait()
 
     def _next_check(self, now: float) -> float:
         if self.production_active == 0:

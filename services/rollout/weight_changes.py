@@ -54,12 +54,14 @@ class ChangeSet:
 
     @classmethod
     def from_undos(cls, weights: Mapping[str, RawTensor], undos: Sequence[UndoLog]) -> ChangeSet:
-        """The elements ``undos`` (oldest first, consecutive) changed, with their values in
-        ``weights`` (the decoder's buffers, as of the last undo's version)."""
+        """The elements ``undos`` (oldest first; each a delta on the one before, or a
+        keyframe) changed, with their values in ``weights`` (the decoder's buffers, as of
+        the last undo's version). A keyframe replaces every tensor, so what follows one
+        does not depend on what preceded it."""
         if not undos:
             raise ValueError("no versions to apply")
         for older, newer in zip(undos, undos[1:]):
-            if newer.base_version != older.version:
+            if newer.base_version >= 0 and newer.base_version != older.version:
                 raise ValueError(f"undo logs are not consecutive: {older.version} then a delta on {newer.base_version}")
         parts: dict[str, list[np.ndarray]] = {}
         dense: set[str] = set()

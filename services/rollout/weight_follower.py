@@ -30,10 +30,19 @@ class EngineStateUnknown(RuntimeError):
 
 def served_version(weights: Weights, pending: list[UndoLog]) -> dict[str, RawTensor]:
     """The version the engine serves, rebuilt from the decoder's newer ``weights`` and the
-    undo logs of the versions after it (copies only the tensors they touched)."""
+    undo logs of the versions after it (copies only the tensors they touched).
+
+    Raises when it cannot be: after the follower dropped its held weights (a version it
+    could not decode), the oldest pending version is a keyframe onto nothing, and what it
+    rebuilds is an empty model. A full roll-back must not reload that (vLLM only warns
+    about weights it did not get, and keeps computing with the rejected ones)."""
     served = dict(weights)
     for undo in reversed(pending):
         served = undo.previous_weights(served)
+    if weights and not served:
+        raise RuntimeError(
+            f"the served version cannot be rebuilt: the held weights were dropped before version {pending[0].version} arrived as a keyframe"
+        )
     return served
 
 

@@ -57,6 +57,9 @@ def test_extract_answer_and_observation_cap() -> None:
     [
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 5000}, "max_tokens"),
+        ({"max_tokens": 2048}, "max_tokens"),  # the whole context: no room for a prompt
+        ({"max_completion_tokens": 2048, "max_tokens": 12}, "max_tokens"),  # the newer name wins
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
         ({"temperature": -1}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 2}, "top_p"),
@@ -142,6 +145,35 @@ def test_a_chat_message_that_is_not_an_object_is_400_and_a_bug_is_a_500_in_the_a
         assert reply.status_code == 500, reply.text
         err = reply.json()["error"]
         assert err["type"] == "server_error" and err["message"].startswith("internal error (ref="), err
+
+
+def test_openai_max_completion_tokens_is_honoured_before_max_tokens() -> None:
+    """Current OpenAI clients send ``max_completion_tokens`` (``max_tokens`` is deprecated):
+    ignored, every such caller would get the server's default length instead of its own."""
+    assert parse_sampling({"max_completion_tokens": 12}, 2048, 64).max_tokens == 12
+    assert parse_sampling({"max_completion_tokens": 12, "max_tokens": 30}, 2048, 64).max_tokens == 12
+    assert parse_sampling({"max_tokens": 2047}, 2048, 64).max_tokens == 2047
+
+
+@pytest.mark.parametrize(
+    ("message", "words"),
+    [
+        ({"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}}, "legacy function_call"),
+        ({"role": "user", "content": None}, "content must be a string or a list of text parts"),
+        ({"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}, "only an assistant message carries tool_calls"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "a part of type 'image_url'"),
+    ],
+)
+def test_a_chat_message_the_server_would_render_wrong_is_refused_by_index(message: dict, words: str) -> None:  # type: ignore[type-arg]
+    """History the prompt cannot carry as sent (a legacy call the model would not see, a
+    user turn with no text, tool calls on a turn that did not make them, an image) is the
+    caller's error, naming the message, not a prompt silently missing parts of it."""
+    from services.rollout.openai_api import message_text
+
+    assert message_text({"role": "assistant", "content": None}, 0) == ""  # an assistant turn of calls alone
+    with pytest.raises(RequestError, match=r"messages\[3\]") as info:
+        message_text(message, 3)
+    assert words in str(info.value) and info.value.param == "messages"
 
 
 def test_openai_sampling_defaults_and_passthrough() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from services.rollout.agent import TOOL_CALL_CLOSE
-from services.rollout.openai_tools import Tools, ToolsError, assistant_calls_text, held_back, parse_tools, split_calls
+from services.rollout.openai_tools import Tools, ToolsError, assistant_calls_text, held_back, parse_tools, split_calls, with_tools
 from tests.unit.test_rollout_chat_template import tok  # noqa: F401 - a fixture
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -39,6 +39,34 @@ def test_offered_tools_are_checked_and_a_forced_choice_is_refused() -> None:
         assert caught.value.param == param, body
 
 
+def _named(i: int) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": f"f{i}"}}
+
+
+def test_tools_are_bounded_by_count_and_each_field_by_its_type() -> None:
+    """128 distinct functions are taken, a 129th is refused by the count (not only as a
+    duplicate); a description that is not text, or tool_calls that are not a list, are
+    refused naming the field instead of reaching the prompt."""
+    assert len(parse_tools({"tools": [_named(i) for i in range(128)]}).functions) == 128  # type: ignore[union-attr]
+    with pytest.raises(ToolsError, match="at most 128"):
+        parse_tools({"tools": [_named(i) for i in range(129)]})
+    with pytest.raises(ToolsError, match="description must be a string"):
+        parse_tools({"tools": [{"type": "function", "function": {"name": "f", "description": ["x"]}}]})
+    with pytest.raises(ToolsError, match=r"messages\[2\].tool_calls must be a list") as caught:
+        assistant_calls_text({"function": {"name": "f", "arguments": "{}"}}, 2)
+    assert caught.value.param == "messages"
+
+
+def test_offered_tools_join_the_callers_own_system_message() -> None:
+    """The tools' prompt is appended to the caller's system message, which is kept, or
+    opens the conversation when there is none."""
+    chat = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Weather?"}]
+    joined = with_tools(chat, TOOLS)
+    assert len(joined) == 2 and joined[0]["content"].startswith("Answer in French.\n\n") and joined[0]["content"].endswith(TOOLS.prompt())
+    assert with_tools(chat[1:], TOOLS) == [{"role": "system", "content": TOOLS.prompt()}, chat[1]]
+    assert with_tools(chat, None) == chat
+
+
 def test_calls_are_found_where_they_call_an_offered_tool_with_an_object() -> None:
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
     # Stopped at the closing tag (the API's stop), or closed, with text around it.
@@ -59,6 +87,7 @@ def test_a_stream_pauses_where_a_call_may_begin() -> None:
     assert held_back("text <tool") == len("text ")
     assert held_back("text <tool_call>{") == len("text ")
     assert held_back("a < b") == len("a < b")
+    assert held_back("a <") == len("a "), "a lone '<' may begin a call"
 
 
 def test_an_assistants_calls_render_as_the_blocks_it_wrote() -> None:

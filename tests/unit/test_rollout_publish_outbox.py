@@ -124,6 +124,49 @@ def test_a_group_the_stream_cannot_take_is_refused_not_held() -> None:
     run(body())
 
 
+def test_an_empty_group_is_neither_held_nor_sent() -> None:
+    """An episode batch may yield no trajectories for a group: nothing to publish, and
+    nothing to hold in front of the real groups during an outage."""
+
+    async def body() -> None:
+        link, streams = _memory()
+        outbox = PublishOutbox(link.send)
+        link.up = False
+        with pytest.raises(Unavailable, match="1 sampled groups are held"):
+            await outbox.publish([[], _group(0)])
+        assert outbox.held == 1
+        link.up = True
+        await outbox.flush()
+        assert link.sent == ["group-0"] and _stream_ids(streams) == ["group-0"]
+
+    run(body())
+
+
+def test_the_retry_loop_drops_a_held_group_the_stream_refuses_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """A held group that fails for a reason of its own once the stream is back is dropped
+    (and logged); the retries go on, so the groups behind it still land."""
+
+    async def body() -> None:
+        link, streams = _memory()
+        outbox = PublishOutbox(link.send, retry_s=0.01)
+        outbox.start()
+        try:
+            link.up = False
+            with pytest.raises(Unavailable):
+                await outbox.publish([_group(0)[:1], _group(1)])  # group 0 is incomplete
+            link.up = True
+            async with asyncio.timeout(5):
+                while outbox.held:
+                    await asyncio.sleep(0.01)
+            assert _stream_ids(streams) == ["group-1"]
+        finally:
+            await outbox.stop()
+
+    with caplog.at_level(logging.ERROR, logger="services.rollout.publish_outbox"):
+        run(body())
+    assert "a held group could not be published; dropped" in caplog.text
+
+
 def test_a_publish_cancelled_mid_send_keeps_its_groups() -> None:
     """A caller whose deadline passes while its group is being sent does not take the
     group with it."""

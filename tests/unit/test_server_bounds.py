@@ -443,6 +443,15 @@ def test_generate_refuses_prompt_text_over_the_bound_before_tokenising(rollout: 
     run(main())
 
 
+def test_prompt_text_of_exactly_max_prompt_bytes_is_taken_and_one_byte_more_is_not() -> None:
+    """The bound is inclusive, counted in UTF-8 bytes (what the tokenizer reads)."""
+    from services.rollout.prompt_limits import text_bytes, too_long
+
+    assert text_bytes("é" * 4) == 8
+    assert too_long(text_bytes("é" * 4), 8) == ""
+    assert too_long(text_bytes("é" * 4 + "a"), 8) == "prompt text is 9 bytes, more than this server tokenises (max_prompt_bytes=8)"
+
+
 def test_generate_refuses_a_temperature_the_engine_would_reject(rollout: Callable[[], Any], grpc_serving: Serving) -> None:
     """NaN, infinity or above 2: INVALID_ARGUMENT naming the field, not the engine's own
     error as INTERNAL."""

@@ -98,6 +98,33 @@ def test_an_update_that_cannot_be_undone_raises_with_the_gate_closed() -> None:
     assert not engine.gate_open and engine.version == 0
 
 
+def test_a_full_roll_back_never_reloads_a_version_the_follower_cannot_rebuild() -> None:
+    """After the follower dropped its held weights (a version it could not decode: it asks
+    for a keyframe), the served version can no longer be rebuilt from them. Should that
+    keyframe be rejected on the full path, reloading the "served version" would load no
+    tensor at all -- vLLM only warns -- and the engine would go on computing with the
+    rejected weights under the old label. The roll-back must fail instead: the update
+    raises with the gate closed, and the service stops."""
+    from services.rollout.weight_follower import served_version
+    from services.weightsync.receiver import Decoder
+    from services.weightsync.versions import encode_version
+
+    decoder = Decoder({}, -1, in_place=True)  # what the follower holds after a reset
+    enc = encode_version(5, NEW, None, -1, 64)
+    decoder.begin(enc.manifest)
+    for i, chunk in enumerate(enc.chunks):
+        decoder.add_chunk(i, chunk)
+    decoder.finish()
+    pending = [decoder.last_undo]
+    engine = FakeEngine({"score_now"})  # the trial fails: the keyframe is rejected
+    updater = WeightUpdater(engine, "full")  # type: ignore[arg-type]
+    canary = wpb.Canary(sequences=[wpb.CanarySequence(token_ids=[1, 2, 3], logprobs=[0.0, 0.0, 0.0])])
+    changes = ChangeSet.from_undos(decoder.weights, pending)
+    with pytest.raises(RuntimeError, match="cannot be rebuilt"):
+        asyncio.run(updater.update(changes, decoder.weights, canary, lambda: served_version(decoder.weights, pending)))
+    assert not engine.gate_open and engine.llm.calls.count("meridian_full_reload") == 1
+
+
 class _FailsAfterServing:
     """Serves, then its ``failure`` says why it cannot any longer."""
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from meridian import canary
+from meridian.errors import FailedPrecondition
 from services.rollout.served_weights import Sample
 from services.rollout.weight_changes import ChangeSet
 from services.rollout.weight_layout import LayoutError, Run, WeightLayout
@@ -45,10 +46,32 @@ def test_layout_with_runs_split_across_targets() -> None:
     assert layout.uncovered() == {"b": 2}
 
 
+def test_layout_with_split_runs_translates_each_element_through_its_own_run() -> None:
+    """Checkpoint tensor w lands in two engine tensors, the second run starting at w's
+    element 4 and b's element 2: every translation must subtract its run's own source
+    start and add its own destination start, and an element on a run's end belongs to the
+    next run only. The plain form (what crosses to the worker processes) keeps it all."""
+    layout = WeightLayout({"w": [Run("a", 0, 0, 4), Run("b", 4, 2, 4)]}, {"a": (4,), "b": (2, 3)})
+    layout.validate({"w": (8,)})
+    placed = {p.target: (p.positions.tolist(), p.index.tolist()) for p in layout.place("w", np.array([3, 4], dtype=np.int64))}
+    assert placed == {"a": ([3], [0]), "b": ([2], [1])}
+    assert list(layout.place_range("w", 2, 4)) == [("a", 2, 0, 2), ("b", 2, 2, 2)]
+    assert list(layout.place_range("w", 5, 3)) == [("b", 3, 0, 3)]
+    back = [(name, pos.tolist(), index.tolist()) for name, pos, index in layout.to_checkpoint("b", np.array([0, 2, 5], dtype=np.int64))]
+    assert back == [("w", [4, 7], [1, 2])], "b's elements 0, 1 are padding; 2 is w's 4"
+    again = WeightLayout.from_plain(layout.as_plain())
+    assert (again.runs, again.targets) == (layout.runs, layout.targets)
+
+
 @pytest.mark.parametrize(
     ("runs", "message"),
     [
         ({"q": [Run("qkv", 0, 0, 11)]}, "cover"),  # one element never lands
+        ({"q": [Run("qkv", 1, 1, 11)]}, "cover"),  # the first element never lands
+        ({"q": [Run("qkv", 0, 0, 6), Run("qkv", 8, 8, 4)]}, "cover"),  # a gap inside
+        ({"q": [Run("qkv", 0, 0, 8), Run("qkv", 6, 12, 6)]}, "cover"),  # elements 6, 7 land twice
+        ({"q": [Run("qkv", 0, 0, 14), Run("qkv", 14, 14, -2)]}, "cover"),  # a negative run "ending" at 12
+        ({"q": [Run("qkv", 0, -2, 12)]}, "outside"),
         ({"q": [Run("qkv", 0, 0, 12)], "k": [Run("qkv", 0, 10, 6)]}, "same elements"),  # overlap
         ({"q": [Run("qkv", 0, 20, 12)]}, "outside"),
         ({"q": [Run("nope", 0, 0, 12)]}, "unknown engine tensor"),
@@ -117,6 +140,24 @@ def test_change_set_across_rejected_versions_is_the_union_with_todays_values() -
         ChangeSet.from_undos(decoder.weights, [decoder.last_undo, first])
 
 
+def test_change_set_holds_a_tensor_a_delta_rewrote_chunk_by_chunk() -> None:
+    """A delta whose chunk is so dense it travels as a keyframe chunk records the rewrite
+    as an undo *range*, not as changed positions: the change set must still carry those
+    elements, or the engine keeps the old values there and serves a mix of versions."""
+    v0 = _weights(0)
+    v1 = _moved(v0, 1)
+    v1["q"] = _weights(7)["q"]  # every element of q new: cheaper as a keyframe chunk
+    decoder = Decoder({n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in v0.items()}, 0, in_place=True)
+    _decode(decoder, 1, v1, v0, 0)
+    assert [name for name, _, _ in decoder.last_undo.ranges] == ["q"], "the setup must produce a keyframe chunk inside a delta"
+    changes = ChangeSet.from_undos(decoder.weights, [decoder.last_undo])
+    for name in CHECKPOINT:
+        engine = v0[name].bits.copy()
+        positions, values = changes.sparse[name]
+        engine[positions] = values
+        assert engine.tolist() == v1[name].bits.tolist(), f"v0 plus the change set must be v1 ({name})"
+
+
 def test_change_set_of_a_keyframe_carries_whole_tensors() -> None:
     v0 = _weights(0)
     decoder = Decoder({}, -1, in_place=True)
@@ -124,6 +165,55 @@ def test_change_set_of_a_keyframe_carries_whole_tensors() -> None:
     changes = ChangeSet.from_undos(decoder.weights, [decoder.last_undo])
     assert changes.is_full(len(CHECKPOINT)) and not changes.sparse
     assert all(changes.dense[n].tolist() == v0[n].bits.tolist() for n in CHECKPOINT)
+
+
+def test_change_set_lists_an_element_two_versions_changed_once() -> None:
+    """Across rejected versions an element changed by both is written once: positions
+    are ascending and unique (as ``ChangeSet.sparse`` promises) and ``elements`` counts
+    what the engine writes, not the sum of the versions' changes."""
+    v0 = _weights(0)
+    v1 = _moved(v0, 1)
+    v2 = _moved(v1, 2)  # norm has 3 elements: both versions change all of them
+    decoder = Decoder({n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in v0.items()}, 0, in_place=True)
+    _decode(decoder, 1, v1, v0, 0)
+    first = decoder.last_undo
+    _decode(decoder, 2, v2, v1, 1)
+    changes = ChangeSet.from_undos(decoder.weights, [first, decoder.last_undo])
+    for name, (positions, _) in changes.sparse.items():
+        assert np.all(np.diff(positions) > 0), f"{name}: positions {positions.tolist()} not ascending and unique"
+    union = {n: (v0[n].bits != v1[n].bits) | (v1[n].bits != v2[n].bits) for n in CHECKPOINT}
+    assert changes.positions()["norm"].tolist() == [0, 1, 2]
+    assert changes.elements == sum(int(np.count_nonzero(m)) for m in union.values())
+
+
+def test_change_set_across_a_rejected_delta_and_a_keyframe_is_the_keyframe() -> None:
+    """A follower that rejected a delta and is then sent a keyframe (the server's plan
+    when the chain is not held or is larger) must apply it: the keyframe replaces every
+    tensor, so each travels whole and only whole, from the version the engine serves.
+    Refusing the pair as not consecutive stopped the follower, and the service with it."""
+    v0 = _weights(0)
+    v1 = _moved(v0, 1)
+    v2 = _weights(2)
+    decoder = Decoder({n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in v0.items()}, 0, in_place=True)
+    _decode(decoder, 1, v1, v0, 0)
+    first = decoder.last_undo
+    _decode(decoder, 2, v2, None, -1)
+    changes = ChangeSet.from_undos(decoder.weights, [first, decoder.last_undo])
+    assert (changes.version, changes.base_version) == (2, 0)
+    assert changes.sparse == {} and changes.is_full(len(CHECKPOINT))
+    assert all(changes.dense[n].tolist() == v2[n].bits.tolist() for n in CHECKPOINT)
+    assert changes.elements == sum(int(np.prod(s)) for s in CHECKPOINT.values())
+
+
+def test_a_version_that_drops_a_tensor_is_refused_as_a_failed_precondition() -> None:
+    """An engine cannot drop a tensor in place. The refusal must be FailedPrecondition,
+    naming the tensor: the follower answers that by asking for a keyframe, where any
+    other error (a KeyError on the missing tensor) would stop it."""
+    v0 = _weights(0)
+    decoder = Decoder({n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in v0.items()}, 0, in_place=True)
+    _decode(decoder, 1, {n: t for n, t in _weights(1).items() if n != "norm"}, None, -1)
+    with pytest.raises(FailedPrecondition, match="'norm'"):
+        ChangeSet.from_undos(decoder.weights, [decoder.last_undo])
 
 
 def test_read_back_comparison_finds_a_wrong_element_through_the_layout() -> None:
