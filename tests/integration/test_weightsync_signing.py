@@ -13,7 +13,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 
 from meridian.tensors import RawTensor, weights_hash
@@ -28,35 +27,12 @@ from services.weightsync.config import WeightSyncConfig
 from services.weightsync.server import WeightSyncService
 from services.weightsync.signing import Signer, Verifier, generate_signing_key
 from tests.integration.test_weightsync_links import _status, _wait_for
+from tests.synthetic_weights import bf16_weights, copied, same, stepped
 
 Weights = dict[str, RawTensor]
 CANARY = pb.Canary(sequences=[pb.CanarySequence(token_ids=[3, 4], logprobs=[0.0, -0.75])])
 #: How a forged upstream's version 1 was made (see :func:`_forge`).
 FORGERIES = ["unsigned", "attacker key", "forged weights under the trainer's signature"]
-
-
-def _weights(seed: int = 0, n: int = 60_000) -> Weights:
-    rng = np.random.default_rng(seed)
-    bits = (rng.normal(0, 0.02, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    return {"a.weight": RawTensor("bf16", (n // 3,), bits[: n // 3].copy()), "b.weight": RawTensor("bf16", (n - n // 3,), bits[n // 3 :].copy())}
-
-
-def _step(w: Weights, seed: int) -> Weights:
-    rng = np.random.default_rng(1000 + seed)
-    out = {}
-    for name, t in w.items():
-        bits = t.bits.copy()
-        bits[rng.choice(bits.size, size=bits.size // 100, replace=False)] += 1
-        out[name] = RawTensor(t.dtype, t.shape, bits)
-    return out
-
-
-def _copy(w: Weights) -> Weights:
-    return {n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in w.items()}
-
-
-def _same(a: Weights, b: Weights) -> bool:
-    return set(a) == set(b) and all(np.array_equal(a[n].bits, b[n].bits) for n in a)
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +69,13 @@ async def _forge(upstream: str, keys: SimpleNamespace, v0: Weights, forgery: str
     and unsigned, signed with an attacker's key, or carrying a trainer signature whose
     content digest is not the forged weights' (what a forger who steered the additive
     weights hash to the signed one would send)."""
-    forged = _step(v0, 66)
+    forged = stepped(v0, 66)
     if forgery == "unsigned":
         signature = None
     elif forgery == "attacker key":
         signature = keys.attacker.sign(1, weights_hash(forged), forged, CANARY)
     else:
-        signature = keys.trainer.sign(1, weights_hash(forged), _step(v0, 1), CANARY)
+        signature = keys.trainer.sign(1, weights_hash(forged), stepped(v0, 1), CANARY)
     await _publish(upstream, 1, forged, _header(1, forged, signature))
 
 
@@ -107,8 +83,8 @@ async def _forge(upstream: str, keys: SimpleNamespace, v0: Weights, forgery: str
 
 
 def test_origin_with_a_verify_key_refuses_unsigned_and_badly_signed_publish(tmp_path: Path, grpc_serving: Any, keys: SimpleNamespace) -> None:
-    v0 = _weights()
-    other = _step(v0, 5)
+    v0 = bf16_weights(0, 60_000)
+    other = stepped(v0, 5)
 
     async def main() -> None:
         async with grpc_serving(_service(tmp_path, "origin", verify_key=keys.public)) as origin:
@@ -149,7 +125,7 @@ def test_origin_with_a_verify_key_refuses_unsigned_and_badly_signed_publish(tmp_
 def test_relay_refuses_a_forged_version_from_upstream_and_keeps_serving_the_previous(
     tmp_path: Path, grpc_serving: Any, keys: SimpleNamespace, forgery: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    v0 = _weights()
+    v0 = bf16_weights(0, 60_000)
 
     async def main() -> None:
         async with grpc_serving(_service(tmp_path, "forger")) as upstream:
@@ -181,7 +157,7 @@ def test_relay_refuses_a_forged_version_from_upstream_and_keeps_serving_the_prev
                 if forgery != "forged weights under the trainer's signature":
                     # Its manifest failed: nothing of version 1 was announced or served.
                     assert seen == [0]
-                assert _same(relay_service.store.weights, v0)
+                assert same(relay_service.store.weights, v0)
 
     with caplog.at_level(logging.ERROR, logger="services.weightsync.server"):
         asyncio.run(main())
@@ -190,8 +166,8 @@ def test_relay_refuses_a_forged_version_from_upstream_and_keeps_serving_the_prev
 
 def test_relay_with_a_verify_key_takes_signed_versions(tmp_path: Path, grpc_serving: Any, keys: SimpleNamespace) -> None:
     """The control: the same relay passes genuine versions, deltas and keyframes alike."""
-    versions = [_weights()]
-    versions += [_step(versions[-1], v) for v in (1, 2)]
+    versions = [bf16_weights(0, 60_000)]
+    versions += [stepped(versions[-1], v) for v in (1, 2)]
 
     async def main() -> None:
         async with grpc_serving(_service(tmp_path, "origin", verify_key=keys.public)) as origin:
@@ -202,7 +178,7 @@ def test_relay_with_a_verify_key_takes_signed_versions(tmp_path: Path, grpc_serv
 
                 async def follow() -> None:
                     async for update in sub.updates(follow=True):
-                        got.append((update.version, _copy(update.weights)))
+                        got.append((update.version, copied(update.weights)))
 
                 task = asyncio.create_task(follow())
                 try:
@@ -214,7 +190,7 @@ def test_relay_with_a_verify_key_takes_signed_versions(tmp_path: Path, grpc_serv
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
                     await sub.close()
-                assert [v for v, _ in got] == [0, 1, 2] and all(_same(w, versions[v]) for v, w in got)
+                assert [v for v, _ in got] == [0, 1, 2] and all(same(w, versions[v]) for v, w in got)
 
     asyncio.run(main())
 
@@ -231,7 +207,7 @@ class _FakeUpdater:
         self.applied: list[tuple[int, Weights]] = []
 
     async def update(self, changes: ChangeSet, truth: Weights, canary: Any, previous: Any, trace_context: Any = None) -> UpdateReport:
-        self.applied.append((changes.version, _copy(truth)))
+        self.applied.append((changes.version, copied(truth)))
         self.engine.version = changes.version
         return UpdateReport(changes.version, True, "fake")
 
@@ -249,37 +225,37 @@ async def _follow_until(follower: WeightFollower, cond: Callable[[], bool], what
 def test_rollout_follower_refuses_a_forged_version_and_keeps_its_served_one(
     tmp_path: Path, grpc_serving: Any, keys: SimpleNamespace, forgery: str
 ) -> None:
-    v0 = _weights()
+    v0 = bf16_weights(0, 60_000)
 
     async def main() -> None:
         async with grpc_serving(_service(tmp_path, "forger")) as upstream:
             await _genuine(upstream, keys, v0)
             await _forge(upstream, keys, v0, forgery)
-            held = _copy(v0)
+            held = copied(v0)
             updater = _FakeUpdater()
             follower = WeightFollower(upstream, updater, held, weights_hash(v0), Verifier.load(keys.public))  # type: ignore[arg-type]
             await _follow_until(follower, lambda: follower.updates_rejected >= 1, "the follower's refusal")
             assert updater.applied == [], "a forged version reached the engine"
             assert updater.engine.version == 0 and follower.weights_hash == weights_hash(v0)
             assert "version 1" in follower.last_update_error
-            assert _same(held, v0), "the refused version was left in the held weights"
+            assert same(held, v0), "the refused version was left in the held weights"
 
     asyncio.run(main())
 
 
 def test_rollout_follower_with_a_verify_key_applies_signed_versions(tmp_path: Path, grpc_serving: Any, keys: SimpleNamespace) -> None:
     """The control: the same follower applies a version the trainer signed."""
-    v0 = _weights()
-    v1 = _step(v0, 1)
+    v0 = bf16_weights(0, 60_000)
+    v1 = stepped(v0, 1)
 
     async def main() -> None:
         async with grpc_serving(_service(tmp_path, "origin")) as origin:
             for v, w in ((0, v0), (1, v1)):
                 await client.publish(origin, v, w, canary=CANARY, signer=keys.trainer)
             updater = _FakeUpdater()
-            follower = WeightFollower(origin, updater, _copy(v0), weights_hash(v0), Verifier.load(keys.public))  # type: ignore[arg-type]
+            follower = WeightFollower(origin, updater, copied(v0), weights_hash(v0), Verifier.load(keys.public))  # type: ignore[arg-type]
             await _follow_until(follower, lambda: bool(updater.applied), "version 1 applied")
-            assert [v for v, _ in updater.applied] == [1] and _same(updater.applied[0][1], v1)
+            assert [v for v, _ in updater.applied] == [1] and same(updater.applied[0][1], v1)
             assert follower.updates_rejected == 0
 
     asyncio.run(main())

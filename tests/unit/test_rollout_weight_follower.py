@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from meridian.tensors import RawTensor, Weights, weights_hash
+from meridian.tensors import Weights, weights_hash
 from services.rollout.weight_changes import ChangeSet
 from services.rollout.weight_follower import WeightFollower
 from services.rollout.weight_updates import UpdateReport
@@ -20,31 +20,7 @@ from services.weightsync import client
 from services.weightsync.config import WeightSyncConfig
 from services.weightsync.server import WeightSyncService
 from tests.conftest import free_port, serving
-
-
-def _weights(seed: int, n: int = 6_000) -> Weights:
-    rng = np.random.default_rng(seed)
-    bits = (rng.normal(0, 0.02, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    return {"a.weight": RawTensor("bf16", (n // 3,), bits[: n // 3].copy()), "b.weight": RawTensor("bf16", (n - n // 3,), bits[n // 3 :].copy())}
-
-
-def _step(w: Weights, seed: int) -> Weights:
-    """A delta: 1 % of the elements moved."""
-    rng = np.random.default_rng(1000 + seed)
-    out = {}
-    for name, t in w.items():
-        bits = t.bits.copy()
-        bits[rng.choice(bits.size, size=bits.size // 100, replace=False)] += 1
-        out[name] = RawTensor(t.dtype, t.shape, bits)
-    return out
-
-
-def _copy(w: Weights) -> Weights:
-    return {n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in w.items()}
-
-
-def _same(a: Weights, b: Weights) -> bool:
-    return set(a) == set(b) and all(np.array_equal(a[n].bits, b[n].bits) for n in a)
+from tests.synthetic_weights import bf16_weights, copied, same, stepped
 
 
 class Engine:
@@ -64,7 +40,7 @@ class ScriptedUpdater:
         self.seen: list[tuple[ChangeSet, Weights]] = []
 
     async def update(self, changes: ChangeSet, truth: Weights, canary: Any, previous: Callable[[], Weights], trace_context: Any = None) -> UpdateReport:
-        self.seen.append((changes, _copy(previous())))
+        self.seen.append((changes, copied(previous())))
         accepted = self.accept[changes.version]
         if accepted:
             self.engine.version = changes.version
@@ -95,16 +71,16 @@ def test_a_keyframe_after_a_rejected_version_is_applied_from_the_served_one(tmp_
     (the one served), with a roll-back to version 0 -- and not stop, which would stop the
     rollout service."""
     port = free_port()
-    versions = {0: _weights(0)}
+    versions = {0: bf16_weights(0, 6_000)}
     for v in range(1, 5):
-        versions[v] = _step(versions[v - 1], v)
+        versions[v] = stepped(versions[v - 1], v)
 
     async def main() -> None:
         updater = ScriptedUpdater({1: False, 4: True})
         async with serving(_origin(tmp_path / "ws"), port=port) as origin:
             for v in (0, 1):
                 await client.publish(origin, v, versions[v])
-            follower = WeightFollower(origin, updater, _copy(versions[0]), weights_hash(versions[0]))  # type: ignore[arg-type]
+            follower = WeightFollower(origin, updater, copied(versions[0]), weights_hash(versions[0]))  # type: ignore[arg-type]
             task = asyncio.create_task(follower.run())
             await _until(lambda: len(updater.seen) == 1, task, "version 1")
         try:
@@ -120,7 +96,7 @@ def test_a_keyframe_after_a_rejected_version_is_applied_from_the_served_one(tmp_
         assert (changes.version, changes.base_version) == (4, 0)
         assert changes.is_full(len(versions[4])), "a keyframe replaces every tensor: each must travel whole"
         assert all(np.array_equal(changes.dense[n], t.bits) for n, t in versions[4].items())
-        assert _same(previous, versions[0]), "a roll-back of version 4 must restore version 0, the one served"
+        assert same(previous, versions[0]), "a roll-back of version 4 must restore version 0, the one served"
         assert updater.engine.version == 4 and follower.updates_rejected == 1 and follower.updates_applied == 1
 
     asyncio.run(main())
@@ -131,15 +107,15 @@ def test_after_an_accepted_version_the_next_one_starts_from_it(tmp_path: Path) -
     and holds only 2's elements; a roll-back of it restores 1, not 0 (restoring 0 would
     serve weights older than the label). The follower reports version 1's hash, the
     rejection, and a lag of one version."""
-    versions = {0: _weights(0)}
+    versions = {0: bf16_weights(0, 6_000)}
     for v in (1, 2):
-        versions[v] = _step(versions[v - 1], v)
+        versions[v] = stepped(versions[v - 1], v)
 
     async def main() -> WeightFollower:
         updater = ScriptedUpdater({1: True, 2: False})
         async with serving(_origin(tmp_path / "ws")) as origin:
             await client.publish(origin, 0, versions[0])
-            follower = WeightFollower(origin, updater, _copy(versions[0]), weights_hash(versions[0]))  # type: ignore[arg-type]
+            follower = WeightFollower(origin, updater, copied(versions[0]), weights_hash(versions[0]))  # type: ignore[arg-type]
             task = asyncio.create_task(follower.run())
             try:
                 for v in (1, 2):  # one at a time: two at once may come as one compacted delta
@@ -157,7 +133,7 @@ def test_after_an_accepted_version_the_next_one_starts_from_it(tmp_path: Path) -
     for name, t in versions[2].items():
         changed = np.flatnonzero(t.bits != versions[1][name].bits)
         assert changes.positions()[name].tolist() == changed.tolist(), f"{name}: version 1's changes were written again"
-    assert _same(previous, versions[1]), "a roll-back of version 2 must restore version 1, the one served"
+    assert same(previous, versions[1]), "a roll-back of version 2 must restore version 1, the one served"
     assert updater.engine.version == 1 and follower.weights_hash == weights_hash(versions[1])
     assert (follower.updates_applied, follower.updates_rejected, follower.rejected_version) == (1, 1, 2)
     assert follower.last_update_error == "scripted rejection" and follower.lag() == 1
