@@ -9,7 +9,8 @@ cgroups and the exec's own cgroup with a builtin ``echo``) → ``nsenter --mount
 ns>`` (where the sandbox roots are mounted) → ``unshare --pid --mount --net --ipc --uts
 --root=<sandbox root> --wd=/workspace`` (fresh namespaces, no fork; the network one has only
 a downed loopback) → ``/.meridian/sandbox-exec`` (launcher/: it forks; the child, process 1
-of the new pid namespace, mounts its /proc and sets the host name, rlimits
+of the new pid namespace, mounts its /proc and sets the host name,
+``kernel.shm_rmid_forced`` (a System V segment goes with its last holder), rlimits
 (:func:`~services.envsandbox.sandbox.exec_rlimits`), every
 capability dropped, the sandbox's own uid, no_new_privs, the seccomp filter of
 seccomp_policy.py, and the caller's environment, in that order, then execs the command;

@@ -20,7 +20,12 @@
  *      into exit 1 and "sigprocmask unblock failed" on stderr (util-linux 2.38).
  *      The child, the namespace's process 1 and the command to be, dies with the parent
  *      (the parent-death signal) and mounts a /proc of its pid namespace;
- *   3. name the host: sethostname("sandbox") in the new UTS namespace;
+ *   3. name the host: sethostname("sandbox") in the new UTS namespace, and set
+ *      kernel.shm_rmid_forced in the new IPC namespace: a System V segment goes as soon as
+ *      no process holds it. Without it a segment the command left behind went only with
+ *      the namespace, which the kernel frees later, on a work queue: its memory stayed
+ *      charged to the sandbox for a moment after the exec returned, and a next command
+ *      started at once was OOM-killed (seen on a loaded machine);
  *   4. resource limits (address space, CPU seconds, file size, open files, no core).
  *      The CPU limit is soft and hard at once: the kernel never sends SIGXCPU (a soft
  *      limit's signal) to a pid namespace's process 1, so the command ran on to the
@@ -262,8 +267,12 @@ int main(int argc, char **argv) {
     if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) die("PR_SET_PDEATHSIG");
     if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) die("mounting /proc");
 
-    /* 3. a host name of our own (the UTS namespace is the sandbox's) */
+    /* 3. a host name of our own (the UTS namespace is the sandbox's); System V segments
+       that die with their last holder (the IPC namespace is this exec's) */
     if (sethostname(hostname, strlen(hostname)) != 0) die("sethostname");
+    int forced = open("/proc/sys/kernel/shm_rmid_forced", O_WRONLY | O_CLOEXEC);
+    if (forced < 0 || write(forced, "1\n", 2) != 2) die("setting kernel.shm_rmid_forced");
+    close(forced);
 
     /* 4. resource limits */
     if (as) limit(RLIMIT_AS, as, as, "RLIMIT_AS");
