@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 import pytest
 
 from meridian.errors import DataLoss
@@ -30,7 +29,8 @@ from services.weightsync.config import WeightSyncConfig
 from meridian.link_emulator import LinkEmulator
 from services.weightsync.server import WeightSyncService
 from services.weightsync.versions import encode_version
-from meridian.tensors import RawTensor, weights_hash
+from meridian.tensors import RawTensor
+from tests.synthetic_weights import bf16_weights, chain, same, stepped
 
 T = TypeVar("T")
 Weights = dict[str, RawTensor]
@@ -39,37 +39,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
-
-
-def _weights(n: int, seed: int = 0) -> Weights:
-    """bf16 bits of N(0, 0.02) values in two tensors (keyframes compress ~25 %)."""
-    rng = np.random.default_rng(seed)
-    bits = (rng.normal(0, 0.02, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    cut = n // 3
-    return {"a.weight": RawTensor("bf16", (cut,), bits[:cut].copy()), "b.weight": RawTensor("bf16", (n - cut,), bits[cut:].copy())}
-
-
-def _step(w: Weights, seed: int, frac: float = 0.005) -> Weights:
-    """The next version: a sparse set of elements moved one bf16 step (like an Adam step)."""
-    rng = np.random.default_rng(1000 + seed)
-    out = {}
-    for name, t in w.items():
-        bits = t.bits.copy()
-        idx = rng.choice(bits.size, size=max(1, int(bits.size * frac)), replace=False)
-        bits[idx] += 1
-        out[name] = RawTensor(t.dtype, t.shape, bits)
-    return out
-
-
-def _chain(n_versions: int, n: int) -> list[Weights]:
-    versions = [_weights(n)]
-    for v in range(1, n_versions):
-        versions.append(_step(versions[-1], v))
-    return versions
-
-
-def _same(a: Weights, b: Weights) -> bool:
-    return set(a) == set(b) and all(np.array_equal(a[k].bits, b[k].bits) for k in a) and weights_hash(a) == weights_hash(b)
 
 
 def _service(tmp_path: Path, name: str = "origin", **kw: Any) -> WeightSyncService:
@@ -107,7 +76,7 @@ async def _collect(sub: WeightSubscriber, count: int, follow: bool = True) -> li
 
 
 def test_cut_mid_transfer_resumes_from_last_good_chunk(tmp_path: Path, grpc_serving: Any) -> None:
-    v0 = _weights(1_500_000)
+    v0 = bf16_weights(0, 1_500_000)
 
     async def main() -> None:
         async with grpc_serving(_service(tmp_path)) as origin:
@@ -124,7 +93,7 @@ def test_cut_mid_transfer_resumes_from_last_good_chunk(tmp_path: Path, grpc_serv
                 finally:
                     await sub.close()
                 carried_after = link.bytes_down - carried_before
-            assert update.version == 0 and _same(update.weights, v0)
+            assert update.version == 0 and same(update.weights, v0)
             nchunks = len(update.manifest.chunks)
             assert sub.stats.resumed == 1 and sub.stats.reconnects >= 1
             # Every chunk passed the subscriber exactly once: the resumed stream began at
@@ -140,7 +109,7 @@ def test_cut_mid_transfer_resumes_from_last_good_chunk(tmp_path: Path, grpc_serv
 
 @pytest.mark.parametrize("in_place", [False, True])
 def test_corrupted_chunk_is_fetched_again(tmp_path: Path, grpc_serving: Any, in_place: bool) -> None:
-    v0, v1 = _chain(2, 300_000)
+    v0, v1 = chain(2, 300_000)
     held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in v0.items()}
 
     async def main() -> None:
@@ -160,12 +129,12 @@ def test_corrupted_chunk_is_fetched_again(tmp_path: Path, grpc_serving: Any, in_
                 finally:
                     await sub.close()
             assert rule.fired
-            assert update.version == 1 and _same(update.weights, v1)
+            assert update.version == 1 and same(update.weights, v1)
             # In place: the held buffers became v1 and the undo log gives v0 back.
-            assert _same(held, v1 if in_place else v0)
+            assert same(held, v1 if in_place else v0)
             assert (update.undo is not None) == in_place
             if update.undo is not None:
-                assert _same(update.undo.previous_weights(update.weights), v0)
+                assert same(update.undo.previous_weights(update.weights), v0)
             assert sub.stats.refetched == 1
             assert (await _status(origin)).chunk_fetches == 1
 
@@ -184,7 +153,7 @@ def test_a_refetched_chunk_is_checked_again_before_it_is_taken(tmp_path: Path, g
     """A chunk fetched again after a checksum failure is checked like the streamed one:
     when the link corrupts the FetchChunk reply too, the subscriber fetches it once more
     instead of decoding bytes its manifest does not list, and ends bit-exact."""
-    v0, v1 = _chain(2, 300_000)
+    v0, v1 = chain(2, 300_000)
 
     async def main() -> None:
         service = _service(tmp_path)
@@ -202,7 +171,7 @@ def test_a_refetched_chunk_is_checked_again_before_it_is_taken(tmp_path: Path, g
                 finally:
                     await sub.close()
             assert in_stream.fired and in_reply.fired
-            assert update.version == 1 and _same(update.weights, v1)
+            assert update.version == 1 and same(update.weights, v1)
             assert sub.stats.refetched == 2  # the corrupted reply, then a good one
             assert (await _status(origin)).chunk_fetches == 2
 
@@ -234,7 +203,7 @@ def test_chunks_out_of_order_are_refused_and_the_held_version_kept(tmp_path: Pat
     """A subscriber takes a version's chunks only in order (its resume point is the next
     chunk): an upstream that sends chunk 2 before chunk 1 is refused with DATA_LOSS
     naming both, and an in-place subscriber still holds its version, bit for bit."""
-    v0, v1 = _chain(2, 300_000)
+    v0, v1 = chain(2, 300_000)
     held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in v0.items()}
 
     async def main() -> None:
@@ -250,7 +219,7 @@ def test_chunks_out_of_order_are_refused_and_the_held_version_kept(tmp_path: Pat
             finally:
                 await sub.close()
             assert sub.decoder.version == 0
-            assert _same(held, v0) and _same(sub.decoder.weights, v0)
+            assert same(held, v0) and same(sub.decoder.weights, v0)
 
     run(main())
 
@@ -268,7 +237,7 @@ async def _join(origin: str, held: int, weights: Weights | None) -> list[Version
 
 
 def test_late_joiner_gets_the_smallest_catch_up(tmp_path: Path, grpc_serving: Any) -> None:
-    versions = _chain(6, 200_000)
+    versions = chain(6, 200_000)
 
     async def main() -> None:
         service = _service(tmp_path, keyframe_every=100)
@@ -279,7 +248,7 @@ def test_late_joiner_gets_the_smallest_catch_up(tmp_path: Path, grpc_serving: An
             # Holder of v1, four versions behind: one compacted delta 1 -> 5 beats the chain.
             updates = await _join(origin, 1, versions[1])
             assert [(u.version, u.manifest.base_version) for u in updates] == [(5, 1)]
-            assert _same(updates[0].weights, versions[5])
+            assert same(updates[0].weights, versions[5])
             assert updates[0].manifest.encoded_bytes < chain_bytes
             status = await _status(origin)
             assert status.compacted_built == 1
@@ -287,7 +256,7 @@ def test_late_joiner_gets_the_smallest_catch_up(tmp_path: Path, grpc_serving: An
             for held, weights, want in ((4, versions[4], [(5, 4)]), (-1, None, [(5, -1)])):
                 got = await _join(origin, held, weights)
                 assert [(u.version, u.manifest.base_version) for u in got] == want
-                assert _same(got[0].weights, versions[5])
+                assert same(got[0].weights, versions[5])
 
     run(main())
 
@@ -296,7 +265,7 @@ def test_late_joiners_at_different_versions_each_get_a_delta_from_their_own(tmp_
     """The compacted deltas kept for late joiners are per (latest, base): a joiner holding
     v2 after one holding v1 gets the latest compacted against v2, not the cached delta
     against v1 (which its decoder would refuse), and both end bit-exact."""
-    versions = _chain(6, 200_000)
+    versions = chain(6, 200_000)
 
     async def main() -> None:
         service = _service(tmp_path, keyframe_every=100)
@@ -306,7 +275,7 @@ def test_late_joiners_at_different_versions_each_get_a_delta_from_their_own(tmp_
             for built, held in enumerate((1, 2, 1), start=1):
                 updates = await _join(origin, held, versions[held])
                 assert [(u.version, u.manifest.base_version) for u in updates] == [(5, held)]
-                assert _same(updates[0].weights, versions[5])
+                assert same(updates[0].weights, versions[5])
                 # Built once per base; the third joiner (v1 again) is served from the cache.
                 assert (await _status(origin)).compacted_built == min(built, 2)
 
@@ -317,7 +286,7 @@ def test_late_joiners_at_different_versions_each_get_a_delta_from_their_own(tmp_
 
 
 def test_relay_pulls_each_version_once_for_all_its_subscribers(tmp_path: Path, grpc_serving: Any) -> None:
-    versions = _chain(3, 200_000)
+    versions = chain(3, 200_000)
 
     async def main() -> None:
         origin_service = _service(tmp_path)
@@ -341,7 +310,7 @@ def test_relay_pulls_each_version_once_for_all_its_subscribers(tmp_path: Path, g
                         await asyncio.sleep(0.05)
             for updates in results:
                 assert [u.version for u in updates] == [0, 1, 2]
-                assert all(_same(u.weights, versions[u.version]) for u in updates)
+                assert all(same(u.weights, versions[u.version]) for u in updates)
             origin_status = await _status(origin)
             store = origin_service.store
             once = store.keyframes[0].size + store.deltas[1].size + store.deltas[2].size
@@ -357,7 +326,7 @@ def test_relay_pulls_each_version_once_for_all_its_subscribers(tmp_path: Path, g
 def test_a_relay_forwards_only_chunks_it_has_verified(tmp_path: Path, grpc_serving: Any) -> None:
     """A chunk corrupted between origin and relay is fetched again by the relay before
     anything downstream sees it: the relay's subscriber never meets a bad chunk."""
-    v0, v1 = _chain(2, 300_000)
+    v0, v1 = chain(2, 300_000)
 
     async def main() -> None:
         origin_service = _service(tmp_path)
@@ -380,7 +349,7 @@ def test_a_relay_forwards_only_chunks_it_has_verified(tmp_path: Path, grpc_servi
                     await _wait_for(lambda: relay_service.store.find(1, 0) is not None, "the relay storing v1")
                     relay_chunks = relay_service.store.find(1, 0).chunks  # type: ignore[union-attr]
             assert rule.fired
-            assert [u.version for u in updates] == [0, 1] and _same(updates[1].weights, v1)
+            assert [u.version for u in updates] == [0, 1] and same(updates[1].weights, v1)
             assert sub.stats.refetched == 0, "the relay passed a corrupted chunk on"
             assert (await _status(origin)).chunk_fetches == 1  # the relay fetched chunk 3 again
             assert relay_chunks == local.chunks
@@ -392,9 +361,9 @@ def test_a_relay_serves_the_version_it_is_receiving_only_to_holders_of_its_base(
     """A relay re-serves the version still arriving from upstream (cut-through) only to a
     subscriber holding that version's base: one that holds the arriving version already
     (it got it elsewhere) is sent nothing it cannot apply, and gets the next delta."""
-    v0 = _weights(600_000)
-    v1 = _step(v0, 1, frac=0.2)  # a large delta (~74 kB): seconds through the slow link below
-    v2 = _step(v1, 2)
+    v0 = bf16_weights(0, 600_000)
+    v1 = stepped(v0, 1, frac=0.2)  # a large delta (~74 kB): seconds through the slow link below
+    v2 = stepped(v1, 2)
 
     async def main() -> None:
         async with grpc_serving(_service(tmp_path)) as origin:
@@ -419,7 +388,7 @@ def test_a_relay_serves_the_version_it_is_receiving_only_to_holders_of_its_base(
                     finally:
                         await sub.close()
             assert (update.version, update.manifest.base_version) == (2, 1)
-            assert _same(update.weights, v2)
+            assert same(update.weights, v2)
             assert sub.stats.reconnects == 0
 
     run(main())
@@ -447,7 +416,7 @@ async def _until_serving(address: str, proc: subprocess.Popen[bytes], log: Path)
 
 
 def test_origin_killed_and_restarted_loses_nothing(tmp_path: Path, pick_port: Callable[[], int]) -> None:
-    versions = _chain(3, 100_000)
+    versions = chain(3, 100_000)
     data_dir, log = tmp_path / "origin", tmp_path / "origin.log"
     port = pick_port()
     address = f"127.0.0.1:{port}"
@@ -462,7 +431,7 @@ def test_origin_killed_and_restarted_loses_nothing(tmp_path: Path, pick_port: Ca
         stream = sub.updates(follow=True)
         try:
             first = await anext(stream)
-            assert first.version == 1 and _same(first.weights, versions[1])
+            assert first.version == 1 and same(first.weights, versions[1])
             procs[-1].send_signal(signal.SIGKILL)
             procs[-1].wait(10)
             procs.append(_start_origin(data_dir, port, log))
@@ -472,7 +441,7 @@ def test_origin_killed_and_restarted_loses_nothing(tmp_path: Path, pick_port: Ca
             await client.publish(address, 2, versions[2])
             second = await asyncio.wait_for(anext(stream), 60)
             assert (second.version, second.manifest.base_version) == (2, 1)
-            assert _same(second.weights, versions[2])
+            assert same(second.weights, versions[2])
             assert sub.stats.reconnects >= 1
         finally:
             await stream.aclose()
@@ -491,7 +460,7 @@ def test_origin_killed_and_restarted_loses_nothing(tmp_path: Path, pick_port: Ca
 
 
 def test_send_cap_limits_the_link(tmp_path: Path, grpc_serving: Any) -> None:
-    v0 = _weights(600_000)
+    v0 = bf16_weights(0, 600_000)
     cap_mib_s = 1.0
 
     async def main() -> None:
@@ -506,7 +475,7 @@ def test_send_cap_limits_the_link(tmp_path: Path, grpc_serving: Any) -> None:
                 finally:
                     await sub.close()
                 carried = link.bytes_down
-        assert _same(update.weights, v0)
+        assert same(update.weights, v0)
         assert carried >= reply.encoded_bytes
         # Loose lower bound only: the cap must have held the transfer back.
         minimum = (reply.encoded_bytes - 64 * 1024) / (cap_mib_s * (1 << 20))
@@ -519,7 +488,7 @@ def test_upstream_cap_limits_what_a_relay_pulls(tmp_path: Path, grpc_serving: An
     """A relay's ``upstream_mib_s`` caps what it reads from its upstream: pulling a
     version takes at least about its encoded size over the cap (the origin sends
     uncapped), and the version still arrives whole."""
-    v0 = _weights(600_000)
+    v0 = bf16_weights(0, 600_000)
     cap_mib_s = 0.5
 
     async def main() -> None:
@@ -531,7 +500,7 @@ def test_upstream_cap_limits_what_a_relay_pulls(tmp_path: Path, grpc_serving: An
                 await _wait_for(lambda: relay_service.store.latest == 0, "the relay storing v0", timeout_s=60)
                 elapsed = time.monotonic() - start
                 status = await _status(relay)
-        assert _same(relay_service.store.weights, v0)
+        assert same(relay_service.store.weights, v0)
         assert status.upstream_bytes == reply.encoded_bytes
         # Loose lower bound only (the bucket starts with a 64 KiB burst): the cap held it back.
         minimum = (reply.encoded_bytes - 64 * 1024) / (cap_mib_s * (1 << 20))

@@ -69,13 +69,13 @@ async def _forge(upstream: str, keys: SimpleNamespace, v0: Weights, forgery: str
     and unsigned, signed with an attacker's key, or carrying a trainer signature whose
     content digest is not the forged weights' (what a forger who steered the additive
     weights hash to the signed one would send)."""
-    forged = stepped(v0, 66)
+    forged = stepped(v0, 66, frac=0.01)
     if forgery == "unsigned":
         signature = None
     elif forgery == "attacker key":
         signature = keys.attacker.sign(1, weights_hash(forged), forged, CANARY)
     else:
-        signature = keys.trainer.sign(1, weights_hash(forged), stepped(v0, 1), CANARY)
+        signature = keys.trainer.sign(1, weights_hash(forged), stepped(v0, 1, frac=0.01), CANARY)
     await _publish(upstream, 1, forged, _header(1, forged, signature))
 
 
@@ -84,7 +84,7 @@ async def _forge(upstream: str, keys: SimpleNamespace, v0: Weights, forgery: str
 
 def test_origin_with_a_verify_key_refuses_unsigned_and_badly_signed_publish(tmp_path: Path, grpc_serving: Any, keys: SimpleNamespace) -> None:
     v0 = bf16_weights(0, 60_000)
-    other = stepped(v0, 5)
+    other = stepped(v0, 5, frac=0.01)
 
     async def main() -> None:
         async with grpc_serving(_service(tmp_path, "origin", verify_key=keys.public)) as origin:
@@ -167,7 +167,7 @@ def test_relay_refuses_a_forged_version_from_upstream_and_keeps_serving_the_prev
 def test_relay_with_a_verify_key_takes_signed_versions(tmp_path: Path, grpc_serving: Any, keys: SimpleNamespace) -> None:
     """The control: the same relay passes genuine versions, deltas and keyframes alike."""
     versions = [bf16_weights(0, 60_000)]
-    versions += [stepped(versions[-1], v) for v in (1, 2)]
+    versions += [stepped(versions[-1], v, frac=0.01) for v in (1, 2)]
 
     async def main() -> None:
         async with grpc_serving(_service(tmp_path, "origin", verify_key=keys.public)) as origin:
@@ -246,7 +246,7 @@ def test_rollout_follower_refuses_a_forged_version_and_keeps_its_served_one(
 def test_rollout_follower_with_a_verify_key_applies_signed_versions(tmp_path: Path, grpc_serving: Any, keys: SimpleNamespace) -> None:
     """The control: the same follower applies a version the trainer signed."""
     v0 = bf16_weights(0, 60_000)
-    v1 = stepped(v0, 1)
+    v1 = stepped(v0, 1, frac=0.01)
 
     async def main() -> None:
         async with grpc_serving(_service(tmp_path, "origin")) as origin:

@@ -26,18 +26,15 @@ from services.weightsync.versions import encode_version
 from meridian.link_emulator import LinkEmulator
 from tests.integration.test_weightsync_links import (
     Weights,
-    _chain,
     _collect,
-    _same,
     _service,
     _start_origin,
     _status,
-    _step,
     _until_serving,
     _wait_for,
-    _weights,
     run,
 )
+from tests.synthetic_weights import bf16_weights, chain, same, stepped
 
 
 @dataclasses.dataclass
@@ -104,7 +101,7 @@ def _held(weights: Weights) -> Weights:
 
 
 def test_tree_fans_out_one_copy_per_link(tmp_path: Path, grpc_serving: Any) -> None:
-    versions = _chain(4, 200_000)
+    versions = chain(4, 200_000)
 
     async def main() -> None:
         async with _tree(tmp_path, grpc_serving, bandwidth=20e6, latency_s=0.01) as tree:
@@ -119,7 +116,7 @@ def test_tree_fans_out_one_copy_per_link(tmp_path: Path, grpc_serving: Any) -> N
             await _relays_hold(tree, 3)
             for updates in results:
                 assert [u.version for u in updates] == [0, 1, 2, 3]
-                assert all(_same(u.weights, versions[u.version]) for u in updates)
+                assert all(same(u.weights, versions[u.version]) for u in updates)
             store = tree.origin_service.store
             once = store.keyframes[0].size + sum(store.deltas[v].size for v in (1, 2, 3))
             origin_s, a_s, b_s = [await _status(x) for x in (tree.origin, tree.a, tree.b)]
@@ -139,7 +136,7 @@ def test_tree_fans_out_one_copy_per_link(tmp_path: Path, grpc_serving: Any) -> N
 
 
 def test_tree_resumes_after_both_links_are_cut(tmp_path: Path, grpc_serving: Any) -> None:
-    v0 = _weights(1_500_000)
+    v0 = bf16_weights(0, 1_500_000)
 
     async def main() -> None:
         async with _tree(tmp_path, grpc_serving, bandwidth=4e6, latency_s=0.005) as tree:
@@ -154,7 +151,7 @@ def test_tree_resumes_after_both_links_are_cut(tmp_path: Path, grpc_serving: Any
                 assert tree.link_oa.cut() >= 1
                 results = await asyncio.wait_for(asyncio.gather(*tasks), 90)
             for (update,) in results:
-                assert update.version == 0 and _same(update.weights, v0)
+                assert update.version == 0 and same(update.weights, v0)
             await _relays_hold(tree, 0)
             origin_s, a_s = await _status(tree.origin), await _status(tree.a)
             # Both relays resumed at their last good chunk instead of starting over.
@@ -178,7 +175,7 @@ def test_tree_corruption_is_caught_at_its_hop_and_never_forwarded(tmp_path: Path
     from its own upstream before anything further down sees it. Forwarding a chunk before
     its checksum passed would make B (or the leaves) meet a bad chunk and fetch it again
     from A (or B), which the FetchChunk counters below would show."""
-    v0, v1 = _chain(2, 300_000)
+    v0, v1 = chain(2, 300_000)
 
     async def main() -> None:
         async with _tree(tmp_path, grpc_serving, bandwidth=20e6, latency_s=0.005) as tree:
@@ -196,7 +193,7 @@ def test_tree_corruption_is_caught_at_its_hop_and_never_forwarded(tmp_path: Path
                 results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             assert on_oa.fired and on_ab.fired
             for (update,) in results:
-                assert update.version == 1 and _same(update.weights, v1)
+                assert update.version == 1 and same(update.weights, v1)
             await _relays_hold(tree, 1)
             origin_s, a_s, b_s = [await _status(x) for x in (tree.origin, tree.a, tree.b)]
             assert origin_s.chunk_fetches == 1, "A fetches the chunk broken on link OA again from the origin"
@@ -213,7 +210,7 @@ def test_tree_corruption_is_caught_at_its_hop_and_never_forwarded(tmp_path: Path
 
 
 def test_tree_late_joiners_get_the_smallest_catch_up(tmp_path: Path, grpc_serving: Any) -> None:
-    versions = _chain(6, 200_000)
+    versions = chain(6, 200_000)
 
     async def main() -> None:
         async with _tree(tmp_path, grpc_serving, keyframe_every=100) as tree:
@@ -221,7 +218,7 @@ def test_tree_late_joiners_get_the_smallest_catch_up(tmp_path: Path, grpc_servin
                 await client.publish(tree.origin, v, w)
             await _relays_hold(tree, 5)
             b_store = tree.b_service.store
-            chain = sum(b_store.deltas[v].size for v in range(2, 6))
+            chain_bytes = sum(b_store.deltas[v].size for v in range(2, 6))
             # A holder of v1 joining at the bottom of the tree: one compacted delta 1 -> 5.
             sub = WeightSubscriber(tree.b, _held(versions[1]), 1)
             try:
@@ -229,7 +226,7 @@ def test_tree_late_joiners_get_the_smallest_catch_up(tmp_path: Path, grpc_servin
             finally:
                 await sub.close()
             assert (update.version, update.manifest.base_version) == (5, 1)
-            assert _same(update.weights, versions[5]) and update.manifest.encoded_bytes < chain
+            assert same(update.weights, versions[5]) and update.manifest.encoded_bytes < chain_bytes
             assert (await _status(tree.b)).compacted_built == 1
             # A relay joining A late (holding nothing) starts from a keyframe of the latest,
             # then follows deltas as they come.
@@ -237,11 +234,11 @@ def test_tree_late_joiners_get_the_smallest_catch_up(tmp_path: Path, grpc_servin
                 leaf = WeightSubscriber(c, None, -1)
                 async with _following([leaf], 2) as (task,):
                     await _wait_for(lambda: leaf.decoder.version == 5, "the late relay's subscriber on v5")
-                    nxt = _step(versions[5], 99)
+                    nxt = stepped(versions[5], 99)
                     await client.publish(tree.origin, 6, nxt)
                     updates = await asyncio.wait_for(task, 60)
                 assert [(u.version, u.manifest.base_version) for u in updates] == [(5, -1), (6, 5)]
-                assert _same(updates[1].weights, nxt)
+                assert same(updates[1].weights, nxt)
 
     run(main())
 
@@ -250,7 +247,7 @@ def test_tree_late_joiners_get_the_smallest_catch_up(tmp_path: Path, grpc_servin
 
 
 def test_tree_survives_an_origin_killed_and_restarted(tmp_path: Path, grpc_serving: Any, pick_port: Callable[[], int]) -> None:
-    versions = _chain(3, 100_000)
+    versions = chain(3, 100_000)
     data_dir, log = tmp_path / "origin", tmp_path / "origin.log"
     port = pick_port()
     address = f"127.0.0.1:{port}"
@@ -275,7 +272,7 @@ def test_tree_survives_an_origin_killed_and_restarted(tmp_path: Path, grpc_servi
                 results = await asyncio.wait_for(asyncio.gather(*tasks), 90)
             for updates in results:
                 assert [u.version for u in updates] == [0, 1, 2]
-                assert all(_same(u.weights, versions[u.version]) for u in updates)
+                assert all(same(u.weights, versions[u.version]) for u in updates)
             await _relays_hold(tree, 2)
             assert (tree.b_service.store.deltas[2].manifest.base_version, tree.a_service.store.latest) == (1, 2)
 
@@ -292,8 +289,8 @@ def test_leaves_recover_when_their_relay_dies_mid_version(tmp_path: Path, grpc_s
     """B goes away while forwarding a version it has not stored yet (its leaves hold part
     of it); a new B on the same data folder holds only what was stored whole, and its
     leaf drops or resumes the partial version and ends bit-exact."""
-    v0 = _weights(600_000)
-    v1 = _step(v0, 1, frac=0.2)  # a large delta: several hundred KB through a slow link
+    v0 = bf16_weights(0, 600_000)
+    v1 = stepped(v0, 1, frac=0.2)  # a large delta: several hundred KB through a slow link
 
     async def main() -> None:
         async with _tree(tmp_path, grpc_serving) as tree:
@@ -317,7 +314,7 @@ def test_leaves_recover_when_their_relay_dies_mid_version(tmp_path: Path, grpc_s
                 async with grpc_serving(second_b, port=port):
                     updates = await asyncio.wait_for(task, 90)
                     await _wait_for(lambda: second_b.store.latest == 1, "the new B storing v1")
-            assert [u.version for u in updates] == [0, 1] and _same(updates[1].weights, v1)
+            assert [u.version for u in updates] == [0, 1] and same(updates[1].weights, v1)
             assert leaf.stats.reconnects >= 1
 
     run(main())

@@ -73,7 +73,7 @@ def test_a_keyframe_after_a_rejected_version_is_applied_from_the_served_one(tmp_
     port = free_port()
     versions = {0: bf16_weights(0, 6_000)}
     for v in range(1, 5):
-        versions[v] = stepped(versions[v - 1], v)
+        versions[v] = stepped(versions[v - 1], v, frac=0.01)
 
     async def main() -> None:
         updater = ScriptedUpdater({1: False, 4: True})
@@ -109,7 +109,7 @@ def test_after_an_accepted_version_the_next_one_starts_from_it(tmp_path: Path) -
     rejection, and a lag of one version."""
     versions = {0: bf16_weights(0, 6_000)}
     for v in (1, 2):
-        versions[v] = stepped(versions[v - 1], v)
+        versions[v] = stepped(versions[v - 1], v, frac=0.01)
 
     async def main() -> WeightFollower:
         updater = ScriptedUpdater({1: True, 2: False})

@@ -20,7 +20,8 @@ from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
 from services.weightsync import client
 from services.weightsync.client import WeightSubscriber, publish_header, publish_requests
-from tests.integration.test_weightsync_links import _chain, _collect, _same, _service
+from tests.integration.test_weightsync_links import _collect, _service
+from tests.synthetic_weights import chain, same
 
 Weights = dict[str, RawTensor]
 CALLS = 80
@@ -45,7 +46,7 @@ async def _catch_up(origin: str, held: int, weights: Weights | None) -> tuple[in
 
 
 def test_calls_cut_off_at_random_moments_leave_the_origin_whole(tmp_path: Path, grpc_serving: Any) -> None:
-    versions = _chain(14, 400_000)
+    versions = chain(14, 400_000)
     rng = random.Random(5)
     broken: list[str] = []
 
@@ -111,7 +112,7 @@ def test_calls_cut_off_at_random_moments_leave_the_origin_whole(tmp_path: Path, 
                     break
                 await asyncio.sleep(0.01)
             assert followed and followed[-1][0] == published, f"the follower stopped at {followed[-1][0] if followed else None}; {published} was published"
-            assert _same(followed[-1][1], versions[published])
+            assert same(followed[-1][1], versions[published])
             following.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await following
@@ -120,7 +121,7 @@ def test_calls_cut_off_at_random_moments_leave_the_origin_whole(tmp_path: Path, 
             # From nothing and from every earlier version: caught up to the latest, bit for bit.
             for held in [-1, *range(published)]:
                 version, weights = await _catch_up(origin, held, versions[held] if held >= 0 else None)
-                assert version == published and _same(weights, versions[published]), held
+                assert version == published and same(weights, versions[published]), held
 
     asyncio.run(main())
     assert broken == []
