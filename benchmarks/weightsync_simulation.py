@@ -120,15 +120,15 @@ def _layout(versions: list[Any]) -> sim.ModelLayout:
     """The recorded model's real tensors, in the encoder's order, each with the density
     of its deltas (encoded bytes per raw byte over all the steps, relative to the whole
     model's): the order the stream brings bytes and decode work in."""
-    from services.weightsync.versions import encode_version
+    from services.weightsync.versions import encode_version, stream_order
 
-    names = sorted(versions[0])
-    encoded = dict.fromkeys(names, 0)
+    encoded = dict.fromkeys(versions[0], 0)
     for v in range(1, len(versions)):
         enc = encode_version(v, versions[v], versions[v - 1], v - 1, CHUNK_BYTES)
         for ref in enc.manifest.chunks:
             encoded[ref.tensor] += ref.size
-    raw = {n: versions[0][n].nbytes for n in names}
+    raw = {n: t.nbytes for n, t in versions[0].items()}
+    names = stream_order(raw, encoded)
     average = sum(encoded.values()) / sum(raw.values())
     return sim.ModelLayout(
         "recorded", tuple((1, int(versions[0][n].bits.size)) for n in names), tuple(encoded[n] / raw[n] / average for n in names)

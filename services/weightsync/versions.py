@@ -338,6 +338,17 @@ def _chunk_indexes(indexes: Indexes | None, name: str, numel: int, per_chunk: in
     return held
 
 
+def stream_order(raw_bytes: Mapping[str, int], encoded_bytes: Mapping[str, int]) -> list[str]:
+    """The order tensors' chunks travel in a version: fewest encoded bytes per raw byte
+    first, ties by name. A receiver's decoding costs per element as well as per byte
+    (the position-index walk, per-chunk work), so a sparse delta is the most decoding per
+    byte on the link: sent first, it is decoded while the dense tensors' bytes are still
+    on their way, instead of all arriving with the last bytes (the built-in model's
+    embedding is 21 % of its elements and 75 % of a delta's bytes, and sorts first by
+    name). Any order decodes the same; the manifest's chunk indexes carry this one."""
+    return sorted(raw_bytes, key=lambda name: (encoded_bytes[name] / max(1, raw_bytes[name]), name))
+
+
 def assemble_version(
     version: int,
     weights: Weights,
@@ -349,10 +360,11 @@ def assemble_version(
     signature: pb.VersionSignature | None = None,
     sha256: Mapping[str, list[str]] | None = None,
 ) -> Encoded:
-    """One version's manifest and chunks from each tensor's payloads: tensors in name
-    order, chunks indexed in that order, ``digest`` as its weights hash (the caller's
-    :func:`weights_hash` of ``weights``, or the same hash combined from per-part sums).
-    ``sha256``: the payloads' digests where the encoder computed them already."""
+    """One version's manifest and chunks from each tensor's payloads: tensors listed in
+    name order, chunks indexed in :func:`stream_order` (each tensor's together, in order),
+    ``digest`` as its weights hash (the caller's :func:`weights_hash` of ``weights``, or
+    the same hash combined from per-part sums). ``sha256``: the payloads' digests where
+    the encoder computed them already."""
     manifest = pb.Manifest(
         version=version,
         base_version=base_version,
@@ -367,9 +379,11 @@ def assemble_version(
         t = weights[name]
         manifest.tensors.append(t.meta(name))
         manifest.raw_bytes += t.nbytes
+    encoded = {name: sum(len(p) for p in payloads[name]) for name in weights}
+    for name in stream_order({name: t.nbytes for name, t in weights.items()}, encoded):
         known = (sha256 or {}).get(name)
         for payload, hexdigest in zip(payloads[name], known if known is not None else _sha256s(payloads[name]), strict=True):
             manifest.chunks.append(pb.ChunkRef(index=len(chunks), tensor=name, size=len(payload), sha256=hexdigest))
             chunks.append(payload)
-    manifest.encoded_bytes = sum(len(c) for c in chunks)
+    manifest.encoded_bytes = sum(encoded.values())
     return Encoded(manifest, chunks)

@@ -108,6 +108,31 @@ def test_manifest_describes_the_version(filled: VersionStore, versions: list[Wei
         filled.manifest(17)
 
 
+def test_a_version_sends_its_sparsest_tensors_first_and_decodes_the_same() -> None:
+    """Decoding costs per element as well as per byte: the sparse delta of a large tensor
+    is the most decoding per byte, so it travels first, while the dense one's bytes follow
+    ("a.weight" sorts first by name and changes densely: its chunks go last)."""
+    from services.weightsync import codec
+    from services.weightsync.versions import stream_order
+    from tests.synthetic_weights import bf16_weights, copied
+
+    base = bf16_weights(0, 90_000)  # a.weight: 30,000 elements, b.weight: 60,000
+    new = copied(base)
+    new["a.weight"].bits[::3] += 1
+    new["b.weight"].bits[::997] += 1
+    enc = encode_version(1, new, base, 0, chunk_bytes=16_384)
+    names = [ref.tensor for ref in enc.manifest.chunks]
+    assert names == sorted(names, key=lambda n: n != "b.weight")  # b's chunks, then a's
+    assert names.count("b.weight") > 1 and names.count("a.weight") > 1
+    assert [t.name for t in enc.manifest.tensors] == ["a.weight", "b.weight"]
+    for name in ("a.weight", "b.weight"):  # each tensor's chunks in order
+        starts = [codec.parse_header(p).start for ref, p in zip(enc.manifest.chunks, enc.chunks) if ref.tensor == name]
+        assert starts == sorted(starts)
+    _assert_same(decode_all([enc], base, 0).weights, new)
+    # Ties keep name order (a keyframe's tensors compress alike).
+    assert stream_order({"b": 10, "a": 10}, {"b": 4, "a": 4}) == ["a", "b"]
+
+
 def test_plan_for_holder_of_v2_is_the_delta_chain(filled: VersionStore, versions: list[Weights]) -> None:
     plan = filled.plan(2)
     assert [(e.manifest.version, e.manifest.base_version) for e in plan] == [(3, 2), (4, 3), (5, 4)]
