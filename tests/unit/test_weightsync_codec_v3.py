@@ -230,6 +230,31 @@ def test_format_3_uses_the_index():
     assert len(c.payload) < 0.6 * len(v1.payload)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_format_3_long_magnitude_codes_roundtrip(seed):
+    """fp32 steps of 2**26-2**31 grid steps make magnitude codes of 28-34 bits, among
+    short ones: the decoder reads them through a window of the stream it refills at
+    32 bits left, so some of these codes are longer than what the window holds and
+    must be read at the stream (and escapes, over 2**24 zeros, too)."""
+    rng = np.random.default_rng(seed)
+    n = 60_000
+    old = rng.integers(1 << 20, 1 << 30, n, dtype=np.uint32)  # positive floats: bits order like keys
+    new = old.copy()
+    idx = np.nonzero(rng.random(n) < 0.2)[0]
+    big = rng.random(idx.size) < 0.5
+    step = np.where(big, rng.integers(1 << 26, 1 << 31, idx.size), rng.integers(1, 40, idx.size))
+    step = np.where(rng.random(idx.size) < 0.5, step, -np.minimum(step, old[idx].astype(np.int64)))
+    new[idx] = (old[idx].astype(np.int64) + step).astype(np.uint32)
+    index = [build_index(old, "fp32", s, c) for s, c in _starts(n, 20_000)]
+    chunks = encode_tensor("t", new, old, "fp32", chunk_elems=20_000, index=index, format_version=3)
+    held = old.copy()
+    for c, i in zip(chunks, index):
+        hdr = codec.parse_header(c.payload)
+        assert (hdr.version, hdr.mode) == (3, codec.MODE_DELTA)
+        decode_chunk_into(c.payload, held, held, index=ensure_index(c.payload, held, i))
+    assert np.array_equal(held, new)
+
+
 def test_decode_touches_only_changed_elements():
     """Structural O(index + changes): in place, every element that does not
     change holds garbage (index entries included: the index is kept apart, the
