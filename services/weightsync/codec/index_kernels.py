@@ -783,17 +783,6 @@ def _check_olds(olds, pslot, icls, t, shift, emask):
     return True
 
 
-# _apply_steps reads the magnitude codes through a 64-bit window of the stream held in
-# a register: peeking the stream at every code (_rice) puts two loads on the chain from
-# one code to the next, since each code's position is the end of the one before. The
-# window is refilled when fewer than this many of its bits are left. A code not wholly
-# in it, or one that looks like an escape there (bits past the window read as zeros),
-# is read at the stream through _rice, so any threshold decodes the same; at 32 a
-# refill comes every few codes and nearly every code is in the window (format 3's
-# magnitude codes are a few bits).
-_WINDOW_MIN = 32
-
-
 @njit(cache=True, nogil=True)
 def _apply_steps(out, pos, olds, negs, mrows, words, bp, nbits, et, shift, emask, sign_bit, full):
     """Magnitudes (in change order), new values, their writes to out, and the
@@ -813,40 +802,19 @@ def _apply_steps(out, pos, olds, negs, mrows, words, bp, nbits, et, shift, emask
     other = full ^ sign_bit
     rc = 0
     done = ne
-    esc_mask = np.uint64((1 << _QMAX) - 1)
-    # The window: the stream's bits from bp on, ``avail`` of them valid (zeros above).
-    win = _peek(words, bp)
-    avail = np.int64(64)
     for e in range(ne):
         o = np.int64(olds[e])
         c = (o >> shift) & emask
         # Every change reads a code, kept only where its class has magnitude
-        # codes (no branch on the class: classes interleave at random).
+        # codes (no branch on the class: classes interleave at random; the
+        # stream's padding covers the read past the end).
         k = mk[c]
-        has = -np.int64(k >= 0)  # all ones or 0: masks, not products
-        kk = k & 63
-        if avail < _WINDOW_MIN:
-            win = _peek(words, bp)
-            avail = np.int64(64)
-        q = np.int64(_cttz(win))
-        n = q + 1 + kk
-        if has != 0 and ((win & esc_mask) == 0 or n > avail):
-            # An escape, or a code longer than the window holds: read at the stream.
-            v, nbp = _rice(words, bp, kk)
-            bp = nbp
-            win = _peek(words, bp)
-            avail = np.int64(64)
-        else:
-            # (& 63: q is 64 for an empty window where the class reads no code.)
-            v = (q << kk) | np.int64((win >> np.uint64((q + 1) & 63)) & ((np.uint64(1) << np.uint64(kk)) - np.uint64(1)))
-            n &= has
-            # Two shifts, each below 64 (a shift by 64 is undefined).
-            win = (win >> np.uint64(n >> 1)) >> np.uint64(n - (n >> 1))
-            avail -= n
-            bp += n
+        has = -np.int64(k >= 0)  # all ones or 0: masks, not products, on the bit position's chain
+        v, nbp = _rice(words, bp, k & 63)
         center = mc[c]
         # Median-centred classes code a zigzag offset from the centre.
         v += (center + ((v >> 1) ^ -(v & 1)) - v) & -np.int64(center >= 0)
+        bp += (nbp - bp) & has
         v &= has
         step = 1 + v
         if (bp > nbits) | (v < 0):
