@@ -12,9 +12,10 @@
    version and XOR of bf16 bits + zstd-3 (the common industry codec, the baseline),
    and encode/decode speed on one core; decode also on a thread pool.
 3. Propagation: origin -> emulated WAN link (100 Mbit/s, 50 ms one way) -> relay ->
-   subscriber, all real gRPC servers in this process; per version, the time from the
-   origin holding it to the subscriber holding it verified, against the link bound
-   (encoded bytes / bandwidth + latency); also on a 1 Gbit/s, 100 ms link.
+   subscriber, all real gRPC servers, the relay in a process of its own (the others in
+   this one); per version, the time from the origin holding it to the subscriber holding
+   it verified, against the link bound (encoded bytes / bandwidth + latency); also on a
+   1 Gbit/s, 100 ms link, and with the relay in this process too.
 4. Compacted deltas: a late joiner k versions behind (k = 1, 4, 16, 32) gets one delta
    from the version it holds to the latest; its size against the full bf16 size, the
    chain of k deltas and a keyframe. Needs max(k) + 1 versions: a second recording
@@ -405,9 +406,30 @@ async def serve_on_loopback(service: Any) -> AsyncIterator[str]:
         await service.stop()
 
 
+@contextlib.asynccontextmanager
+async def relay_in_own_process(upstream: str, workdir: Path) -> AsyncIterator[str]:
+    """A weightsync relay of ``upstream`` in a process of its own (``meridian serve
+    weightsync --role relay``), as a region's relay runs: its own interpreter and GIL,
+    this machine's cores. Yields its address once it is SERVING; stopped on the way out."""
+    from meridian import stack
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    args = ["--insecure", "true", "--role", "relay", "--upstream", upstream, "--data-dir", str(workdir / "relay")]
+    proc, address, log = await asyncio.to_thread(stack.spawn_service, "weightsync", args, workdir, dict(os.environ))
+    try:
+        await asyncio.to_thread(stack.wait_serving, {"weightsync": address}, {"weightsync": proc}, {"weightsync": str(log)}, 120)
+        yield address
+    finally:
+        await asyncio.to_thread(stack.Stack(workdir, {"weightsync": proc.pid}, {}, {}, "").stop, 30)
+
+
 async def _propagation(
-    versions: list[dict[str, RawTensor]], workdir: Path, bandwidth: float = LINK_BANDWIDTH, latency_s: float = LINK_LATENCY_S
+    versions: list[dict[str, RawTensor]], workdir: Path, bandwidth: float = LINK_BANDWIDTH, latency_s: float = LINK_LATENCY_S, one_process: bool = False
 ) -> list[dict[str, Any]]:
+    """Each delta origin -> emulated link -> relay -> in-place subscriber. The origin, the
+    link and the subscriber run in this process; the relay in its own (as deployed: a
+    region's relay is not the subscriber's process) or, with ``one_process``, here too,
+    where its decoding shares this process's GIL and event loop with the subscriber's."""
     from services.weightsync import client
     from services.weightsync.client import WeightSubscriber
     from services.weightsync.config import WeightSyncConfig
@@ -416,50 +438,61 @@ async def _propagation(
 
     origin_svc = WeightSyncService(WeightSyncConfig(data_dir=str(workdir / "origin")))
     out = []
-    async with serve_on_loopback(origin_svc) as origin:
+    async with contextlib.AsyncExitStack() as stack:
+        origin = await stack.enter_async_context(serve_on_loopback(origin_svc))
         await client.publish(origin, 0, versions[0])
         # Bootstrap v0 over an unlimited link; measure the deltas over the WAN link.
-        async with LinkEmulator(origin) as link:
+        link = await stack.enter_async_context(LinkEmulator(origin))
+        if one_process:
             relay_svc = WeightSyncService(WeightSyncConfig(role="relay", upstream=link.address, data_dir=str(workdir / "relay")))
-            async with serve_on_loopback(relay_svc) as relay:
-                # When the subscriber holds every chunk of a version verified: what is
-                # left after it (decode tail, weights hash) is not transport.
-                last_chunk: dict[int, float] = {}
+            relay = await stack.enter_async_context(serve_on_loopback(relay_svc))
 
-                def on_chunk(manifest: Any, index: int, payload: bytes) -> None:
-                    if index == len(manifest.chunks) - 1:
-                        last_chunk[manifest.version] = time.monotonic()
+            async def relay_holds() -> int:
+                return relay_svc.store.latest
+        else:
+            relay = await stack.enter_async_context(relay_in_own_process(link.address, workdir))
 
-                sub = WeightSubscriber(relay, None, -1, in_place=True, on_chunk=on_chunk)
-                stream = sub.updates(follow=True)
-                try:
-                    first = await anext(stream)
-                    assert first.version == 0
-                    while relay_svc.store.latest < 0:
-                        await asyncio.sleep(0.05)
-                    link.set_link(bandwidth=bandwidth, latency_s=latency_s)
-                    await asyncio.sleep(0.5)
-                    for v in range(1, len(versions)):
-                        await client.publish(origin, v, versions[v])
-                        update = await anext(stream)
-                        got_at = time.monotonic()
-                        if update.version != v:
-                            raise RuntimeError(f"subscriber got version {update.version}, expected {v}")
-                        exact = _same_bits(update.weights, versions[v]) 
-                        propagation = got_at - origin_svc.available_at[v]
-                        chunks_s = last_chunk[v] - origin_svc.available_at[v]
-                        bound = update.manifest.encoded_bytes / bandwidth + latency_s
-                        out.append({
-                            "version": v, "encoded_bytes": int(update.manifest.encoded_bytes), "propagation_s": propagation,
-                            "link_bound_s": bound, "propagation_vs_bound": propagation / bound, "bit_exact": exact,
-                            "chunks_s": chunks_s, "chunks_vs_bound": chunks_s / bound,
-                        })
-                        # Let the relay finish storing before the next version.
-                        while relay_svc.store.latest < v:
-                            await asyncio.sleep(0.01)
-                finally:
-                    await stream.aclose()
-                    await sub.close()
+            async def relay_holds() -> int:
+                return await client.latest_version(relay)
+
+        # When the subscriber holds every chunk of a version verified: what is
+        # left after it (decode tail, weights hash) is not transport.
+        last_chunk: dict[int, float] = {}
+
+        def on_chunk(manifest: Any, index: int, payload: bytes) -> None:
+            if index == len(manifest.chunks) - 1:
+                last_chunk[manifest.version] = time.monotonic()
+
+        sub = WeightSubscriber(relay, None, -1, in_place=True, on_chunk=on_chunk)
+        stream = sub.updates(follow=True)
+        try:
+            first = await anext(stream)
+            assert first.version == 0
+            while await relay_holds() < 0:
+                await asyncio.sleep(0.05)
+            link.set_link(bandwidth=bandwidth, latency_s=latency_s)
+            await asyncio.sleep(0.5)
+            for v in range(1, len(versions)):
+                await client.publish(origin, v, versions[v])
+                update = await anext(stream)
+                got_at = time.monotonic()
+                if update.version != v:
+                    raise RuntimeError(f"subscriber got version {update.version}, expected {v}")
+                exact = _same_bits(update.weights, versions[v])
+                propagation = got_at - origin_svc.available_at[v]
+                chunks_s = last_chunk[v] - origin_svc.available_at[v]
+                bound = update.manifest.encoded_bytes / bandwidth + latency_s
+                out.append({
+                    "version": v, "encoded_bytes": int(update.manifest.encoded_bytes), "propagation_s": propagation,
+                    "link_bound_s": bound, "propagation_vs_bound": propagation / bound, "bit_exact": exact,
+                    "chunks_s": chunks_s, "chunks_vs_bound": chunks_s / bound,
+                })
+                # Let the relay finish storing before the next version.
+                while await relay_holds() < v:
+                    await asyncio.sleep(0.01)
+        finally:
+            await stream.aclose()
+            await sub.close()
     return out
 
 
@@ -524,7 +557,9 @@ def main(argv: list[str]) -> int:
             "encode_gbps_threads": "raw bytes / wall seconds to encode one delta with its tensors on decode_threads threads (the origin's --encode-threads)",
             "apply_gbps_threads": "apply_gbps (in place, as a subscriber) with the chunks on decode_threads threads, median",
             "propagation_vs_bound": "seconds from the origin holding a version to the subscriber holding it verified and applied, "
-                                    "over encoded bytes / bandwidth + one-way latency; median over versions",
+                                    "over encoded bytes / bandwidth + one-way latency; median over versions. The relay runs in a "
+                                    "process of its own, the origin, link and subscriber in this one; propagation_one_process "
+                                    "has the relay in this process too (as measured before: its decoding shares the subscriber's GIL)",
             "chunks_vs_bound": "the same up to the subscriber holding every chunk verified (transport, without the decode tail)",
             "compacted_pct_of_full": "per k: one delta from v(latest - k) to the latest, % of the full bf16 size",
             "apply_gbps": "decode_gbps (codec format 3 over carried position indexes, what the service sends); "
@@ -570,7 +605,9 @@ def main(argv: list[str]) -> int:
             result["propagation"] = _propagation_summary(default, LINK_BANDWIDTH, LINK_LATENCY_S)
             fast = asyncio.run(_propagation(versions, Path(tmp) / "fast", fast_bw, fast_lat))
             result["propagation_1gbit_100ms"] = _propagation_summary(fast, fast_bw, fast_lat)
-        exact = exact and all(p["bit_exact"] for p in default + fast)
+            shared = asyncio.run(_propagation(versions, Path(tmp) / "one-process", one_process=True))
+            result["propagation_one_process"] = _propagation_summary(shared, LINK_BANDWIDTH, LINK_LATENCY_S)
+        exact = exact and all(p["bit_exact"] for p in default + fast + shared)
     if "compacted" in parts:
         result["compacted"] = compacted_figures(ns.compacted_steps, not ns.no_cache, log)
         result["summary"]["compacted_pct_of_full"] = result["compacted"]["compacted_pct_of_full"]
@@ -588,7 +625,7 @@ def main(argv: list[str]) -> int:
         print(f"simulated 1T version in four regions over 10 Gbit/s: {sim['t_1t_4regions_10gbit_s']:.1f} s as built, "
               f"{sim['t_1t_4regions_10gbit_s_pipelined']:.1f} s pipelined")
     if "propagation" in parts:
-        for key in ("propagation", "propagation_1gbit_100ms"):
+        for key in ("propagation", "propagation_1gbit_100ms", "propagation_one_process"):
             p = result[key]
             print(f"{key}: {p['propagation_vs_bound']:.2f}x the link bound ({p['chunks_vs_bound']:.2f}x until every chunk is held), "
                   f"{p['link']['bandwidth_mbit_s']:g} Mbit/s, {p['link']['latency_ms']:g} ms")
