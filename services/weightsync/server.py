@@ -937,18 +937,24 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         held = request.from_version
         if held < -1:
             raise InvalidArgument(f"from_version must be >= -1, got {held}")
+        # Manifests travel gzipped: a sha256 and a tensor name per chunk are 13 % of a
+        # built-in-model delta's bytes and gzip to a third, on every hop ahead of the
+        # chunks. The chunks are compressed already and go as they are.
+        context.set_compression(grpc.Compression.Gzip)
         if request.resume:
             enc = self._find(request.resume_version, request.resume_base)
             if enc is not None and request.resume_chunk <= len(enc.manifest.chunks) and request.resume_base in (held, -1):
                 # Continue the version the subscriber was receiving: no manifest, the next chunk.
                 self.counters["resumed_streams"] += 1
                 async for item in self._send_chunks(enc, request.resume_chunk):
+                    context.disable_next_message_compression()
                     yield item
                 held = request.resume_version
         while True:
             for enc in await self._plan(held):
                 yield pb.WeightChunk(manifest=enc.manifest)
                 async for item in self._send_chunks(enc, 0):
+                    context.disable_next_message_compression()
                     yield item
                 held = enc.manifest.version
             if not request.follow:
