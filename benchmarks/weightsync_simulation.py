@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import dataclasses
 import contextlib
+import gzip
 import json
 import os
 import statistics
@@ -212,12 +213,13 @@ def _codec_rates(versions: list[Any]) -> dict[str, float]:
 
 
 def _manifest_sizes(manifest: Any) -> dict[str, float]:
-    """What a manifest costs per chunk reference and per tensor (with its fixed fields)."""
+    """What a manifest costs on the wire per chunk reference and per tensor (with its
+    fixed fields), gzipped at zlib's default level as Subscribe sends it (gRPC's gzip)."""
     bare = type(manifest)()
     bare.CopyFrom(manifest)
     del bare.chunks[:]
-    refs = manifest.ByteSize() - bare.ByteSize()
-    return {"manifest_chunk_bytes": refs / len(manifest.chunks), "manifest_tensor_bytes": bare.ByteSize() / len(manifest.tensors)}
+    full, tensors = (len(gzip.compress(m.SerializeToString(), compresslevel=6)) for m in (manifest, bare))
+    return {"manifest_chunk_bytes": (full - tensors) / len(manifest.chunks), "manifest_tensor_bytes": tensors / len(manifest.tensors)}
 
 
 def _apply_s(enc: Any, old: dict[str, Any], in_place: bool) -> tuple[float, float]:
