@@ -48,7 +48,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from meridian.config import add_config_args, config_from_args
 from meridian.tensors import RawTensor
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                 # or the supervisor restarts the job from the checkpoint. No barrier: the
                 # group may be unusable.
                 log.error("rank %d stops: %s", rank, exc, exc_info=exc)
-                return 1
+                exit_unusable_group(1)
         else:
             from meridian.grpc_runtime import serve_forever
             from services.trainer.server import TrainerService
@@ -422,6 +422,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def exit_unusable_group(code: int) -> NoReturn:
+    """Ends this rank at once with ``code``, its process group left as it is. After a
+    GroupFailed the group is unusable: destroying it, or the interpreter's exit with
+    gloo's threads still waiting in it, can abort the process ("terminate called without
+    an active exception", SIGABRT) instead of exiting with ``code`` (seen on a follower
+    whose peer had timed out sending to it). Logs and stdio are flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more can be said there
+            pass
+    os._exit(code)
 
 
 def _part_sender(config: TrainerConfig) -> PartSender:

@@ -54,7 +54,7 @@ from services.trainer import learner as learner_mod
 from services.trainer import loop as loop_mod
 from services.trainer.config import TrainerConfig
 from services.trainer import shard_publish
-from services.trainer.distributed import BroadcastLearner, follow
+from services.trainer.distributed import BroadcastLearner, exit_unusable_group, follow
 
 KINDS = ("flaky", "poison", "nonfinite", "good")
 SETTINGS = {"lr": 1e-3, "groups_per_step": 2, "threads": 1, "max_policy_lag": 8, "micro_batch": 2, "tis_cap": 0.0}
@@ -323,9 +323,9 @@ def main() -> None:
         (ns.out / f"rank-{ns.rank}.json").write_text(json.dumps(summary))
         dist.barrier()
     finally:
-        dist.destroy_process_group()
         if code:
-            raise SystemExit(code)
+            exit_unusable_group(code)  # as services.trainer.distributed ends a failed follower
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
