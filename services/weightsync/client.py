@@ -360,6 +360,7 @@ class WeightSubscriber:
         )
         self._on_manifest = on_manifest
         self._on_chunk = on_chunk
+        self._warming: list[asyncio.Future[None]] = []  # index builds in flight (see _warm_indexes)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -433,6 +434,7 @@ class WeightSubscriber:
         takes, at each reconnect upstream (each builds a new subscriber). The manifest's
         refusals (a signature check among them) are made once, before that pass."""
         self.decoder.check(manifest)
+        await self._indexes_built()
         if self.decoder.needs_prepare(manifest):
             job = asyncio.ensure_future(asyncio.to_thread(self.decoder.prepare))
             try:
@@ -483,7 +485,39 @@ class WeightSubscriber:
         await receiving.drain()
         encoded = receiving.encoded()
         version = await asyncio.to_thread(self.decoder.finish)
+        self._warm_indexes()
         return VersionUpdate(version, self.decoder.weights, manifest, encoded, self.decoder.last_undo)
+
+    def _warm_indexes(self) -> None:
+        """Builds on the decode pool, while the next version is awaited, the position
+        indexes its delta would otherwise build as its chunks arrive: those of the chunks
+        the version just finished rewrote whole (a keyframe: the first version of a
+        subscriber that starts empty, or of a late joiner). Without it the first delta after
+        a keyframe costs a pass over the model at every hop (about twice the propagation of
+        the next ones on the built-in model)."""
+        chunks = self.decoder.unindexed()
+        if not chunks:
+            return
+        per_job = -(-len(chunks) // self._threads)
+        self._warming = [
+            asyncio.wrap_future(self._pool.submit(self.decoder.build_indexes, chunks[lo : lo + per_job])) for lo in range(0, len(chunks), per_job)
+        ]
+
+    async def _indexes_built(self) -> None:
+        """Waits for the index builds of :meth:`_warm_indexes` still running: they read the
+        held weights, which the next version writes. A build that failed leaves its chunks
+        to the next delta, which builds what it lacks."""
+        warming, self._warming = self._warming, []
+        if not warming:
+            return
+        try:
+            results = await asyncio.shield(asyncio.gather(*warming, return_exceptions=True))
+        except asyncio.CancelledError:
+            await asyncio.wait(warming)  # the threads run on: nothing may write the weights first
+            raise
+        for exc in results:
+            if exc is not None:
+                log.warning("weightsync %s: building position indexes ahead failed: %s", self.address, exc)
 
     def _decode(self, receiving: _Receiving, taken: list[tuple[int, bytes]]) -> None:
         """Decodes ``taken`` on the pool in at most one job per thread: a job per small

@@ -99,6 +99,10 @@ class Decoder:
         # being received fills _next_indexes, which replace them when it finishes.
         self._indexes: dict[tuple[str, int], codec.ChunkIndex] = {}
         self._next_indexes: dict[tuple[str, int], codec.ChunkIndex] = {}
+        # (tensor, chunk start, element count) of every chunk decoded of the version being
+        # received, and of the held version: which chunks have no index (see unindexed).
+        self._ranges: list[tuple[str, int, int]] = []
+        self._held_ranges: list[tuple[str, int, int]] = []
         self._pending: dict[str, RawTensor] = {}
         self._based: set[str] = set()  # tensors of _pending decoded onto the held base
         self._manifest: pb.Manifest | None = None
@@ -148,7 +152,7 @@ class Decoder:
         if undo is not None:
             undo.replaced.update({n: t for n, t in self.weights.items() if n not in pending})
         self._manifest, self._pending, self._undo, self._based = manifest, pending, undo, based
-        self._seen, self._moves, self._next_indexes = set(), [], {}
+        self._seen, self._moves, self._next_indexes, self._ranges = set(), [], {}, []
         self._chunks_left = collections.Counter(ref.tensor for ref in manifest.chunks) if self.verifier is not None else collections.Counter()
         self._tensor_sha256 = {}
 
@@ -219,6 +223,7 @@ class Decoder:
         try:
             hdr = codec.parse_header(payload)
             lo, hi = hdr.start, hdr.start + hdr.count
+            self._ranges.append((name, lo, hdr.count))  # list.append is atomic: safe from decode threads
             rewrite = hdr.mode == codec.MODE_KEYFRAME and hi <= out.bits.shape[0]
             before: elementhash.Sums = (0, 0)
             if rewrite and base is not None:
@@ -283,6 +288,7 @@ class Decoder:
         self._base_state = (self.version, self._sums, self._indexes) if self._undo is not None else None
         self.weights, self.version, self._sums = self._pending, manifest.version, sums
         self._indexes, self._next_indexes = self._next_indexes, {}
+        self._held_ranges, self._ranges = self._ranges, []
         self.last_undo = self._undo
         self._pending, self._manifest, self._undo, self._moves = {}, None, None, []
         return self.version
@@ -295,7 +301,7 @@ class Decoder:
         version, sums, indexes = self._base_state
         self.last_undo.revert(self.weights)
         self.version, self._sums, self._indexes = version, sums, indexes
-        self.last_undo, self._base_state = None, None
+        self.last_undo, self._base_state, self._held_ranges = None, None, []
         return version
 
     def abort(self) -> None:
@@ -304,8 +310,30 @@ class Decoder:
         if self._undo is not None:
             self._undo.revert(self._pending)
         self._pending, self._manifest, self._undo, self._moves = {}, None, None, []
-        self._seen, self._next_indexes = set(), {}
+        self._seen, self._next_indexes, self._ranges = set(), {}, []
         self._chunks_left, self._tensor_sha256 = collections.Counter(), {}
+
+    def unindexed(self) -> list[tuple[str, int, int]]:
+        """The chunks (tensor, start, element count) of the last version decoded whose
+        position index the next delta would build first: those that version rewrote whole
+        (a keyframe's chunks). Building one is a pass over its chunk; see :meth:`build_indexes`."""
+        return [r for r in self._held_ranges if (r[0], r[1]) not in self._indexes and r[0] in self.weights]
+
+    def build_indexes(self, chunks: list[tuple[str, int, int]]) -> None:
+        """Builds the position indexes of ``chunks`` (from :meth:`unindexed`) from the held
+        weights with the codec's threshold rule, the one an origin applies to the same
+        values, so that the next delta finds them ready instead of building them while its
+        chunks arrive. One whose payload names another index (an origin that built its own
+        from other values) is built again then, as without this. Several threads may build
+        disjoint chunks at once; call it only while no version is being decoded. It stops
+        when another version became current meanwhile."""
+        indexes, version = self._indexes, self.version
+        for name, start, count in chunks:
+            if self._indexes is not indexes or self.version != version:
+                return
+            held = self.weights.get(name)
+            if held is not None and (name, start) not in indexes:
+                indexes[(name, start)] = codec.build_index(held.bits, held.dtype, start, count)
 
     def _require_manifest(self) -> pb.Manifest:
         if self._manifest is None:

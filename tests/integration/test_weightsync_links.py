@@ -11,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
@@ -23,7 +24,7 @@ from meridian.errors import DataLoss
 from meridian.grpc_runtime import check_health
 from meridian.v1 import weightsync_pb2 as pb
 from meridian.v1 import weightsync_pb2_grpc as pb_grpc
-from services.weightsync import client
+from services.weightsync import client, codec
 from services.weightsync.client import VersionUpdate, WeightSubscriber
 from services.weightsync.config import WeightSyncConfig
 from meridian.link_emulator import LinkEmulator
@@ -307,6 +308,55 @@ def test_late_joiners_at_different_versions_each_get_a_delta_from_their_own(tmp_
                 assert same(updates[0].weights, versions[5])
                 # Built once per base; the third joiner (v1 again) is served from the cache.
                 assert (await _status(origin)).compacted_built == min(built, 2)
+
+    run(main())
+
+
+def test_the_first_delta_after_a_keyframe_finds_its_position_indexes_built(tmp_path: Path, grpc_serving: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subscriber that starts empty gets a keyframe first. It builds the position
+    indexes of the keyframe's chunks on its decode threads while it waits for the next
+    version, so decoding that first delta builds none (each build is a pass over its
+    chunk) and still ends bit-exact."""
+    versions = chain(2, 200_000)
+    decoding = threading.local()
+    builds_while_decoding: list[int] = []
+    needed: list[bool] = []
+    real_build, real_ensure = codec.build_index, codec.ensure_index
+
+    def counted_build(*args: Any, **kw: Any) -> codec.ChunkIndex:
+        # The subscriber's decode threads only: the origin's service warms up on its own.
+        if getattr(decoding, "chunk", False) and threading.current_thread().name.startswith("ws-decode"):
+            builds_while_decoding.append(1)
+        return real_build(*args, **kw)
+
+    def recorded_ensure(payload: bytes, *args: Any, **kw: Any) -> codec.ChunkIndex | None:
+        needed.append(codec._payload_index(payload, codec.parse_header(payload)) is not None)
+        decoding.chunk = True
+        try:
+            return real_ensure(payload, *args, **kw)
+        finally:
+            decoding.chunk = False
+
+    monkeypatch.setattr(codec, "build_index", counted_build)
+    monkeypatch.setattr(codec, "ensure_index", recorded_ensure)
+
+    async def main() -> None:
+        async with grpc_serving(_service(tmp_path)) as origin:
+            await client.publish(origin, 0, versions[0])
+            sub = WeightSubscriber(origin, None, -1, in_place=True)
+            stream = sub.updates(follow=True)
+            try:
+                first = await anext(stream)
+                assert (first.version, first.manifest.base_version) == (0, -1)
+                await client.publish(origin, 1, versions[1])
+                second = await anext(stream)
+            finally:
+                await stream.aclose()
+                await sub.close()
+        assert (second.version, second.manifest.base_version) == (1, 0)
+        assert same(second.weights, versions[1])
+        assert any(needed), "no chunk of the delta was coded over a position index: the test proves nothing"
+        assert builds_while_decoding == [], f"the first delta built {len(builds_while_decoding)} position indexes while it arrived"
 
     run(main())
 

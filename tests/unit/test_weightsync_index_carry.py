@@ -127,6 +127,26 @@ def test_a_follower_builds_its_indexes_once_and_stays_exact(tmp_path: Path, buil
     assert len(BUILT) == len(set(BUILT))
 
 
+def test_indexes_built_after_a_keyframe_serve_the_first_delta(builds: list[int]) -> None:
+    """What a subscriber does while it waits for the next version: after a keyframe, every
+    chunk is unindexed; building them from the held weights (the origin's threshold rule on
+    the same values) leaves the first delta nothing to build, and it stays exact."""
+    versions = _versions(2, seed=3)
+    keyframe = encode_version(0, versions[0], None, -1, CHUNK_BYTES)
+    delta = encode_version(1, versions[1], versions[0], 0, CHUNK_BYTES)
+    decoder = Decoder(None, -1, in_place=True)
+    _apply(decoder, keyframe)
+    chunks = decoder.unindexed()
+    assert len(chunks) == len(keyframe.chunks)
+    decoder.build_indexes(chunks[: len(chunks) // 2])
+    decoder.build_indexes(chunks[len(chunks) // 2 :])  # as two decode threads split them
+    assert decoder.unindexed() == []
+    builds[0] = 0
+    _apply(decoder, delta)
+    assert builds[0] == 0 and _same(decoder.weights, versions[1])
+    assert decoder.unindexed() == []  # a delta leaves the indexes of its own chunks
+
+
 def test_revert_and_abort_give_back_the_indexes_of_the_held_version(builds: list[int]) -> None:
     versions = _versions(4, seed=2)
     e1 = encode_version(1, versions[1], versions[0], 0, CHUNK_BYTES)
