@@ -18,6 +18,7 @@ from services.rollout.weight_changes import ChangeSet
 from services.rollout.weight_updates import UpdateReport, WeightUpdater
 from services.weightsync import client as weightsync
 from services.weightsync.client import UndoLog
+from services.weightsync.config import DEFAULT_CHUNK_MB
 from services.weightsync.signing import SignatureRefused, Verifier
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,11 @@ class WeightFollower:
         self._weights = {}  # the subscriber's decoder owns (and updates) them from here
         pending: list[UndoLog] = []  # versions decoded but not yet served, oldest first
         while True:
-            subscriber = weightsync.WeightSubscriber(self.address, weights, version, in_place=True, on_manifest=self._seen, verifier=self.verifier)
+            subscriber = weightsync.WeightSubscriber(
+                self.address, weights, version, in_place=True, on_manifest=self._seen, verifier=self.verifier,
+                # Prepares the held weights for the next delta while it is awaited.
+                origin_chunk_bytes=int(DEFAULT_CHUNK_MB * (1 << 20)),
+            )
             try:
                 async for update in subscriber.updates(follow=True):
                     weights, version = update.weights, update.version

@@ -324,6 +324,9 @@ class WeightSubscriber:
     ``decode_nice`` lowers the decode threads' CPU priority (a relay, whose decoding
     is off its forwarding path). ``window_bytes`` fixes the stream's HTTP/2 flow-control
     window (see :func:`window_options`); size it to the link's bandwidth-delay product.
+    ``origin_chunk_bytes``: the origin's chunk size (its ``chunk_mb``), when known; a
+    subscriber handed weights then prepares them for deltas (their hash sums and position
+    indexes) on its decode threads as soon as it follows, not at the first delta.
     With a ``verifier`` only versions signed by its key are taken (see :class:`Decoder`):
     a refused one raises :class:`~services.weightsync.signing.SignatureRefused` out of
     :meth:`updates` before ``on_manifest`` sees its manifest, with the held weights
@@ -345,6 +348,7 @@ class WeightSubscriber:
         decode_nice: int = 0,
         window_bytes: int = 0,
         verifier: Verifier | None = None,
+        origin_chunk_bytes: int = 0,
     ) -> None:
         self.address = address
         self.decoder = Decoder(weights, version if weights else -1, in_place=in_place, verifier=verifier)
@@ -361,6 +365,7 @@ class WeightSubscriber:
         self._on_manifest = on_manifest
         self._on_chunk = on_chunk
         self._warming: list[asyncio.Future[None]] = []  # index builds in flight (see _warm_indexes)
+        self._origin_chunk_bytes = origin_chunk_bytes if weights else 0  # cleared once the held weights are warmed
 
     async def close(self) -> None:
         await self._channel.close()
@@ -369,6 +374,7 @@ class WeightSubscriber:
     async def updates(self, follow: bool = True, keep_encoded: bool = False) -> AsyncIterator[VersionUpdate]:
         """Every version after the one held, verified; with ``follow`` new ones as published."""
         receiving = _Receiving(None, keep_encoded)
+        self._warm_held()
         try:
             async with contextlib.aclosing(self._follow(receiving, follow, keep_encoded)) as versions:
                 async for update in versions:
@@ -488,20 +494,33 @@ class WeightSubscriber:
         self._warm_indexes()
         return VersionUpdate(version, self.decoder.weights, manifest, encoded, self.decoder.last_undo)
 
-    def _warm_indexes(self) -> None:
+    def _warm_indexes(self, chunk_bytes: int = 0) -> None:
         """Builds on the decode pool, while the next version is awaited, the position
         indexes its delta would otherwise build as its chunks arrive: those of the chunks
         the version just finished rewrote whole (a keyframe: the first version of a
-        subscriber that starts empty, or of a late joiner). Without it the first delta after
+        subscriber that starts empty, or of a late joiner), or with ``chunk_bytes`` every
+        chunk of the held weights (see :meth:`_warm_held`). Without it the first delta after
         a keyframe costs a pass over the model at every hop (about twice the propagation of
         the next ones on the built-in model)."""
-        chunks = self.decoder.unindexed()
+        chunks = self.decoder.unindexed(chunk_bytes)
         if not chunks:
             return
         per_job = -(-len(chunks) // self._threads)
-        self._warming = [
+        self._warming += [
             asyncio.wrap_future(self._pool.submit(self.decoder.build_indexes, chunks[lo : lo + per_job])) for lo in range(0, len(chunks), per_job)
         ]
+
+    def _warm_held(self) -> None:
+        """For a subscriber handed weights with ``origin_chunk_bytes`` (a restarted rollout,
+        a relay subscribing again): their element-hash sums and the position indexes of
+        their chunks in the origin's chunking, on the decode pool as soon as it follows,
+        instead of both passes at its first delta. Chunks cut otherwise are built again
+        then, as without this. Once per subscriber."""
+        chunk_bytes, self._origin_chunk_bytes = self._origin_chunk_bytes, 0
+        if chunk_bytes <= 0 or self.decoder.version < 0 or self.decoder.manifest is not None:
+            return
+        self._warming.append(asyncio.wrap_future(self._pool.submit(self.decoder.prepare)))
+        self._warm_indexes(chunk_bytes)
 
     async def _indexes_built(self) -> None:
         """Waits for the index builds of :meth:`_warm_indexes` still running: they read the

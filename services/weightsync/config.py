@@ -5,6 +5,9 @@ import dataclasses
 
 from meridian.config import opt
 
+#: The origin's default chunk size (``chunk_mb``); a follower that cannot ask assumes it.
+DEFAULT_CHUNK_MB = 4.0
+
 
 @dataclasses.dataclass
 class WeightSyncConfig:
@@ -12,7 +15,7 @@ class WeightSyncConfig:
     data_dir: str = opt("", "folder where versions are stored (empty: a temporary folder, lost on exit)")
     upstream: str = opt("", "relay only: address of the weightsync this relay mirrors")
     keep_versions: int = opt(16, "published versions kept; older ones are deleted")
-    chunk_mb: float = opt(4.0, "largest chunk of raw tensor bytes, MiB, before encoding (bounds memory and re-fetch cost; a model of hundreds of billions of parameters wants more, e.g. 32: fewer chunks, each with its own per-chunk costs)")
+    chunk_mb: float = opt(DEFAULT_CHUNK_MB, "largest chunk of raw tensor bytes, MiB, before encoding (bounds memory and re-fetch cost; a model of hundreds of billions of parameters wants more, e.g. 32: fewer chunks, each with its own per-chunk costs)")
     encode_threads: int = opt(0, "threads the origin encodes a version on, over its tensors (0: one per CPU core this process may run on); keyframes and late joiners' deltas too")
     keyframe_every: int = opt(8, "a keyframe is stored beside every Nth version (recovery starts there)")
     send_mib_s: float = opt(0.0, "cap on what this server sends to subscribers, MiB/s in total (0: none)")

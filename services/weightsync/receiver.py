@@ -313,11 +313,20 @@ class Decoder:
         self._seen, self._next_indexes, self._ranges = set(), {}, []
         self._chunks_left, self._tensor_sha256 = collections.Counter(), {}
 
-    def unindexed(self) -> list[tuple[str, int, int]]:
-        """The chunks (tensor, start, element count) of the last version decoded whose
-        position index the next delta would build first: those that version rewrote whole
-        (a keyframe's chunks). Building one is a pass over its chunk; see :meth:`build_indexes`."""
-        return [r for r in self._held_ranges if (r[0], r[1]) not in self._indexes and r[0] in self.weights]
+    def unindexed(self, chunk_bytes: int = 0) -> list[tuple[str, int, int]]:
+        """The chunks (tensor, start, element count) of the held weights whose position
+        index the next delta would build first. Without ``chunk_bytes``: those the last
+        version decoded rewrote whole (a keyframe's chunks). With it: every chunk of the
+        held weights cut as an origin cuts them into chunks of that many raw bytes (its
+        ``chunk_mb``), for weights handed to the decoder. Building one is a pass over its
+        chunk; see :meth:`build_indexes`."""
+        ranges = self._held_ranges if chunk_bytes <= 0 else [
+            (name, start, min(per_chunk, t.bits.shape[0] - start))
+            for name, t in self.weights.items()
+            for per_chunk in (max(1, chunk_bytes // t.bits.itemsize),)
+            for start in range(0, t.bits.shape[0], per_chunk)
+        ]
+        return [r for r in ranges if (r[0], r[1]) not in self._indexes and r[0] in self.weights]
 
     def build_indexes(self, chunks: list[tuple[str, int, int]]) -> None:
         """Builds the position indexes of ``chunks`` (from :meth:`unindexed`) from the held

@@ -442,6 +442,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
                 in_place=True,
                 window_bytes=int(self.config.window_mib * (1 << 20)),
                 verifier=self.verifier,
+                # Relays are deployed with their origin's chunk size.
+                origin_chunk_bytes=int(self.config.chunk_mb * (1 << 20)),
             )
             try:
                 async for update in subscriber.updates(follow=True, keep_encoded=True):

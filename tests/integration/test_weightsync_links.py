@@ -312,12 +312,15 @@ def test_late_joiners_at_different_versions_each_get_a_delta_from_their_own(tmp_
     run(main())
 
 
-def test_the_first_delta_after_a_keyframe_finds_its_position_indexes_built(tmp_path: Path, grpc_serving: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A subscriber that starts empty gets a keyframe first. It builds the position
-    indexes of the keyframe's chunks on its decode threads while it waits for the next
-    version, so decoding that first delta builds none (each build is a pass over its
-    chunk) and still ends bit-exact."""
+@pytest.mark.parametrize("start", ["empty", "handed_weights"])
+def test_the_first_delta_finds_its_position_indexes_built(tmp_path: Path, grpc_serving: Any, monkeypatch: pytest.MonkeyPatch, start: str) -> None:
+    """A subscriber that starts empty gets a keyframe first and builds the position
+    indexes of its chunks on its decode threads while it waits for the next version; one
+    handed weights and the origin's chunk size builds them (and its hash sums) as soon as
+    it follows. Either way decoding the first delta builds none (each build is a pass over
+    its chunk) and still ends bit-exact."""
     versions = chain(2, 200_000)
+    chunk_mb = 1 / 64
     decoding = threading.local()
     builds_while_decoding: list[int] = []
     needed: list[bool] = []
@@ -341,20 +344,25 @@ def test_the_first_delta_after_a_keyframe_finds_its_position_indexes_built(tmp_p
     monkeypatch.setattr(codec, "ensure_index", recorded_ensure)
 
     async def main() -> None:
-        async with grpc_serving(_service(tmp_path)) as origin:
+        async with grpc_serving(_service(tmp_path, chunk_mb=chunk_mb)) as origin:
             await client.publish(origin, 0, versions[0])
-            sub = WeightSubscriber(origin, None, -1, in_place=True)
+            if start == "empty":
+                sub = WeightSubscriber(origin, None, -1, in_place=True)
+            else:
+                held = {k: RawTensor(t.dtype, t.shape, t.bits.copy()) for k, t in versions[0].items()}
+                sub = WeightSubscriber(origin, held, 0, in_place=True, origin_chunk_bytes=int(chunk_mb * (1 << 20)))
             stream = sub.updates(follow=True)
             try:
-                first = await anext(stream)
-                assert (first.version, first.manifest.base_version) == (0, -1)
+                if start == "empty":
+                    first = await anext(stream)
+                    assert (first.version, first.manifest.base_version) == (0, -1)
                 await client.publish(origin, 1, versions[1])
-                second = await anext(stream)
+                update = await anext(stream)
             finally:
                 await stream.aclose()
                 await sub.close()
-        assert (second.version, second.manifest.base_version) == (1, 0)
-        assert same(second.weights, versions[1])
+        assert (update.version, update.manifest.base_version) == (1, 0)
+        assert same(update.weights, versions[1])
         assert any(needed), "no chunk of the delta was coded over a position index: the test proves nothing"
         assert builds_while_decoding == [], f"the first delta built {len(builds_while_decoding)} position indexes while it arrived"
 

@@ -147,6 +147,26 @@ def test_indexes_built_after_a_keyframe_serve_the_first_delta(builds: list[int])
     assert decoder.unindexed() == []  # a delta leaves the indexes of its own chunks
 
 
+def test_handed_weights_are_indexed_in_the_origins_chunking(builds: list[int]) -> None:
+    """Weights handed to a decoder (a restarted follower) listed in the chunks an origin of
+    that chunk size cuts them into, built, serve the first delta with no build. In another
+    chunking they do not: the delta builds its own, and its format-1 chunks, which need
+    none, decode without the index of another chunk (once a DataLoss: "position index is
+    for chunk [0, 2048), not [0, 4096)"); still exact."""
+    versions = _versions(2, seed=4)
+    delta = encode_version(1, versions[1], versions[0], 0, CHUNK_BYTES)
+    starts = {(codec.parse_header(p).start, codec.parse_header(p).count) for p in delta.chunks}
+    for chunk_bytes, first_delta_builds in ((CHUNK_BYTES, False), (CHUNK_BYTES // 2, True)):
+        decoder = Decoder(_copy(versions[0]), 0, in_place=True)
+        chunks = decoder.unindexed(chunk_bytes)
+        assert ({(s, c) for _, s, c in chunks} == starts) is not first_delta_builds
+        decoder.build_indexes(chunks)
+        assert decoder.unindexed(chunk_bytes) == []
+        builds[0] = 0
+        _apply(decoder, delta)
+        assert (builds[0] > 0) is first_delta_builds and _same(decoder.weights, versions[1])
+
+
 def test_revert_and_abort_give_back_the_indexes_of_the_held_version(builds: list[int]) -> None:
     versions = _versions(4, seed=2)
     e1 = encode_version(1, versions[1], versions[0], 0, CHUNK_BYTES)

@@ -316,19 +316,19 @@ def _payload_index(payload: bytes, hdr: ChunkHeader) -> tuple[int, int, int] | N
 def ensure_index(payload: bytes, values: np.ndarray, index: ChunkIndex | None, *, header: ChunkHeader | None = None) -> ChunkIndex | None:
     """The index a payload needs for decoding against ``values`` (the
     receiver's current full tensor): ``index`` itself when it is the one the
-    payload names (or the payload needs none), else one built from ``values``
+    payload names (or the payload needs none and ``index`` is of its chunk; of another
+    chunk: None), else one built from ``values``
     with the payload's threshold (one pass: first use, after a keyframe or a
     mismatch). A receiver calls this before ``decode_chunk_into``.
     ``header``: ``parse_header(payload)`` when the caller has it already."""
     hdr = header if header is not None else parse_header(payload)
     want = _payload_index(payload, hdr)
+    same_chunk = index is not None and (index.dtype, index.start, index.count) == (hdr.dtype, hdr.start, hdr.count)
     if want is None:
-        return index
-    if (
-        index is not None
-        and (index.dtype, index.start, index.count) == (hdr.dtype, hdr.start, hdr.count)
-        and (index.threshold, index.positions.shape[0], index.fingerprint) == want
-    ):
+        # A payload coded without an index decodes without one; an index of another
+        # chunk (the origin now cuts its tensors otherwise) is dropped, not carried on.
+        return index if same_chunk else None
+    if same_chunk and (index.threshold, index.positions.shape[0], index.fingerprint) == want:
         return index
     if values.shape[0] != hdr.total:
         raise CodecError(f"payload is for a tensor of {hdr.total} elements, values has {values.shape[0]}")
