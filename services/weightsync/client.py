@@ -364,7 +364,7 @@ class WeightSubscriber:
         )
         self._on_manifest = on_manifest
         self._on_chunk = on_chunk
-        self._warming: list[asyncio.Future[None]] = []  # index builds in flight (see _warm_indexes)
+        self._warming: list[asyncio.Future[None]] = []  # index builds and sums in flight (see _warm_indexes)
         self._origin_chunk_bytes = origin_chunk_bytes if weights else 0  # cleared once the held weights are warmed
 
     async def close(self) -> None:
@@ -523,9 +523,9 @@ class WeightSubscriber:
         self._warm_indexes(chunk_bytes)
 
     async def _indexes_built(self) -> None:
-        """Waits for the index builds of :meth:`_warm_indexes` still running: they read the
-        held weights, which the next version writes. A build that failed leaves its chunks
-        to the next delta, which builds what it lacks."""
+        """Waits for the work of :meth:`_warm_indexes` and :meth:`_warm_held` still running:
+        it reads the held weights, which the next version writes. A build that failed leaves
+        its chunks (or the sums) to the next delta, which builds what it lacks."""
         warming, self._warming = self._warming, []
         if not warming:
             return
@@ -536,7 +536,7 @@ class WeightSubscriber:
             raise
         for exc in results:
             if exc is not None:
-                log.warning("weightsync %s: building position indexes ahead failed: %s", self.address, exc)
+                log.warning("weightsync %s: preparing the held weights ahead failed: %s", self.address, exc)
 
     def _decode(self, receiving: _Receiving, taken: list[tuple[int, bytes]]) -> None:
         """Decodes ``taken`` on the pool in at most one job per thread: a job per small
