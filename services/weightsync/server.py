@@ -321,6 +321,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         # taking it once where they combine fields of it.
         self._store_lock = asyncio.Lock()
         self._mirror: asyncio.Task[None] | None = None
+        self._preparing: asyncio.Future[bool] | None = None  # see _prepare_next
         # Store-and-announce steps running on after their publisher went away (see _to_completion).
         self._completing = RunToEnd("a store step", log)
         # The sharded publish being assembled (parts of one version at a time).
@@ -364,6 +365,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         # and each receiver's first delta about 15 ms at every hop.
         took = await asyncio.to_thread(precompile.warm)
         log.info("weightsync: codec kernels loaded in %.2f s", took)
+        self._prepare_next()  # a restarted origin's recovered version
         if self.config.role == "relay":
             self._mirror = asyncio.create_task(self._mirror_upstream())
 
@@ -375,6 +377,8 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         return await failure_of(self._mirror, "the upstream mirror")  # an origin has none
 
     async def stop(self) -> None:
+        if self._preparing is not None:
+            self._preparing.cancel()  # one still waiting for the store lock starts nothing
         # A version being stored for a publisher that went away is finished, not cut off.
         await self._completing.wait()
         if self._mirror:
@@ -502,6 +506,20 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         self.metrics.observe(metrics.WEIGHTSYNC_PROPAGATION, time.monotonic() - started)
         await self._announce()
         log.info("version %d stored: %d raw bytes -> %d encoded", version, enc.manifest.raw_bytes, enc.size)
+        self._prepare_next()
+
+    def _prepare_next(self) -> None:
+        """An origin whose latest version has nothing carried for the next delta (it
+        published only a keyframe so far, or restarted) builds it now, while it waits for
+        that delta (VersionStore.prepare_next): a store step in the background. A Publish
+        arriving meanwhile waits for it under the store lock, as it would otherwise have
+        built the same itself."""
+        if self.config.role != "origin" or self.store.latest < 0 or self.store.carried.indexes:
+            return
+        if self._preparing is not None and not self._preparing.done():
+            return
+        self._preparing = asyncio.ensure_future(self._store_step(self.store.prepare_next))
+        self._preparing.add_done_callback(_prepared)
 
     @staticmethod
     async def _receive_pieces(request_iterator: AsyncIterator[pb.PublishRequest], assembly: _Assembly) -> None:
@@ -1005,3 +1023,9 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
             chunk_bytes=self.store.chunk_bytes,
             **self.counters,
         )
+
+
+def _prepared(job: asyncio.Future[bool]) -> None:
+    """Logs an origin's build ahead that failed: the next publish builds what it lacks."""
+    if not job.cancelled() and job.exception() is not None:
+        log.warning("weightsync: building the next delta's indexes ahead failed: %s", job.exception())

@@ -36,7 +36,7 @@ from meridian.tensors import RawTensor, Weights, weights_hash
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync.receiver import decode_all
 from services.weightsync.versions import (
-    CODEC_NAME, READABLE_CODECS, Carried, Changes, Encoded, Spare, assemble_version, check_tensor_set, encode_version,
+    CODEC_NAME, READABLE_CODECS, Carried, Changes, Encoded, Spare, assemble_version, carried_for, check_tensor_set, encode_version,
 )
 
 log = logging.getLogger(__name__)
@@ -292,6 +292,20 @@ class VersionStore:
         if differ:
             raise AlreadyExists(f"version {version} is held with other contents in tensors {differ[:5]} than the republished part sends")
         return held
+
+    def prepare_next(self) -> bool:
+        """Builds what encoding the next delta would build first when the latest version
+        has nothing carried (an origin that published only a keyframe so far, or restarted):
+        its chunks' position indexes and its tensors' hash sums (:func:`carried_for`), so
+        that the next publish encodes at its usual speed. A store step, like a publish;
+        a relay's store (which encodes no deltas of its own) builds nothing. Returns
+        whether it built."""
+        held = self._held
+        if held.latest < 0 or self.live_weights or held.carried.indexes:
+            return False
+        carried = carried_for(held.weights, self.chunk_bytes)
+        self._held = dataclasses.replace(held, carried=carried)
+        return True
 
     def add_encoded(self, enc: Encoded, weights: Weights) -> Encoded:
         """Records an encoded version whose decoded ``weights`` the caller already holds

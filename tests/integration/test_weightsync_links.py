@@ -369,6 +369,28 @@ def test_the_first_delta_finds_its_position_indexes_built(tmp_path: Path, grpc_s
     run(main())
 
 
+def test_an_origin_prepares_its_next_delta_after_a_keyframe(tmp_path: Path, grpc_serving: Any) -> None:
+    """After its first version (a keyframe) an origin builds the next delta's position
+    indexes in the background, so that Publish does not; the versions stay exact."""
+    versions = chain(2, 200_000)
+
+    async def main() -> None:
+        service = _service(tmp_path)
+        async with grpc_serving(service) as origin:
+            await client.publish(origin, 0, versions[0])
+            await _wait_for(lambda: bool(service.store.carried.indexes), "the origin's indexes for the next delta")
+            assert service.store.carried.sums.keys() == versions[0].keys()
+            await client.publish(origin, 1, versions[1])
+            sub = WeightSubscriber(origin, None, -1)
+            try:
+                (update,) = await _collect(sub, 1, follow=False)
+            finally:
+                await sub.close()
+        assert update.version == 1 and same(update.weights, versions[1])
+
+    run(main())
+
+
 # ---------------------------------------------------------------- relay fan-out
 
 

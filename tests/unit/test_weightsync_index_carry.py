@@ -108,6 +108,25 @@ def test_the_origin_codes_each_delta_over_the_indexes_the_last_one_left(tmp_path
             assert np.array_equal(rebuilt.positions, index.positions) and rebuilt.fingerprint == index.fingerprint
 
 
+def test_an_origin_prepares_the_next_delta_after_a_keyframe_and_encodes_the_same(tmp_path: Path, builds: list[int]) -> None:
+    """What an origin builds while it waits after a keyframe (VersionStore.prepare_next)
+    spares the next publish its index builds, and that publish stores the very bytes a
+    store that built them itself stores."""
+    versions = _versions(3, seed=5)
+    ahead = VersionStore(tmp_path / "ahead", chunk_bytes=CHUNK_BYTES)
+    plain = VersionStore(tmp_path / "plain", chunk_bytes=CHUNK_BYTES)
+    for store in (ahead, plain):
+        store.publish(0, versions[0])
+    assert ahead.prepare_next() and not ahead.prepare_next()  # built once
+    builds[0] = 0
+    first = ahead.publish(1, versions[1])
+    assert builds[0] == 0, "the publish after prepare_next built indexes"
+    assert first.chunks == plain.publish(1, versions[1]).chunks
+    assert first.manifest.weights_hash == plain.deltas[1].manifest.weights_hash
+    assert not ahead.prepare_next()  # a delta leaves its indexes carried: nothing to build
+    assert ahead.publish(2, versions[2]).chunks == plain.publish(2, versions[2]).chunks
+
+
 def test_a_follower_builds_its_indexes_once_and_stays_exact(tmp_path: Path, builds: list[int]) -> None:
     versions = _versions(6, seed=1)
     encs = [encode_version(0, versions[0], None, -1, CHUNK_BYTES)]
