@@ -17,7 +17,7 @@ from meridian.tensors import PB_DTYPE_NAMES, RAW_DTYPES, RawTensor, Weights, ele
 from meridian.v1 import weightsync_pb2 as pb
 from services.weightsync import codec
 from services.weightsync.signing import SignatureRefused, Verifier, tensor_sha256
-from services.weightsync.versions import READABLE_CODECS, Encoded
+from services.weightsync.versions import READABLE_CODECS, Encoded, chunk_ranges
 
 _MASK64 = (1 << 64) - 1
 
@@ -321,10 +321,7 @@ class Decoder:
         ``chunk_mb``), for weights handed to the decoder. Building one is a pass over its
         chunk; see :meth:`build_indexes`."""
         ranges = self._held_ranges if chunk_bytes <= 0 else [
-            (name, start, min(per_chunk, t.bits.shape[0] - start))
-            for name, t in self.weights.items()
-            for per_chunk in (max(1, chunk_bytes // t.bits.itemsize),)
-            for start in range(0, t.bits.shape[0], per_chunk)
+            (name, start, count) for name, t in self.weights.items() for start, count in chunk_ranges(t.bits.shape[0], t.bits.itemsize, chunk_bytes)
         ]
         return [r for r in ranges if (r[0], r[1]) not in self._indexes and r[0] in self.weights]
 

@@ -514,9 +514,7 @@ class WeightSyncService(pb_grpc.WeightSyncServicer):
         that delta (VersionStore.prepare_next): a store step in the background. A Publish
         arriving meanwhile waits for it under the store lock, as it would otherwise have
         built the same itself."""
-        if self.config.role != "origin" or self.store.latest < 0 or self.store.carried.indexes:
-            return
-        if self._preparing is not None and not self._preparing.done():
+        if not self.store.unprepared or (self._preparing is not None and not self._preparing.done()):
             return
         self._preparing = asyncio.ensure_future(self._store_step(self.store.prepare_next))
         self._preparing.add_done_callback(_prepared)

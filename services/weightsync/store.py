@@ -293,18 +293,23 @@ class VersionStore:
             raise AlreadyExists(f"version {version} is held with other contents in tensors {differ[:5]} than the republished part sends")
         return held
 
-    def prepare_next(self) -> bool:
-        """Builds what encoding the next delta would build first when the latest version
-        has nothing carried (an origin that published only a keyframe so far, or restarted):
-        its chunks' position indexes and its tensors' hash sums (:func:`carried_for`), so
-        that the next publish encodes at its usual speed. A store step, like a publish;
-        a relay's store (which encodes no deltas of its own) builds nothing. Returns
-        whether it built."""
+    @property
+    def unprepared(self) -> bool:
+        """Whether the latest version has nothing carried for encoding the next delta (an
+        origin that published only a keyframe so far, or restarted): what
+        :meth:`prepare_next` builds. Never for a relay's store, which encodes no deltas."""
         held = self._held
-        if held.latest < 0 or self.live_weights or held.carried.indexes:
+        return held.latest >= 0 and not self.live_weights and not held.carried.indexes
+
+    def prepare_next(self) -> bool:
+        """Builds, when :attr:`unprepared`, what encoding the next delta would build first:
+        the latest version's chunk position indexes and tensor hash sums
+        (:func:`carried_for`), so that the next publish encodes at its usual speed. A store
+        step, like a publish. Returns whether it built."""
+        if not self.unprepared:
             return False
-        carried = carried_for(held.weights, self.chunk_bytes)
-        self._held = dataclasses.replace(held, carried=carried)
+        held = self._held
+        self._held = dataclasses.replace(held, carried=carried_for(held.weights, self.chunk_bytes))
         return True
 
     def add_encoded(self, enc: Encoded, weights: Weights) -> Encoded:

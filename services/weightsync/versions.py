@@ -48,17 +48,24 @@ class Carried:
     sums: dict[str, elementhash.Sums] = dataclasses.field(default_factory=dict)
 
 
+def chunk_ranges(numel: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(start, element count) of each chunk a tensor of ``numel`` elements of ``itemsize``
+    bytes is cut into with chunks of ``chunk_bytes`` raw bytes, as :func:`encode_tensors`
+    cuts it (an empty tensor is one empty chunk)."""
+    per_chunk = max(1, chunk_bytes // itemsize)
+    return [(start, min(per_chunk, numel - start)) for start in range(0, max(numel, 1), per_chunk)]
+
+
 def carried_for(weights: Weights, chunk_bytes: int) -> Carried:
     """What encoding a delta against ``weights`` needs first, built ahead (a pass over the
     model): each chunk's position index, cut as :func:`encode_tensors` cuts the tensors
     into chunks of ``chunk_bytes``, with the codec's threshold rule, and each tensor's
     element-hash sums. An origin builds it while it waits for a version after a keyframe
     or a restart, instead of in the next publish."""
-    indexes: Indexes = {}
-    for name, t in weights.items():
-        per_chunk = max(1, chunk_bytes // t.bits.itemsize)
-        numel = t.bits.shape[0]
-        indexes[name] = [codec.build_index(t.bits, t.dtype, s, min(per_chunk, numel - s)) for s in range(0, max(numel, 1), per_chunk)]
+    indexes: Indexes = {
+        name: [codec.build_index(t.bits, t.dtype, start, count) for start, count in chunk_ranges(t.bits.shape[0], t.bits.itemsize, chunk_bytes)]
+        for name, t in weights.items()
+    }
     names = sorted(weights)
     sums = dict(zip(names, elementhash.many_tensor_sums([np.ascontiguousarray(weights[n].bits) for n in names])))
     return Carried(indexes, sums)
