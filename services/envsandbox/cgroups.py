@@ -16,6 +16,7 @@ once (before RunTests).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import signal
@@ -240,6 +241,13 @@ def oom_kill_count(folder: Path, version: int) -> int:
     return 0
 
 
+def _removed(exc: OSError) -> bool:
+    """Whether an error on a cgroup file says the cgroup was removed meanwhile: ENOENT once
+    it is gone, ENODEV for a file opened before its removal and written or read after.
+    A cgroup is removed only once it is empty, so nothing of it runs any more."""
+    return exc.errno in (errno.ENOENT, errno.ENODEV)
+
+
 def _populated(folder: Path) -> bool:
     """Whether any process is in ``folder`` or below (cgroup2's ``cgroup.events``)."""
     try:
@@ -247,22 +255,28 @@ def _populated(folder: Path) -> bool:
             key, _, value = line.partition(" ")
             if key == "populated":
                 return value.strip() != "0"
-    except FileNotFoundError:
-        return False
-    return bool((folder / "cgroup.procs").read_text().split())
+        return bool((folder / "cgroup.procs").read_text().split())
+    except OSError as exc:
+        if _removed(exc):
+            return False
+        raise
 
 
 def _kill_and_wait(folder: Path, timeout_s: float) -> None:
     """``cgroup.kill`` (or, on kernels without it, freeze and SIGKILL every member) and wait
-    until the cgroup and all below it are empty; raises when they do not empty in time."""
+    until the cgroup and all below it are empty; raises when they do not empty in time. A
+    cgroup removed meanwhile (a sandbox's teardown removes its exec cgroups while an exec
+    ends) is empty: that is no error."""
     deadline = time.monotonic() + timeout_s
     kill_file = folder / "cgroup.kill"
     while True:
         if kill_file.exists():
             try:
                 kill_file.write_text("1")
-            except FileNotFoundError:
-                return
+            except OSError as exc:
+                if _removed(exc):
+                    return
+                raise
         else:
             _kill_members(folder, 0.0)
         for _ in range(100):
