@@ -40,6 +40,7 @@ import struct
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 from pathlib import Path
 
 from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
@@ -191,6 +192,16 @@ def _instance_alive(name: str) -> bool:
 
 #: How long an exec waits for its reader thread after waking it (it ends at once).
 READER_JOIN_S = 10.0
+
+
+class _Started(NamedTuple):
+    """An exec :meth:`DockerBackend._start_exec` started."""
+
+    exec_id: str
+    sock: socket.socket  # its raw, multiplexed stream
+    # The start of that stream already read off the socket with the response's head
+    # (docker_stream.read_past_head): it comes before anything read from the socket.
+    early: bytes
 
 
 class DockerBackend(Backend):
@@ -404,25 +415,25 @@ class DockerBackend(Backend):
         try:
             receiver = await self._start_exec(dst_id, [*argv, "receive"])
         except BaseException:
-            await self._end_exec(src_id, *sender, kill=True, grace_s=grace)
+            await self._end_exec(src_id, sender, kill=True, grace_s=grace)
             raise
         try:
-            relayed = await _relay_to_the_end(sender[1], receiver[1], time.monotonic() + COPY_WALL_S)
+            relayed = await _relay_to_the_end(sender, receiver, time.monotonic() + COPY_WALL_S)
         except BaseException:
-            await self._end_exec(dst_id, *receiver, kill=True)
-            await self._end_exec(src_id, *sender, kill=True, grace_s=grace)
+            await self._end_exec(dst_id, receiver, kill=True)
+            await self._end_exec(src_id, sender, kill=True, grace_s=grace)
             raise
         # Both have ended unless the relay gave up waiting for them: then they are killed.
-        await self._end_exec(dst_id, *receiver, kill=not relayed.ended)
-        await self._end_exec(src_id, *sender, kill=not relayed.ended)
+        await self._end_exec(dst_id, receiver, kill=not relayed.ended)
+        await self._end_exec(src_id, sender, kill=not relayed.ended)
         _check_copy(src_id, relayed)
 
     async def _run_collect(self, sandbox_id: str, argv: list[str], stdin: bytes, wall_s: float, max_output: int) -> tuple[bytes, bytes, ExecResult]:
         return await collect(self._exec(sandbox_id, argv, stdin, {}, "", wall_s, max_output))
 
-    async def _start_exec(self, sandbox_id: str, argv: list[str], env: dict[str, str] | None = None, cwd: str = "") -> tuple[str, socket.socket]:
-        """Starts ``argv`` in the sandbox as its user: (exec id, the exec's raw socket). The
-        exec counts as active (the sweep that ends an exec spares it) until :meth:`_end_exec`."""
+    async def _start_exec(self, sandbox_id: str, argv: list[str], env: dict[str, str] | None = None, cwd: str = "") -> _Started:
+        """Starts ``argv`` in the sandbox as its user. The exec counts as active (the sweep
+        that ends an exec spares it) until :meth:`_end_exec`."""
         cid = self._container(sandbox_id)
         workdir = "/workspace/" + "/".join(workspace_files.split_relative(cwd)) if cwd else "/workspace"
         api = self._client.api
@@ -435,9 +446,10 @@ class DockerBackend(Backend):
                 raise NotFound(f"no live sandbox {sandbox_id!r}") from None
             raise Unavailable(f"docker exec in sandbox {sandbox_id} failed: {exc}") from exc
         self._active[sandbox_id] = self._active.get(sandbox_id, 0) + 1
-        return exec_id, getattr(sock, "_sock", sock)
+        raw = getattr(sock, "_sock", sock)
+        return _Started(exec_id, raw, docker_stream.read_past_head(sock, raw))
 
-    async def _end_exec(self, sandbox_id: str, exec_id: str, raw: socket.socket, kill: bool, grace_s: float = 0.0) -> None:
+    async def _end_exec(self, sandbox_id: str, started: _Started, kill: bool, grace_s: float = 0.0) -> None:
         """Ends an exec :meth:`_start_exec` started: kills its processes when asked (after
         closing its stdin and waiting up to ``grace_s`` for it to end by itself), closes its
         socket, and, when no other exec runs in the sandbox, sweeps every process of it but
@@ -445,12 +457,12 @@ class DockerBackend(Backend):
         started outlives it)."""
         if kill and grace_s > 0:
             with contextlib.suppress(OSError):
-                raw.shutdown(socket.SHUT_WR)
-            kill = await asyncio.to_thread(self._still_running, exec_id, grace_s)
+                started.sock.shutdown(socket.SHUT_WR)
+            kill = await asyncio.to_thread(self._still_running, started.exec_id, grace_s)
         if kill:
-            await asyncio.to_thread(self._kill_exec, exec_id)
+            await asyncio.to_thread(self._kill_exec, started.exec_id)
         with contextlib.suppress(OSError):
-            raw.close()
+            started.sock.close()
         self._active[sandbox_id] -= 1
         if not self._active[sandbox_id]:
             del self._active[sandbox_id]
@@ -471,7 +483,8 @@ class DockerBackend(Backend):
     ) -> AsyncIterator[ExecItem]:
         start = time.monotonic()
         oom_before = self._oom_kills(sandbox_id)
-        exec_id, raw = await self._start_exec(sandbox_id, argv, env, cwd)
+        started = await self._start_exec(sandbox_id, argv, env, cwd)
+        exec_id, raw, early = started
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         budget = {"stdout": max_output, "stderr": max_output}
@@ -484,12 +497,8 @@ class DockerBackend(Backend):
                     raw.sendall(stdin)
                 with contextlib.suppress(OSError):
                     raw.shutdown(socket.SHUT_WR)
-                buf = b""
-                while not stop.is_set():
-                    chunk = raw.recv(65536)
-                    if not chunk:
-                        break
-                    buf += chunk
+                buf = early
+                while True:
                     while len(buf) >= 8:
                         kind, size = buf[0], struct.unpack(">I", buf[4:8])[0]
                         if len(buf) < 8 + size:
@@ -502,6 +511,12 @@ class DockerBackend(Backend):
                             truncated[name] = True
                         if keep:
                             loop.call_soon_threadsafe(queue.put_nowait, (name, keep))
+                    if stop.is_set():
+                        break
+                    chunk = raw.recv(65536)
+                    if not chunk:
+                        break
+                    buf += chunk
             except OSError:
                 pass
             finally:
@@ -528,7 +543,7 @@ class DockerBackend(Backend):
                 await asyncio.to_thread(thread.join, READER_JOIN_S)
             if thread.is_alive():
                 log.warning("exec reader of sandbox %s did not end within %.0f s; closing its socket anyway", sandbox_id, READER_JOIN_S)
-            await self._end_exec(sandbox_id, exec_id, raw, kill=kill)
+            await self._end_exec(sandbox_id, started, kill=kill)
         info = await asyncio.to_thread(self._wait_exec, exec_id)
         code = info.get("ExitCode")
         code = -1 if code is None else int(code)
@@ -603,7 +618,7 @@ class DockerBackend(Backend):
         return self._client.api.exec_inspect(exec_id)
 
 
-async def _relay_to_the_end(sender: socket.socket, receiver: socket.socket, deadline: float) -> docker_stream.Relayed:
+async def _relay_to_the_end(sender: _Started, receiver: _Started, deadline: float) -> docker_stream.Relayed:
     """docker_stream.relay in a thread of its own (a copy can take minutes; the default
     executor's few workers serve every other call). A caller that goes away stops the
     relay (so the sender gives back what it changed in the source) and still waits for its
@@ -622,7 +637,7 @@ async def _relay_to_the_end(sender: socket.socket, receiver: socket.socket, dead
 
     def run() -> None:
         try:
-            result = docker_stream.relay(sender, receiver, deadline, stop)
+            result = docker_stream.relay(sender.sock, receiver.sock, deadline, stop, early=(sender.early, receiver.early))
         except BaseException as exc:  # handed to the awaiting caller
             loop.call_soon_threadsafe(settle, None, exc)
         else:

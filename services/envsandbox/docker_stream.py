@@ -75,10 +75,31 @@ def _keep(buffer: bytearray, piece: bytes, tail: bool) -> None:
             del buffer[KEEP_BYTES:]
 
 
+def read_past_head(sock: object, raw: socket.socket) -> bytes:
+    """What the HTTP client of ``exec_start(socket=True)`` read off ``raw`` beyond the
+    response's head: the start of the exec's stream when the exec wrote before the client
+    had parsed the head (a busy host). The client reads the head through a buffered
+    reader, and the socket it hands back is the one under that reader: those bytes are
+    in no read of the socket, and were lost with the exec's first output. Taken without
+    waiting: the socket is non-blocking meanwhile, so an empty buffer reads nothing."""
+    response = getattr(sock, "_response", None)
+    reader = getattr(getattr(getattr(response, "raw", None), "_fp", None), "fp", None)
+    if reader is None or not hasattr(reader, "peek"):
+        raise RuntimeError("docker's exec socket no longer comes with its HTTP response: cannot tell what it read past the head")
+    timeout = raw.gettimeout()
+    raw.setblocking(False)
+    try:
+        return bytes(reader.peek())
+    except BlockingIOError:
+        return b""
+    finally:
+        raw.settimeout(timeout)
+
+
 class _Relay:
     """The state of one relay; see :func:`relay`."""
 
-    def __init__(self, sender: socket.socket, receiver: socket.socket) -> None:
+    def __init__(self, sender: socket.socket, receiver: socket.socket, early: tuple[bytes, bytes]) -> None:
         self.sender, self.receiver = sender, receiver
         self.from_sender, self.from_receiver = Demux(), Demux()
         self.pending = b""  # sender output not yet passed on: at most one read's worth
@@ -86,6 +107,8 @@ class _Relay:
         self.sender_told = False
         self.out = Relayed()
         self.reply, self.sender_err, self.receiver_err = bytearray(), bytearray(), bytearray()
+        self.take_sender(early[0])
+        self.take_receiver(early[1])
 
     def stop_sender(self) -> None:
         """Closes the sender's standard input: send_tree stops at its next write."""
@@ -107,6 +130,9 @@ class _Relay:
         if not data:
             self.sender_open = False
             return
+        self.take_sender(data)
+
+    def take_sender(self, data: bytes) -> None:
         for stream, piece in self.from_sender.feed(data):
             if stream == STDERR:
                 _keep(self.sender_err, piece, tail=True)
@@ -134,6 +160,9 @@ class _Relay:
             self.end_input()
             self.stop_sender()  # it ended (done, or failed): nothing more to send
             return
+        self.take_receiver(data)
+
+    def take_receiver(self, data: bytes) -> None:
         for stream, piece in self.from_receiver.feed(data):
             _keep(self.receiver_err if stream == STDERR else self.reply, piece, tail=stream == STDERR)
 
@@ -157,13 +186,16 @@ class _Relay:
         return self.out
 
 
-def relay(sender: socket.socket, receiver: socket.socket, deadline: float, stop: threading.Event | None = None, poll_s: float = 0.25) -> Relayed:
+def relay(
+    sender: socket.socket, receiver: socket.socket, deadline: float, stop: threading.Event | None = None, poll_s: float = 0.25, early: tuple[bytes, bytes] = (b"", b"")
+) -> Relayed:
     """Pipes the sender exec's standard output into the receiver exec's standard input until
     both have ended; returns the receiver's standard output (its reply) and both standard
     errors. When the receiver ends first (it failed) the sender is told to stop; at
     ``deadline`` (time.monotonic), or once ``stop`` is set, both are. Told, they get GRACE_S
-    to end by themselves. Blocking (run it in a thread); the sockets are left open."""
-    state = _Relay(sender, receiver)
+    to end by themselves. Blocking (run it in a thread); the sockets are left open.
+    ``early``: the start of each one's stream read before (:func:`read_past_head`)."""
+    state = _Relay(sender, receiver, early)
     sender.setblocking(False)
     receiver.setblocking(False)
     told_at: float | None = None

@@ -539,6 +539,39 @@ def test_a_command_whose_caller_stopped_reading_does_not_run_beside_the_tests(en
     loop.run(main())
 
 
+def test_output_written_before_the_exec_stream_is_read_arrives(env: tuple[Loop, SandboxManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command's first output, and the start of a fork's copy stream, arrive even when
+    written before the service has read the exec's start reply (a busy host). With Docker
+    the reply's head is read through a buffered reader that also takes whatever follows
+    it: a full suite under load lost an exec's first line there. Here the client reads
+    every reply's head 0.3 s late, so that the command has written by then."""
+    import http.client
+
+    loop, m = env
+    read_head = http.client.HTTPResponse.begin
+
+    def late(response: http.client.HTTPResponse) -> None:
+        time.sleep(0.3)
+        read_head(response)
+
+    async def main() -> None:
+        box = await m.create(files={"a.txt": b"alpha", "dir/b.txt": b"beta"})
+        fork = None
+        try:
+            monkeypatch.setattr(http.client.HTTPResponse, "begin", late)
+            out, _, res = await sh(m, box.sandbox_id, "echo up; sleep 1; echo done")
+            assert out == b"up\ndone\n" and res.exit_code == 0
+            (fork,) = await m.fork(box.sandbox_id, 1)
+            monkeypatch.undo()
+            assert await m.read_files(fork.sandbox_id, ["a.txt", "dir/b.txt"]) == {"a.txt": b"alpha", "dir/b.txt": b"beta"}
+        finally:
+            monkeypatch.undo()
+            for sid in (box.sandbox_id, *([fork.sandbox_id] if fork else [])):
+                await m.close(sid)
+
+    loop.run(main())
+
+
 # ------------------------------------------------------------------ hostile input
 
 
