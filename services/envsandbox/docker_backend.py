@@ -40,8 +40,8 @@ import struct
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 from meridian.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.envsandbox import docker_stream, seccomp_policy, workspace_files
@@ -438,16 +438,21 @@ class DockerBackend(Backend):
         workdir = "/workspace/" + "/".join(workspace_files.split_relative(cwd)) if cwd else "/workspace"
         api = self._client.api
         user = f"{self._uid[sandbox_id]}:{self._uid[sandbox_id]}"
+        sock = None
         try:
             exec_id = (await asyncio.to_thread(api.exec_create, cid, argv, stdin=True, environment=env or {}, workdir=workdir, user=user))["Id"]
             sock = await asyncio.to_thread(api.exec_start, exec_id, socket=True)
+            raw = getattr(sock, "_sock", sock)
+            early = docker_stream.read_past_head(sock, raw)
         except Exception as exc:
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    getattr(sock, "_sock", sock).close()  # ends the exec's input
             if sandbox_id not in self._containers:
                 raise NotFound(f"no live sandbox {sandbox_id!r}") from None
             raise Unavailable(f"docker exec in sandbox {sandbox_id} failed: {exc}") from exc
         self._active[sandbox_id] = self._active.get(sandbox_id, 0) + 1
-        raw = getattr(sock, "_sock", sock)
-        return _Started(exec_id, raw, docker_stream.read_past_head(sock, raw))
+        return _Started(exec_id, raw, early)
 
     async def _end_exec(self, sandbox_id: str, started: _Started, kill: bool, grace_s: float = 0.0) -> None:
         """Ends an exec :meth:`_start_exec` started: kills its processes when asked (after
