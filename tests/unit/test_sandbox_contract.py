@@ -83,6 +83,22 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         loop.close()
 
 
+@pytest.fixture(autouse=True)
+def _no_sandbox_left(env: tuple[Loop, SandboxManager]) -> Iterator[None]:
+    """Each test closes what it made: the module shares one manager of four slots, so
+    sandboxes a failed test left would fail every later test that makes one (a full suite
+    once saw seven more failures after one). Any left are closed here, and a test that
+    left some fails for it."""
+    loop, m = env
+    before = {b.sandbox_id for b in m.list()}
+    yield
+    left = [b.sandbox_id for b in m.list() if b.sandbox_id not in before]
+    for sid in left:
+        with contextlib.suppress(NotFound):
+            loop.run(m.close(sid))
+    assert not left, f"the test left sandboxes open: {left}"
+
+
 async def run(manager: SandboxManager, sid: str, argv: list[str], **kw: object) -> tuple[bytes, bytes, ExecResult]:
     return await collect(manager.exec(sid, argv, **kw))  # type: ignore[arg-type]
 
