@@ -32,7 +32,9 @@ def cgroups() -> Iterator[Cgroups]:
 
 def test_an_exec_cgroup_removed_between_open_and_write_of_its_kill_file_is_no_error(cgroups: Cgroups, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = cgroups.exec_group("sbx-race")
-    assert folder is not None and (folder / "cgroup.kill").exists()
+    assert folder is not None
+    if not (folder / "cgroup.kill").exists():
+        pytest.skip("a kernel without cgroup.kill (before 5.14): its execs are killed member by member")
     written = []
     real_write_text = Path.write_text
 
