@@ -102,8 +102,11 @@ def test_calls_cut_off_at_random_moments_leave_nothing_broken_or_behind(tmp_path
                 elif kind == "close":
                     live.remove(sid)
 
-            # Teardowns of cut off Closes and Creates run on; then the counts add up.
+            # Teardowns of cut off Closes and Creates run on, and so do cut off RunTests
+            # (a sandbox refuses other calls until its tests have returned: a full suite saw
+            # ReadFiles below refused so); then the counts add up.
             await _until(lambda: _consistent(service), "slots held = live sandboxes + reserved")
+            await _until(lambda: not any(box.testing for box in service.sandboxes.list()), "cut off RunTests returned")
             listed = (await stub.List(es.ListRequest())).sandboxes
             for info in listed:
                 # Whole: every file its Create wrote is there, and a command runs in it.
