@@ -13,7 +13,10 @@ import contextlib
 import io
 import os
 import signal
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
+T = TypeVar("T")
 _DEFAULT_SIGNALS = [s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)]
 
 
@@ -75,22 +78,36 @@ async def spawn(
             if fd >= 0:
                 os.close(fd)
     proc = SpawnedProcess(pid)
-    pending = [fd for fd in (in_w, out_r, err_r) if fd >= 0]  # ours until a transport owns them
+    pending = [fd for fd in (in_w, out_r, err_r) if fd >= 0]  # ours to close until handed over
     try:
-        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, _pipe_file(loop, in_w, "wb"))
         pending.remove(in_w)
+        transport, protocol = await _hand_over(in_w, "wb", lambda pipe: loop.connect_write_pipe(asyncio.streams.FlowControlMixin, pipe))
         proc.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
-        proc.stdout = await _reader(loop, out_r)
         pending.remove(out_r)
+        proc.stdout = await _reader(loop, out_r)
         if stderr:
-            proc.stderr = await _reader(loop, err_r)
             pending.remove(err_r)
+            proc.stderr = await _reader(loop, err_r)
     except BaseException:
         proc.kill()
         for fd in pending:
             os.close(fd)
         raise
     return proc
+
+
+async def _hand_over(fd: int, mode: str, connect: Callable[[io.FileIO], Awaitable[T]]) -> T:
+    """``connect`` (a loop's connect_*_pipe) on a duplicate of ``fd``, which this closes
+    whatever happens. A connect cancelled while it waits for its transport closes that
+    transport, and with it the pipe, a moment later: had it been given ``fd`` itself, the
+    caller's cleanup would close the number first, and the transport then whatever took
+    the number meanwhile (another sandbox's pipe, a pidfd the loop watches; a full suite
+    logged the EBADF of such a second close). The duplicate is the transport's alone."""
+    loop = asyncio.get_running_loop()
+    try:
+        return await connect(_pipe_file(loop, os.dup(fd), mode))
+    finally:
+        os.close(fd)
 
 
 def _pipe_file(loop: asyncio.AbstractEventLoop, fd: int, mode: str) -> io.FileIO:
@@ -109,6 +126,7 @@ def _is_uvloop(loop: asyncio.AbstractEventLoop) -> bool:
 
 
 async def _reader(loop: asyncio.AbstractEventLoop, fd: int) -> asyncio.StreamReader:
+    """A stream reading the pipe ``fd`` (handed over: see :func:`_hand_over`)."""
     reader = asyncio.StreamReader(limit=1 << 20)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), _pipe_file(loop, fd, "rb"))
+    await _hand_over(fd, "rb", lambda pipe: loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe))
     return reader

@@ -64,3 +64,43 @@ def test_spawning_leaks_no_descriptors(run) -> None:  # type: ignore[no-untyped-
     run(_spawn_many(50))
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= before + 2
+
+
+async def _spawn_cancelled_at_every_step() -> tuple[int, list[object]]:
+    """Spawns cancelled after 0, 1, 2, ... loop iterations (so at each of spawn's waits):
+    how many were cancelled, and the errors the loop was handed."""
+    errors: list[object] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx.get("exception") or ctx.get("message")))
+    cancelled = 0
+    for steps in range(12):
+        task = asyncio.ensure_future(spawn(["/bin/sleep", "5"], env={}))
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        cancelled += task.cancel()
+        try:
+            proc = await task
+        except asyncio.CancelledError:
+            continue
+        proc.kill()
+        await proc.wait()
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        await proc.stdout.read()
+        await proc.stderr.read()
+        proc.stdin.close()
+    await asyncio.sleep(0.2)  # the cancelled connects' transports close
+    return cancelled, errors
+
+
+@pytest.mark.parametrize("run", [uvloop.run, asyncio.run], ids=["uvloop", "asyncio"])
+def test_a_spawn_cancelled_anywhere_closes_each_pipe_once(run) -> None:  # type: ignore[no-untyped-def]
+    """A spawn cancelled while a pipe's transport is being made (a caller whose client went
+    away): that transport closes its pipe a moment later, so the spawn's cleanup must not
+    close the same number first. Before the fix asyncio's loop logged six EBADF here: the
+    transport's close came second, and could have closed whatever took the number."""
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    cancelled, errors = run(_spawn_cancelled_at_every_step())
+    gc.collect()
+    assert cancelled > 3, "the spawns were not cut off at their waits"
+    assert errors == []
+    assert len(os.listdir("/proc/self/fd")) <= before + 2
