@@ -262,17 +262,16 @@ def _decode_tensor(
     ``buffer``, which holds ``old``'s values)."""
     per_chunk = max(1, chunk_bytes // old.bits.itemsize)
     numel = old.bits.shape[0]
-    starts = range(0, max(numel, 1), per_chunk)
-    if len(payloads) != len(starts):
-        raise codec.CodecError(f"tensor {name!r}: {len(payloads)} chunks, but its {numel} elements in chunks of {per_chunk} make {len(starts)}")
+    ranges = chunk_ranges(numel, old.bits.itemsize, chunk_bytes)
+    if len(payloads) != len(ranges):
+        raise codec.CodecError(f"tensor {name!r}: {len(payloads)} chunks, but its {numel} elements in chunks of {per_chunk} make {len(ranges)}")
     held = _chunk_indexes(held_indexes, name, numel, per_chunk)
     out = old.bits.copy() if buffer is None else buffer
     indexes: list[codec.ChunkIndex | None] = []
     changed: list[codec.ChunkChanges] | None = []
     sums = held_sums.get(name)
-    for j, (start, payload) in enumerate(zip(starts, payloads)):
+    for j, ((start, count), payload) in enumerate(zip(ranges, payloads)):
         hdr = codec.parse_header(payload)
-        count = min(per_chunk, numel - start)
         if (hdr.dtype, hdr.start, hdr.count, hdr.total) != (old.dtype, start, count, numel):
             raise codec.CodecError(
                 f"tensor {name!r} chunk {j}: covers {hdr.dtype} [{hdr.start}, {hdr.start + hdr.count}) of {hdr.total} elements, "
