@@ -125,8 +125,21 @@ def _is_uvloop(loop: asyncio.AbstractEventLoop) -> bool:
     return type(loop).__module__.split(".")[0] == "uvloop"
 
 
+class _PipeReaderProtocol(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol for a pipe, whose transport closes at the pipe's end."""
+
+    def eof_received(self) -> bool:
+        """Feeds the end to the stream; False: nothing can follow it on a pipe. asyncio's
+        stream protocol answers True (keep the transport open, for a socket's half
+        close): uvloop heeds that, and each finished command's pipes then stayed open
+        until the garbage collector found their transports (asyncio's own pipe
+        transports close at the end whatever the answer)."""
+        super().eof_received()
+        return False
+
+
 async def _reader(loop: asyncio.AbstractEventLoop, fd: int) -> asyncio.StreamReader:
     """A stream reading the pipe ``fd`` (handed over: see :func:`_hand_over`)."""
     reader = asyncio.StreamReader(limit=1 << 20)
-    await _hand_over(fd, "rb", lambda pipe: loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe))
+    await _hand_over(fd, "rb", lambda pipe: loop.connect_read_pipe(lambda: _PipeReaderProtocol(reader), pipe))
     return reader

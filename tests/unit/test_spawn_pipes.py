@@ -66,6 +66,41 @@ def test_spawning_leaks_no_descriptors(run) -> None:  # type: ignore[no-untyped-
     assert len(os.listdir("/proc/self/fd")) <= before + 2
 
 
+def _pipes_open() -> set[str]:
+    """This process's open pipe descriptors, as 'number:pipe:[inode]'."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the listing's own descriptor, closed since
+            continue
+        if target.startswith("pipe:"):
+            found.add(f"{fd}:{target}")
+    return found
+
+
+@pytest.mark.parametrize("run", [uvloop.run, asyncio.run], ids=["uvloop", "asyncio"])
+def test_pipes_read_to_their_end_close_without_garbage_collection(run) -> None:  # type: ignore[no-untyped-def]
+    """A finished command's pipes close when they are read to their end, not when the
+    garbage collector next finds them: a busy service's descriptors would otherwise pile
+    up between collections. uvloop keeps a read pipe open after its end when the
+    protocol asks to (as asyncio's stream protocol does, for sockets' half close):
+    before the fix 200 spawns here left about 50 pipes open under uvloop."""
+
+    async def spawn_and_count() -> set[str]:
+        before = _pipes_open()
+        await _spawn_many(200)
+        return _pipes_open() - before
+
+    gc.collect()
+    gc.disable()  # only closing, not collection, may release them
+    try:
+        left = run(spawn_and_count())
+    finally:
+        gc.enable()
+    assert not left, f"{len(left)} pipes still open after their commands ended: {sorted(left)[:6]}"
+
+
 async def _spawn_cancelled_at_every_step() -> tuple[int, list[object]]:
     """Spawns cancelled after 0, 1, 2, ... loop iterations (so at each of spawn's waits):
     how many were cancelled, and the errors the loop was handed."""
