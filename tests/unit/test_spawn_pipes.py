@@ -1,4 +1,5 @@
-"""Pipes of spawned processes are closed exactly once under uvloop (the services' loop).
+"""Pipes of spawned processes are closed exactly once under uvloop (the services' loop),
+and as soon as they end, not when the garbage collector finds them.
 
 uvloop gives the descriptor to libuv, which closes it, and then closes the pipe's file
 object, which closes the same number again (MagicStack/uvloop#763). In between, another
@@ -14,6 +15,7 @@ import threading
 
 import pytest
 
+from services.envsandbox.sandbox import pump_process
 from services.envsandbox.spawn import spawn
 
 uvloop = pytest.importorskip("uvloop")
@@ -100,6 +102,41 @@ def test_pipes_read_to_their_end_close_without_garbage_collection(run) -> None: 
         gc.enable()
     # Two spare, as the tests above allow: a pipe some other thread of the run opened meanwhile.
     assert len(left) <= 2, f"{len(left)} pipes still open after their commands ended: {sorted(left)[:6]}"
+
+
+async def _pump_cut_off(n: int) -> None:
+    """Commands whose output the sandbox's pump cuts off: one past its wall time that
+    never reads its stdin, one flooding stdout past the output limit."""
+
+    async def pumped(argv: list[str], stdin: bytes) -> None:
+        proc = await spawn(argv, env={})
+        async for _ in pump_process(proc, stdin, 0.1, 1000, proc.kill):
+            pass
+        await proc.wait()
+
+    for _ in range(n):
+        await pumped(["/bin/sleep", "5"], b"x" * (1 << 20))
+        await pumped(["/usr/bin/yes"], b"")
+    await asyncio.sleep(0.2)  # the killed commands' pipes reach their end
+
+
+@pytest.mark.parametrize("run", [uvloop.run, asyncio.run], ids=["uvloop", "asyncio"])
+def test_pipes_of_commands_cut_off_close_without_garbage_collection(run) -> None:  # type: ignore[no-untyped-def]
+    """The same for commands the pump cuts off (wall time, output limit): their pipes
+    reach their end once the pump kills them, and close then."""
+
+    async def pump_and_count() -> set[str]:
+        before = _pipes_open()
+        await _pump_cut_off(10)
+        return _pipes_open() - before
+
+    gc.collect()
+    gc.disable()
+    try:
+        left = run(pump_and_count())
+    finally:
+        gc.enable()
+    assert len(left) <= 2, f"{len(left)} pipes still open after their commands were cut off: {sorted(left)[:6]}"
 
 
 async def _spawn_cancelled_at_every_step() -> tuple[int, list[object]]:
