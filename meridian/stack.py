@@ -182,6 +182,31 @@ class Stack:
         return recorded is None or now is None or now == recorded
 
 
+def remove_state(run_dir: Path, keep: frozenset[str] = frozenset()) -> int:
+    """Removes what a stopped stack left in ``run_dir`` (Redis data, trainer checkpoints,
+    version stores, sandboxes, credentials, configs) except its logs (``*.log``) and the
+    entries named in ``keep``; returns the bytes freed. For a run folder nobody asked to
+    keep: a job's stack leaves gigabytes there (the built-in model's two trainer
+    checkpoints alone are 3.3 GB), and a temporary folder is often memory (tmpfs)."""
+    freed = 0
+    for entry in run_dir.iterdir():
+        if entry.name in keep or (entry.suffix == ".log" and not entry.is_dir()):
+            continue
+        freed += _disk_bytes(entry)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    return freed
+
+
+def _disk_bytes(path: Path) -> int:
+    """The bytes of ``path``'s files, not following links."""
+    if not path.is_dir() or path.is_symlink():
+        return path.lstat().st_size
+    return sum(Path(root, name).lstat().st_size for root, _, names in os.walk(path) for name in names)
+
+
 def start_time(pid: int) -> int | None:
     """Process ``pid``'s start time in clock ticks since boot (None: no such process)."""
     try:

@@ -62,7 +62,7 @@ class TrainConfig:
     rollout: str = opt("", "rollout address of a running stack, or several comma-separated (one per region; empty: start a local stack)")
     trainer: str = opt("", "trainer address of a running stack")
     step_timeout_s: float = opt(600.0, "seconds without a new trainer step before the job gives up")
-    run_dir: str = opt("", "stack run folder when this command starts the stack (empty: a temporary one)")
+    run_dir: str = opt("", "stack run folder when this command starts the stack (empty: a temporary one, emptied but for its logs and report once the stack stops)")
     trainer_flags: str = opt("", "more trainer flags when this command starts the stack, e.g. '--autocast-bf16 true --attention eager' (they override this job's)")
     report_dir: str = opt("", "report folder (empty: <run_dir>/report, or ./meridian-report on a running stack)")
     regions: str = opt("a", "regions of the stack this command starts (see meridian up --regions): each region's rollout samples for the job")
@@ -406,7 +406,8 @@ def start_stack(config: TrainConfig, run_dir: str) -> tuple[stack_mod.Stack, sta
 def run_job(config: TrainConfig, body: Callable[[dict[str, str]], Awaitable[dict[str, Any]]], prefix: str) -> tuple[dict[str, Any], Path]:
     """Runs ``body`` (addresses -> summary) on the running stack the config names, or on a
     local stack started (in a ``prefix`` run folder) and stopped around it; returns the
-    summary and the report folder."""
+    summary and the report folder. A temporary run folder (no ``run_dir``) keeps only the
+    stack's logs and the report."""
     if config.rollout:
         first, *others = task_ids(config.rollout)
         addresses = {"rollout": first, "trainer": config.trainer, **{f"rollout-{i + 2}": a for i, a in enumerate(others)}}
@@ -418,7 +419,21 @@ def run_job(config: TrainConfig, body: Callable[[dict[str, str]], Awaitable[dict
         summary = asyncio.run(body(stack.addresses))
     finally:
         stack.stop(stack_config.stop_timeout_s)
+        if not config.run_dir:
+            _empty_temporary_run_dir(Path(run_dir))
     return summary, Path(config.report_dir or Path(run_dir) / "report")
+
+
+def _empty_temporary_run_dir(run_dir: Path) -> None:
+    """Leaves a run folder this command made with the stopped stack's logs and the report
+    only. A failure is reported, not raised: the job itself is over."""
+    try:
+        freed = stack_mod.remove_state(run_dir, keep=frozenset({"report"}))
+    except OSError as exc:
+        print(f"could not remove the stopped stack's state from {run_dir}: {exc}", file=sys.stderr, flush=True)
+        return
+    print(f"removed the stopped stack's state from {run_dir} ({freed / 2**30:.1f} GiB: checkpoints, version stores, "
+          "Redis data, credentials); its logs stay (--run-dir keeps everything)", file=sys.stderr, flush=True)
 
 
 def print_summary(summary: dict[str, Any], as_json: bool, heading: str) -> None:

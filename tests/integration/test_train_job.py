@@ -3,13 +3,14 @@ drives the trainer the requested number of steps and rollout ends up serving the
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from meridian import stack as stack_mod
-from meridian.train import Job, TrainConfig
+from meridian.train import Job, TrainConfig, run_job
 
 pytestmark = [pytest.mark.stack, pytest.mark.engine]
 
@@ -37,3 +38,31 @@ def test_a_job_runs_its_steps_and_rollout_serves_the_result(job_stack: stack_mod
     assert summary["trained_samples"] > 0 and summary["samples_per_s"] > 0
     assert summary["trajectories_sampled"] >= 2 * 4
     assert [s["step"] for s in summary["trainer_steps"]] == sorted(s["step"] for s in summary["trainer_steps"])
+
+
+def test_a_job_on_a_stack_of_its_own_leaves_only_the_logs_in_its_temporary_run_folder(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`meridian train` and `meridian demo` without --run-dir: once the stack stops, its
+    checkpoints, version stores, Redis data and credentials are gone from the temporary
+    folder (the built-in model's demo left 3.7 GB there per run); the logs stay, and the
+    report is written after."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before: list[str] = []
+    remove_state = stack_mod.remove_state
+
+    def listing_first(run_dir: Path, keep: frozenset[str] = frozenset()) -> int:
+        before.extend(p.name for p in run_dir.iterdir())
+        return remove_state(run_dir, keep)
+
+    monkeypatch.setattr(stack_mod, "remove_state", listing_first)
+    config = TrainConfig(
+        steps=1, mode="sync", model=str(tiny_model), tasks_per_step=1, group_size=4, max_tokens=16, train_tasks="text/shout",
+        temperature=1.0, step_timeout_s=300, trainer_flags="--checkpoint-every 1",
+    )  # fmt: skip
+    summary, report = run_job(config, lambda addresses: Job(addresses, config, progress=False).run(), "meridian-test-")
+    run_dir = report.parent
+    assert run_dir.parent == tmp_path and summary["policy_version_end"] >= summary["policy_version_start"] + 1
+    assert {"trainer-checkpoints", "weightsync", "redis", "credentials"} <= set(before)
+    left = sorted(p.name for p in run_dir.iterdir())
+    assert "trainer.log" in left and all(name.endswith(".log") for name in left)
