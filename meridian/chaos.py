@@ -306,7 +306,7 @@ class ChaosConfig:
     steps: int = opt(4, "trainer steps the job runs at least (it runs on until every fault is injected)")
     model: str = opt("builtin", "model folder for rollout and trainer ('builtin': SmolLM2-135M-Instruct)")
     regions: str = opt("a,b", "regions of the stack (the first is home; each other one gets a link, a relay, an envsandbox and a rollout)")
-    run_dir: str = opt("", "run folder (empty: a temporary one)")
+    run_dir: str = opt("", "run folder (empty: a temporary one, emptied but for the logs and the report after a run that passes)")
     train_tasks: str = opt("text/shout", "training task ids, cycled through")
     group_size: int = opt(4, "samples per task")
     max_tokens: int = opt(16, "generated tokens per model turn")
@@ -621,6 +621,10 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     _log(f"starting the stack in {run_dir} (model {config.model})")
     summary, details, _ = run(config, run_dir)
+    lost = summary["trajectories_lost"] or summary["trajectories_trained_twice"] or summary["sandboxes_leaked"] or summary["processes_leaked"]
+    ok = summary["regions_hash_equal"] and not lost
+    if ok and not config.run_dir:  # a failed run keeps its Redis data, ledger and checkpoints to look into
+        stack_mod.empty_temporary_run_dir(Path(run_dir))
     details["wall_s"] = round(time.monotonic() - started, 1)
     (Path(run_dir) / "chaos-report.json").write_text(json.dumps({"summary": summary, "details": details}, indent=2))
     _log(f"details in {Path(run_dir) / 'chaos-report.json'} ({details['wall_s']} s)")
@@ -629,5 +633,4 @@ def main(argv: list[str]) -> int:
     else:
         for key, value in summary.items():
             print(f"  {key:<28} {value}")
-    ok = not (summary["trajectories_lost"] or summary["trajectories_trained_twice"] or summary["sandboxes_leaked"] or summary["processes_leaked"])
-    return 0 if ok and summary["regions_hash_equal"] else 1
+    return 0 if ok else 1

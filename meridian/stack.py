@@ -200,6 +200,19 @@ def remove_state(run_dir: Path, keep: frozenset[str] = frozenset()) -> int:
     return freed
 
 
+def empty_temporary_run_dir(run_dir: Path, keep: frozenset[str] = frozenset()) -> None:
+    """:func:`remove_state` of a run folder a command made for itself, once its stack has
+    stopped, saying on stderr what it freed. A failure is reported, not raised: the
+    command's work is over."""
+    try:
+        freed = remove_state(run_dir, keep)
+    except OSError as exc:
+        print(f"could not remove the stopped stack's state from {run_dir}: {exc}", file=sys.stderr, flush=True)
+        return
+    print(f"removed the stopped stack's state from {run_dir} ({freed / 2**30:.1f} GiB: checkpoints, version stores, "
+          "Redis data, credentials); its logs stay", file=sys.stderr, flush=True)
+
+
 def _disk_bytes(path: Path) -> int:
     """The bytes of ``path``'s files, not following links."""
     if not path.is_dir() or path.is_symlink():

@@ -419,21 +419,9 @@ def run_job(config: TrainConfig, body: Callable[[dict[str, str]], Awaitable[dict
         summary = asyncio.run(body(stack.addresses))
     finally:
         stack.stop(stack_config.stop_timeout_s)
-        if not config.run_dir:
-            _empty_temporary_run_dir(Path(run_dir))
+        if not config.run_dir:  # a folder of its own: what is left to read is the logs and the report
+            stack_mod.empty_temporary_run_dir(Path(run_dir), keep=frozenset({"report"}))
     return summary, Path(config.report_dir or Path(run_dir) / "report")
-
-
-def _empty_temporary_run_dir(run_dir: Path) -> None:
-    """Leaves a run folder this command made with the stopped stack's logs and the report
-    only. A failure is reported, not raised: the job itself is over."""
-    try:
-        freed = stack_mod.remove_state(run_dir, keep=frozenset({"report"}))
-    except OSError as exc:
-        print(f"could not remove the stopped stack's state from {run_dir}: {exc}", file=sys.stderr, flush=True)
-        return
-    print(f"removed the stopped stack's state from {run_dir} ({freed / 2**30:.1f} GiB: checkpoints, version stores, "
-          "Redis data, credentials); its logs stay (--run-dir keeps everything)", file=sys.stderr, flush=True)
 
 
 def print_summary(summary: dict[str, Any], as_json: bool, heading: str) -> None:

@@ -427,3 +427,30 @@ def test_before_checkpoint_is_a_moment_only_while_a_step_is_not_yet_checkpointed
 
     assert not at(3, 3)
     assert at(4, 3)
+
+
+# ---------------------------------------------------------------- the run folder
+
+
+@pytest.mark.parametrize("lost", [0, 1])
+def test_a_passing_run_leaves_its_report_and_logs_and_a_failing_one_its_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lost: int
+) -> None:
+    """``meridian chaos`` without --run-dir, around a stand-in for the run (the stack's
+    part is test_chaos's in the integration suite): the trainer's checkpoints and ledger,
+    Redis data and credentials go once the run passed, and stay after a failed one."""
+    monkeypatch.setattr(chaos.tempfile, "tempdir", str(tmp_path))
+    state = ["trainer-checkpoints/trained-ids.jsonl", "redis/appendonly.aof", "credentials/ca.key", "trainer.log"]
+
+    def run(config: chaos.ChaosConfig, run_dir: str) -> tuple[dict, dict, dict]:
+        for name in state:
+            (Path(run_dir) / name).parent.mkdir(parents=True, exist_ok=True)
+            (Path(run_dir) / name).write_text("x")
+        leaks = {"trajectories_lost": lost, "trajectories_trained_twice": 0, "sandboxes_leaked": 0, "processes_leaked": 0}
+        return {**leaks, "regions_hash_equal": True}, {}, {}
+
+    monkeypatch.setattr(chaos, "run", run)
+    assert chaos.main(["--json"]) == lost
+    (run_dir,) = tmp_path.iterdir()
+    left = sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file())
+    assert left == (sorted([*state, "chaos-report.json"]) if lost else ["chaos-report.json", "trainer.log"])
