@@ -146,7 +146,11 @@ def packed_logprobs(model: torch.nn.Module, layout: PackedLayout, fill: torch.Te
     values = []
     for start in range(0, layout.source.numel(), chunk):
         source = layout.source[start : start + chunk]
-        piece = logits[source].float()
+        # index_select, not logits[source]: rows sharing the prompt repeat its last position
+        # in ``source``, and a tensor index's CPU backward adds repeats with atomics in thread
+        # order (different bits from one run to the next: a replayed step must give the same);
+        # index_select's adds them one index after the other.
+        piece = logits.index_select(0, source).float()
         picked = piece.gather(-1, layout.targets[start : start + chunk].unsqueeze(-1)).squeeze(-1)
         values.append(picked - torch.logsumexp(piece, dim=-1))
     out[layout.rows, layout.cols] = torch.cat(values).to(out.dtype)

@@ -5,6 +5,7 @@ whose loss is not finite (NaN written into every weight, and into the next check
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -158,3 +159,25 @@ def test_the_device_setting_is_what_torch_sees_here() -> None:
         assert resolve_device("auto", 1) == "cpu"
         with pytest.raises(ValueError, match="sees no CUDA device"):
             resolve_device("cuda")
+
+
+def test_a_step_replayed_from_the_same_state_gives_the_same_weights_bit_for_bit(tiny_model: Path) -> None:
+    """What a restarted trainer relies on: it replays the steps after its checkpoint and
+    publishes their versions again, and weightsync refuses other weights under a version
+    it holds, which stops training for good. The packed log-probs gathered the shared
+    prompt's last position once per row through a tensor index, whose CPU backward adds
+    the rows' gradients with atomics in whatever order the threads come: with two
+    threads, replays of one step gave two or more different weights (a chaos run's
+    trainer stopped so, its replayed version one bf16 element off)."""
+    lrn = learner(tiny_model, threads=2)
+    rows = group("g", [float(k % 3) for k in range(8)], completion=[40, 41, 42, 43, 44, 45])
+    for k, traj in enumerate(rows):
+        traj.prompt_token_ids[:] = range(10, 34)  # one prompt: the rows share it
+        traj.completion_token_ids[::2] = [50 + k, 60 + k, 70 + k]  # each row its own completion
+    start = copy.deepcopy(lrn.state())
+    hashes = set()
+    for _ in range(8):
+        lrn.load_state(copy.deepcopy(start))
+        assert lrn.step([rows]).stepped
+        hashes.add(lrn.master_hash())
+    assert len(hashes) == 1, f"{len(hashes)} different weights from 8 replays of one step"
