@@ -169,15 +169,19 @@ def test_a_step_replayed_from_the_same_state_gives_the_same_weights_bit_for_bit(
     the rows' gradients with atomics in whatever order the threads come: with two
     threads, replays of one step gave two or more different weights (a chaos run's
     trainer stopped so, its replayed version one bf16 element off)."""
-    lrn = learner(tiny_model, threads=2)
+    threads = torch.get_num_threads()
+    lrn = learner(tiny_model, threads=2)  # torch's thread count is the process's: put back below
     rows = group("g", [float(k % 3) for k in range(8)], completion=[40, 41, 42, 43, 44, 45])
     for k, traj in enumerate(rows):
         traj.prompt_token_ids[:] = range(10, 34)  # one prompt: the rows share it
         traj.completion_token_ids[::2] = [50 + k, 60 + k, 70 + k]  # each row its own completion
     start = copy.deepcopy(lrn.state())
     hashes = set()
-    for _ in range(8):
-        lrn.load_state(copy.deepcopy(start))
-        assert lrn.step([rows]).stepped
-        hashes.add(lrn.master_hash())
+    try:
+        for _ in range(8):
+            lrn.load_state(copy.deepcopy(start))
+            assert lrn.step([rows]).stepped
+            hashes.add(lrn.master_hash())
+    finally:
+        torch.set_num_threads(threads)
     assert len(hashes) == 1, f"{len(hashes)} different weights from 8 replays of one step"
